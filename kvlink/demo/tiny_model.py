@@ -1,0 +1,147 @@
+"""Build a small local Llama (random weights, local tokenizer) for tests, demo and benchmark.
+
+Nothing is fetched from a hub: the weights are random (seeded), saved as bf16 safetensors, and the
+tokenizer is a byte-level BPE trained here on a generated corpus and saved as PreTrainedTokenizerFast.
+The same preset and seed always produce the same files.
+
+    python -m kvlink.demo.tiny_model --preset tiny --out .models/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / ".models"
+SEED = 1234
+_DONE_MARKER = "kvlink-model.json"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int = 1024
+    max_positions: int = 4096
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer, bf16."""
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+PRESETS = {
+    # Fast tests: 1 KiB of KV per token, 3 MB of weights.
+    "tiny": Preset("tiny", num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512),
+    # Benchmark: 32 KiB of KV per token but small weights (head_dim is decoupled from hidden).
+    "kvheavy": Preset("kvheavy", num_layers=8, hidden=256, heads=8, kv_heads=8, head_dim=128, intermediate=512),
+}
+
+
+def _corpus(n_lines: int = 4000) -> list[str]:
+    """A deterministic pseudo-English corpus for training the tokenizer."""
+    rng = random.Random(SEED)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "do", "gu", "the", "and",
+                 "ing", "er", "on", "at", "re", "in", "st", "ch", "qu", "ph"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(600)]
+    words += ("the a of to in is it you that he was for on are with as I his they be at one have this "
+              "from or had by word but what some we can out other were all there when up use your how "
+              "said an each she which do their time if will way about many then them write would like "
+              "so these her long make thing see him two has look more day could go come did number "
+              "sound no most people my over know water than call first who may down side been now find "
+              "kv cache prefill decode block transfer token model engine").split()
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 16)
+        line = " ".join(rng.choice(words) for _ in range(n))
+        lines.append(line.capitalize() + rng.choice([".", "!", "?", ",", ";"]) + " " + str(rng.randint(0, 999)))
+    return lines
+
+
+def _build_tokenizer(preset: Preset, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=preset.vocab, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _build_weights(preset: Preset, out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(
+        vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
+        num_hidden_layers=preset.num_layers, num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads, head_dim=preset.head_dim,
+        max_position_embeddings=preset.max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        tie_word_embeddings=False, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            # Larger than HF's default init so that greedy outputs depend visibly on the KV.
+            p.normal_(0.0, 0.05)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> Path:
+    """Build the preset's model into ``out`` (default .models/<preset>) unless already there."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    path = Path(out) if out is not None else DEFAULT_ROOT / preset
+    marker = path / _DONE_MARKER
+    if marker.exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    logger.info("building %s model into %s", preset, path)
+    _build_tokenizer(p, path)
+    _build_weights(p, path)
+    marker.write_text(json.dumps({"preset": p.name, "seed": SEED,
+                                  "kv_bytes_per_token": p.kv_bytes_per_token}) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--out", default=None, help="directory (default .models/<preset>)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = ensure_model(args.preset, args.out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
