@@ -1,0 +1,242 @@
+"""OpenAI-compatible PD router: sends each request to a prefill server and a decode server.
+
+Sequential mode: the prefill server computes the prompt (max_tokens=1) and returns the
+``kv_transfer_params`` that the proxy copies into the decode request.
+Concurrent mode: both requests leave at once, paired by a fresh transfer id; the decode side finds
+the prefill's KV through the prefill's bootstrap server.
+
+Every backend failure becomes a JSON error naming the stage, the backend and the reason
+(502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvlink.proxy.config import ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+CONFIG_KEY: web.AppKey[ProxyConfig] = web.AppKey("config", ProxyConfig)
+STATE_KEY: web.AppKey["_State"] = web.AppKey("state", object)  # type: ignore[arg-type]
+
+
+class BackendError(Exception):
+    """A backend did not give a usable answer."""
+
+    def __init__(self, stage: str, backend: str, reason: str, status: int = 502):
+        super().__init__(f"{stage} backend {backend}: {reason}")
+        self.stage, self.backend, self.reason, self.status = stage, backend, reason, status
+
+    def response(self) -> web.Response:
+        return error_response(self.status, "backend_error", self.reason, stage=self.stage,
+                              backend=self.backend)
+
+
+def error_response(status: int, kind: str, message: str, **extra: Any) -> web.Response:
+    body = {"error": {"type": kind, "message": message, "code": status, **extra}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class _State:
+    session: aiohttp.ClientSession
+    prefill_rr: itertools.cycle
+    decode_rr: itertools.cycle
+    served: int = 0
+    failed: int = 0
+
+
+def _timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s)
+
+
+def _prefill_body(body: dict, kv_params: dict) -> dict:
+    pre = copy.deepcopy(body)
+    pre["kv_transfer_params"] = kv_params
+    pre["stream"] = False
+    pre.pop("stream_options", None)
+    pre["max_tokens"] = 1
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    pre["n"] = 1
+    return pre
+
+
+async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: str, body: dict) -> dict:
+    """POST and return the decoded JSON answer, or raise BackendError."""
+    try:
+        async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise BackendError(stage, url, f"HTTP {resp.status}: {text[:500]}",
+                                   status=resp.status if 400 <= resp.status < 500 else 502)
+            try:
+                return json.loads(text)
+            except ValueError:
+                raise BackendError(stage, url, f"answer is not JSON: {text[:200]!r}") from None
+    except asyncio.TimeoutError:
+        raise BackendError(stage, url, f"no answer within {cfg.timeout_s:g} s", status=504) from None
+    except aiohttp.ClientError as e:
+        raise BackendError(stage, url, f"unreachable: {type(e).__name__}: {e}") from None
+
+
+async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, path: str,
+                 body: dict) -> web.StreamResponse:
+    """Send the decode request and pass its answer (JSON or SSE stream) through to the client."""
+    try:
+        async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if resp.status != 200 or not ctype.startswith("text/event-stream"):
+                data = await resp.read()
+                if resp.status >= 500:
+                    raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}")
+                return web.Response(body=data, status=resp.status, content_type=ctype.split(";")[0],
+                                    headers={"X-KVLink-Decode": url})
+            out = web.StreamResponse(status=200, headers={
+                "Content-Type": ctype, "Cache-Control": "no-cache", "X-KVLink-Decode": url})
+            await out.prepare(request)
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+                # Headers are gone already: tell the client inside the stream, then end it.
+                reason = (f"no answer within {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
+                          else f"stream broke: {type(e).__name__}: {e}")
+                err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
+                                 "message": reason}}
+                await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                st.failed += 1
+            await out.write_eof()
+            return out
+    except asyncio.TimeoutError:
+        raise BackendError("decode", url, f"no answer within {cfg.timeout_s:g} s", status=504) from None
+    except aiohttp.ClientError as e:
+        raise BackendError("decode", url, f"unreachable: {type(e).__name__}: {e}") from None
+
+
+async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
+    prefill = next(st.prefill_rr)
+    decode = next(st.decode_rr)
+    answer = await _post_json(st, cfg, "prefill", prefill, path,
+                              _prefill_body(body, {"do_remote_decode": True}))
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise BackendError("prefill", prefill, "answer has no kv_transfer_params: is the server "
+                           "running with KVLinkConnector as kv_producer?")
+    dec = copy.deepcopy(body)
+    dec["kv_transfer_params"] = params
+    return await _relay(request, st, cfg, decode, path, dec)
+
+
+async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
+    i = cfg.prefill.index(prefill := next(st.prefill_rr))
+    decode = next(st.decode_rr)
+    transfer_id = uuid.uuid4().hex
+    pre_task = asyncio.create_task(_post_json(
+        st, cfg, "prefill", prefill, path,
+        _prefill_body(body, {"do_remote_decode": True, "transfer_id": transfer_id})))
+    dec_params = {"do_remote_prefill": True, "transfer_id": transfer_id,
+                  "remote_bootstrap_addr": cfg.bootstrap_for(i)}
+    if (engine_id := cfg.engine_id_for(i)) is not None:
+        dec_params["remote_engine_id"] = engine_id
+    dec = copy.deepcopy(body)
+    dec["kv_transfer_params"] = dec_params
+    try:
+        return await _relay(request, st, cfg, decode, path, dec)
+    finally:
+        # The decode answer is what the client gets; a prefill failure only costs decode a
+        # bounded wait and a local recompute, so it is logged, not returned.
+        try:
+            await asyncio.wait_for(asyncio.shield(pre_task), timeout=cfg.timeout_s)
+        except BackendError as e:
+            logger.warning("concurrent transfer %s: %s", transfer_id, e)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pre_task.cancel()
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return error_response(400, "invalid_request", "request body must be a JSON object")
+    if not isinstance(body, dict):
+        return error_response(400, "invalid_request", "request body must be a JSON object")
+    if body.get("n", 1) != 1:
+        return error_response(400, "invalid_request", "n > 1 is not supported through the PD proxy")
+    t0 = time.monotonic()
+    try:
+        if cfg.mode == "sequential":
+            resp = await _sequential(request, st, cfg, request.path, body)
+        else:
+            resp = await _concurrent(request, st, cfg, request.path, body)
+    except BackendError as e:
+        st.failed += 1
+        logger.warning("%s %s failed after %.2f s: %s", request.method, request.path,
+                       time.monotonic() - t0, e)
+        return e.response()
+    st.served += 1
+    return resp
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """200 when every backend answers its /health, else 503 naming the ones that do not."""
+    cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    urls = [*cfg.prefill, *cfg.decode]
+
+    async def probe(url: str) -> str | None:
+        try:
+            async with st.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            return f"{type(e).__name__}: {e}" or "unreachable"
+
+    results = await asyncio.gather(*(probe(u) for u in urls))
+    bad = {u: r for u, r in zip(urls, results) if r is not None}
+    body = {"status": "ok" if not bad else "degraded", "mode": cfg.mode, "unhealthy": bad,
+            "served": st.served, "failed": st.failed}
+    return web.json_response(body, status=200 if not bad else 503)
+
+
+async def handle_models(request: web.Request) -> web.StreamResponse:
+    cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
+    url = cfg.decode[0]
+    try:
+        async with st.session.get(url + "/v1/models", timeout=_timeout(cfg)) as r:
+            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        return BackendError("decode", url, f"unreachable: {type(e).__name__}: {e}").response()
+
+
+def build_app(cfg: ProxyConfig) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[CONFIG_KEY] = cfg
+
+    async def on_startup(app: web.Application) -> None:
+        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn),
+                                itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[STATE_KEY].session.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    for p in COMPLETION_PATHS:
+        app.router.add_post(p, handle_completion)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/v1/models", handle_models)
+    return app

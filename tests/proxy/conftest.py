@@ -1,0 +1,131 @@
+"""Shared fixtures for proxy tests: tiny fake vLLM backends and a proxy, each on its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from kvlink.proxy.config import ProxyConfig
+from kvlink.proxy.router import build_app
+
+
+class AppThread:
+    """Run an aiohttp app on 127.0.0.1:<ephemeral> in a background thread."""
+
+    def __init__(self, app: web.Application):
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._app = app
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        self._ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _main(self):
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self._app, shutdown_timeout=0.5)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(20)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class FakeBackend:
+    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, error500, hang, stream_break."""
+
+    def __init__(self, name: str, behavior: str = "ok"):
+        self.name, self.behavior, self.bodies = name, behavior, []
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        self.server = AppThread(app)
+        self.url = self.server.url
+
+    async def health(self, request):
+        return web.Response(status=200 if self.behavior != "unhealthy" else 500)
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        if self.behavior == "hang":
+            await asyncio.sleep(10)
+        if self.behavior == "error500":
+            return web.json_response({"error": "boom"}, status=500)
+        if self.behavior == "bad_request":
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and self.behavior != "no_params":
+            out_params = {"do_remote_prefill": True, "remote_engine_id": self.name,
+                          "remote_request_id": "req-1", "remote_block_ids": [1, 2],
+                          "remote_bootstrap_addr": "http://127.0.0.1:1"}
+        else:
+            out_params = None
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(f"data: {json.dumps({'i': i, 'from': self.name})}\n\n".encode())
+                if self.behavior == "stream_break" and i == 1:
+                    request.transport.close()
+                    return resp
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response({"from": self.name, "choices": [{"text": "hi"}],
+                                  "kv_transfer_params": out_params, "got": params})
+
+    def stop(self):
+        self.server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def backends():
+    made = []
+
+    def make(name, behavior="ok"):
+        b = FakeBackend(name, behavior)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture
+def proxy():
+    made = []
+
+    def make(**kw):
+        kw.setdefault("timeout_s", 5.0)
+        cfg = ProxyConfig(**kw)
+        t = AppThread(build_app(cfg))
+        made.append(t)
+        return t.url
+
+    yield make
+    for t in made:
+        t.stop()

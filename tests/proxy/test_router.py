@@ -1,0 +1,150 @@
+"""kvlink proxy against fake backends: routing, pairing parameters, streaming, errors, timeouts."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvlink.proxy.config import ProxyConfig
+
+
+def post(url, body, timeout=20):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers.get("Content-Type"), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), e.read()
+
+
+def test_sequential_copies_prefill_params_into_decode(backends, proxy):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions",
+                          {"prompt": "x", "max_tokens": 8, "stream": True, "stream_options": {}} | {"stream": False})
+    assert status == 200
+    out = json.loads(raw)
+    assert out["from"] == "d0"
+    (_, pre), = p.bodies
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
+    (_, dec), = d.bodies
+    assert dec["max_tokens"] == 8
+    assert dec["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert dec["kv_transfer_params"]["remote_block_ids"] == [1, 2]
+
+
+def test_chat_streaming_passthrough(backends, proxy):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, ctype, raw = post(url + "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                               "max_completion_tokens": 5})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = [ln for ln in raw.decode().split("\n\n") if ln]
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+    (path, pre), = p.bodies
+    assert path == "/v1/chat/completions" and pre["max_completion_tokens"] == 1
+
+
+def test_round_robin(backends, proxy):
+    p = backends("p0")
+    d0, d1 = backends("d0"), backends("d1")
+    url = proxy(prefill=(p.url,), decode=(d0.url, d1.url))
+    froms = [json.loads(post(url + "/v1/completions", {"prompt": "x"})[2])["from"] for _ in range(4)]
+    assert froms == ["d0", "d1", "d0", "d1"]
+
+
+def test_concurrent_pairs_by_transfer_id(backends, proxy):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent",
+                prefill_bootstrap=("http://127.0.0.1:9999",), prefill_engine_ids=("eng-p0",))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status == 200
+    (_, pre), = p.bodies
+    (_, dec), = d.bodies
+    tid = pre["kv_transfer_params"]["transfer_id"]
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": tid,
+                                         "remote_bootstrap_addr": "http://127.0.0.1:9999",
+                                         "remote_engine_id": "eng-p0"}
+
+
+def test_prefill_unreachable_is_502_naming_backend(backends, proxy):
+    from tests.proxy.conftest import free_port
+    dead = f"http://127.0.0.1:{free_port()}"
+    d = backends("d0")
+    url = proxy(prefill=(dead,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    err = json.loads(raw)["error"]
+    assert status == 502 and err["stage"] == "prefill" and err["backend"] == dead
+    assert "unreachable" in err["message"]
+    assert d.bodies == []
+
+
+def test_decode_hang_is_504_within_timeout(backends, proxy):
+    p, d = backends("p0"), backends("d0", "hang")
+    url = proxy(prefill=(p.url,), decode=(d.url,), timeout_s=1.0)
+    t0 = time.monotonic()
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    assert status == 504 and time.monotonic() - t0 < 5
+    err = json.loads(raw)["error"]
+    assert err["stage"] == "decode" and err["backend"] == d.url
+
+
+def test_prefill_without_params_is_clear_502(backends, proxy):
+    p, d = backends("p0", "no_params"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    assert status == 502 and "kv_producer" in json.loads(raw)["error"]["message"]
+
+
+def test_backend_500_and_400(backends, proxy):
+    p, d = backends("p0"), backends("d0", "error500")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    assert status == 502 and json.loads(raw)["error"]["stage"] == "decode"
+    p2, d2 = backends("p1", "bad_request"), backends("d1")
+    url2 = proxy(prefill=(p2.url,), decode=(d2.url,))
+    status, _, raw = post(url2 + "/v1/completions", {"prompt": "x"})
+    assert status == 400 and "prompt too long" in json.loads(raw)["error"]["message"]
+
+
+def test_stream_broken_midway_ends_with_error_event(backends, proxy):
+    p, d = backends("p0"), backends("d0", "stream_break")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200
+    last = raw.decode().strip().split("\n\n")[-1]
+    assert last.startswith("data: ") and "error" in json.loads(last[6:])
+
+
+def test_health_and_bad_json(backends, proxy):
+    from tests.proxy.conftest import free_port
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        assert r.status == 200
+    req = urllib.request.Request(url + "/v1/completions", data=b"{nope",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=5)
+    assert ei.value.code == 400
+    url2 = proxy(prefill=(f"http://127.0.0.1:{free_port()}",), decode=(d.url,))
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(url2 + "/health", timeout=5)
+    assert ei.value.code == 503
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="prefill-bootstrap"):
+        ProxyConfig(prefill=("http://a",), decode=("http://b",), mode="concurrent")
+    with pytest.raises(ValueError, match="mode"):
+        ProxyConfig(prefill=("http://a",), decode=("http://b",), mode="fast")
+    with pytest.raises(ValueError, match="http"):
+        ProxyConfig(prefill=("a:1",), decode=("http://b",))
