@@ -1,0 +1,298 @@
+"""Synchronous, thread-safe client of the bootstrap server (called from vLLM's scheduler process).
+
+Built on ``http.client`` with a small pool of keep-alive connections shared by threads. Each call has one
+deadline (``timeout_s``, plus the wait of a long poll): connection errors and 5xx answers are retried with
+exponential backoff until the retries or the deadline run out, then :class:`BootstrapUnavailable` is raised;
+4xx answers are never retried and raise the matching :mod:`kvlink.bootstrap.errors` class. Every call is
+idempotent on the server, so a retry after a lost answer is safe.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import random
+import threading
+import time
+import urllib.parse
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from kvlink.bootstrap import schema as s
+from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, InvalidField, LookupTimeout, error_from_body
+from kvlink.bootstrap.schema import EngineRegistration, Outcome, RequestRecord, RequestStatus
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_encode = msgspec.json.Encoder().encode
+_error_decoder = msgspec.json.Decoder(s.ErrorAnswer)
+# A reused keep-alive connection the server closed while idle fails like this on first use.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+class _Pool:
+    """Idle keep-alive connections to one server, shared by threads (a connection is used by one at a time)."""
+
+    def __init__(self, scheme: str, host: str, port: int, max_idle: int) -> None:
+        self._cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._max_idle = host, port, max_idle
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()  # guards _idle and _closed
+        self._closed = False
+
+    def get(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            if self._closed:
+                raise BootstrapError("bootstrap client is closed")
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            return self._cls(self._host, self._port, timeout=timeout), False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def put(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class BootstrapClient:
+    """Typed client of every bootstrap route. See ``docs/bootstrap.md``."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+        max_idle_connections: int = 16,
+    ) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise InvalidField(f"bootstrap url must be http(s)://host:port, not {url!r}", field="url")
+        if timeout_s <= 0:
+            raise InvalidField("timeout_s must be positive", field="timeout_s")
+        self.url = url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        self._pool = _Pool(parsed.scheme, parsed.hostname, port, max_idle_connections)
+        self._headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._decoders: dict[type, msgspec.json.Decoder] = {}
+        self._poll_lock = threading.Lock()  # serializes poll_released; guards _acks
+        self._acks: dict[str, tuple[str, int]] = {}  # engine_id -> (server_id, last seq handed out)
+
+    # ----- engines ----------------------------------------------------------------------------------------
+
+    def register_engine(self, reg: EngineRegistration, lease_s: float) -> bool:
+        """Register (or renew) one rank; True if it was new. Conflict if the rank is live with another layout."""
+        reg = _validated(reg)
+        answer = self._call("/v1/engine/register", s.checked(s.RegisterEngineBody, registration=reg, lease_s=lease_s),
+                            s.RegisterAnswer)
+        return answer.created
+
+    def heartbeat(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> None:
+        """Renew a rank's lease; UnknownEngine if the server forgot it (restart or lease ran out)."""
+        self._call("/v1/engine/heartbeat", _key(engine_id, tp_rank, dp_rank, pp_rank), s.LeaseAnswer)
+
+    def unregister_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> bool:
+        return self._call("/v1/engine/unregister", _key(engine_id, tp_rank, dp_rank, pp_rank), s.OkAnswer).ok
+
+    def get_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> EngineRegistration:
+        return self._call("/v1/engine/get", _key(engine_id, tp_rank, dp_rank, pp_rank), EngineRegistration)
+
+    def engine_ranks(self, engine_id: str) -> list[EngineRegistration]:
+        """Every live rank of an engine, ordered by (dp, tp, pp) rank."""
+        body = s.checked(s.EngineRanksBody, engine_id=engine_id)
+        return self._call("/v1/engine/ranks", body, s.EngineRanksAnswer).ranks
+
+    def keep_registered(self, registration: EngineRegistration, lease_s: float, **kwargs: Any):
+        """Start a :class:`~kvlink.bootstrap.heartbeat.Heartbeater` that keeps this rank registered."""
+        from kvlink.bootstrap.heartbeat import Heartbeater
+
+        return Heartbeater(self, registration, lease_s, **kwargs).start()
+
+    # ----- requests ---------------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        lease_s: float,
+        transfer_id: str | None = None,
+    ) -> None:
+        """Publish a finished prefill request (the same publish again renews it; other content conflicts)."""
+        body = s.checked(s.PublishBody, engine_id=engine_id, request_id=request_id, transfer_id=transfer_id,
+                         block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s)
+        self._call("/v1/request/publish", body, s.OkAnswer)
+
+    def lookup(
+        self, engine_id: str, request_ids: list[str], wait_s: float = 0.0
+    ) -> dict[str, RequestRecord | RequestStatus]:
+        """Grouped lookup: each id maps to its :class:`RequestRecord`, or to ``RequestStatus.UNKNOWN``,
+        ``EXPIRED`` or ``RELEASED``. With ``wait_s`` the server holds the call until no id is unknown or the
+        wait ends (unknown ids then stay UNKNOWN). UnknownEngine if the engine is not registered."""
+        body = s.checked(s.LookupBody, engine_id=engine_id, request_ids=request_ids, wait_s=wait_s)
+        answer = self._call("/v1/request/lookup", body, s.LookupAnswer, wait_s=wait_s)
+        out: dict[str, RequestRecord | RequestStatus] = {r.request_id: r for r in answer.ready}
+        for ids, status in ((answer.expired, RequestStatus.EXPIRED), (answer.released, RequestStatus.RELEASED),
+                            (answer.unknown, RequestStatus.UNKNOWN)):
+            for rid in ids:
+                out[rid] = status
+        return out
+
+    def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None) -> RequestRecord:
+        """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it.
+
+        Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
+        when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
+        ``engine_id``, UnknownEngine at once when that engine is not registered.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id)
+            try:
+                return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
+            except LookupTimeout:
+                # The server bounds each wait (max_wait_s); go on until our own deadline.
+                if deadline - time.monotonic() <= 0.01:
+                    raise
+
+    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> dict[str, RequestStatus]:
+        """Extend leases of requests decode is still pulling; returns the ids that could not be renewed."""
+        body = s.checked(s.RenewBody, engine_id=engine_id, request_ids=request_ids, lease_s=lease_s)
+        answer = self._call("/v1/request/renew", body, s.RenewAnswer)
+        failed: dict[str, RequestStatus] = {rid: RequestStatus.EXPIRED for rid in answer.expired}
+        failed.update((rid, RequestStatus.RELEASED) for rid in answer.released)
+        failed.update((rid, RequestStatus.UNKNOWN) for rid in answer.unknown)
+        return failed
+
+    def release(self, engine_id: str, request_id: str, outcome: Literal["pulled", "abandoned"] | Outcome) -> bool:
+        """Report a request pulled or abandoned. Idempotent (returns True if it already was; the first outcome
+        wins). RequestExpired if its lease ran out first: blocks read after that may be garbage."""
+        outcome = outcome.value if isinstance(outcome, Outcome) else outcome
+        body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome)
+        return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
+
+    def poll_released(self, engine_id: str) -> list[tuple[str, Outcome]]:
+        """Outcomes (request id, pulled/abandoned/expired) of the engine's requests since the last poll.
+
+        Each is returned once: the server keeps an outcome until the next poll acknowledges it, so an answer
+        lost on the way is sent again and filtered here. ``Outcome`` is a ``str`` enum (== "pulled" etc.).
+        """
+        with self._poll_lock:
+            server_id, last = self._acks.get(engine_id, (None, 0))
+            body = s.checked(s.PollReleasedBody, engine_id=engine_id, server_id=server_id, ack=last)
+            answer = self._call("/v1/request/poll_released", body, s.PollReleasedAnswer)
+            if answer.server_id != server_id:
+                last = 0  # a new server: sequence numbers started again
+            fresh = [r for r in answer.released if r.seq > last]
+            if fresh:
+                last = fresh[-1].seq
+            self._acks[engine_id] = (answer.server_id, last)
+            return [(r.request_id, r.outcome) for r in fresh]
+
+    # ----- misc -------------------------------------------------------------------------------------------
+
+    def health(self) -> s.HealthAnswer:
+        return self._call("/health", None, s.HealthAnswer)
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> BootstrapClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- transport --------------------------------------------------------------------------------------
+
+    def _call(self, path: str, body: msgspec.Struct | None, answer_type: type[T], *, wait_s: float = 0.0) -> T:
+        payload = _encode(body) if body is not None else None
+        method = "GET" if body is None else "POST"
+        deadline = time.monotonic() + self.timeout_s + wait_s
+        attempt = 0
+        stale_retried = False
+        while True:
+            remaining = deadline - time.monotonic()
+            conn, reused = self._pool.get(max(remaining, 0.001))
+            try:
+                conn.request(method, path, body=payload, headers=self._headers)
+                response = conn.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException) as err:
+                conn.close()
+                if reused and not stale_retried and isinstance(err, _STALE):
+                    stale_retried = True  # the server closed an idle connection: not an outage
+                    continue
+                failure: BaseException = err
+            else:
+                if response.will_close:
+                    conn.close()
+                else:
+                    self._pool.put(conn)
+                if response.status == 200:
+                    return self._decoder(answer_type).decode(data)
+                error = _error(response.status, data)
+                if response.status < 500:
+                    raise error
+                failure = error
+            attempt += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            if attempt > self.retries or time.monotonic() + delay >= deadline:
+                raise BootstrapUnavailable(
+                    f"bootstrap server {self.url} unavailable for {path} after {attempt} attempt(s): {failure}"
+                ) from failure
+            log.debug("bootstrap: %s failed (%s), retry %d in %.3fs", path, failure, attempt, delay)
+            time.sleep(delay)
+
+    def _decoder(self, answer_type: type) -> msgspec.json.Decoder:
+        decoder = self._decoders.get(answer_type)
+        if decoder is None:
+            decoder = self._decoders[answer_type] = msgspec.json.Decoder(answer_type)
+        return decoder
+
+
+def _error(status: int, data: bytes) -> BootstrapError:
+    try:
+        body = _error_decoder.decode(data)
+    except msgspec.DecodeError:
+        return error_from_body(status, None, f"HTTP {status}: {data[:200]!r}", None)
+    return error_from_body(status, body.code, body.error, body.field)
+
+
+def _key(engine_id: str, tp_rank: int, dp_rank: int, pp_rank: int) -> s.EngineKeyBody:
+    return s.checked(s.EngineKeyBody, engine_id=engine_id, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank)
+
+
+def _validated(reg: EngineRegistration) -> EngineRegistration:
+    """Apply the schema's bounds to a registration built in Python (constructors check relations only)."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(reg), EngineRegistration)
+    except msgspec.ValidationError as err:
+        bad = s.invalid_from(err)
+        raise InvalidField(bad.message, field=f"registration.{bad.field}" if bad.field else "registration") from None

@@ -1,0 +1,115 @@
+"""Configuration of the bootstrap server: one frozen, validated object, read once at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+from pathlib import Path
+
+from kvlink.bootstrap.errors import BootstrapConfigError
+from kvlink.bootstrap.schema import MAX_IDS_PER_CALL, MAX_LEASE_S
+
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableLimits:
+    """The limits the pairing table enforces (a slice of :class:`BootstrapConfig`)."""
+
+    default_request_lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    max_tombstones: int = 50_000
+    tombstone_ttl_s: float = 600.0
+    max_pending_outcomes: int = 200_000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BootstrapConfig:
+    """Everything the server reads; validated on construction (``BootstrapConfigError``, a ``ValueError``).
+
+    With ``token`` set every route but ``GET /health`` needs ``Authorization: Bearer <token>``. Without a
+    token the server binds only to a loopback address unless ``allow_insecure`` says otherwise.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = dataclasses.field(default=None, repr=False)
+    allow_insecure: bool = False
+    max_body_bytes: int = 4 << 20
+    default_request_lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    max_wait_s: float = 30.0
+    max_lookup_ids: int = 4096
+    max_waiters: int = 10_000
+    max_tombstones: int = 50_000
+    tombstone_ttl_s: float = 600.0
+    max_pending_outcomes: int = 200_000
+    sweep_interval_s: float = 0.5
+    shutdown_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise BootstrapConfigError("host must not be empty", field="host")
+        if not 0 <= self.port < 65536:
+            raise BootstrapConfigError(f"port {self.port} is not in 0..65535", field="port")
+        if self.token is not None:
+            if not self.token or self.token != self.token.strip() or any(c in self.token for c in "\r\n"):
+                raise BootstrapConfigError(
+                    "token must be non-empty without surrounding whitespace or line breaks", field="token"
+                )
+        elif not self.allow_insecure and not is_loopback(self.host):
+            raise BootstrapConfigError(
+                f"refusing to serve {self.host!r} without a token: give a token, bind a loopback address, "
+                "or opt in with allow_insecure",
+                field="host",
+            )
+        positive = ("default_request_lease_s", "max_lease_s", "max_wait_s", "sweep_interval_s", "tombstone_ttl_s")
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise BootstrapConfigError(f"{name} must be a positive finite number, not {value!r}", field=name)
+        if self.max_lease_s > MAX_LEASE_S:
+            raise BootstrapConfigError(f"max_lease_s must be at most {MAX_LEASE_S}", field="max_lease_s")
+        if self.default_request_lease_s > self.max_lease_s:
+            raise BootstrapConfigError(
+                "default_request_lease_s exceeds max_lease_s", field="default_request_lease_s"
+            )
+        if not 1 <= self.max_lookup_ids <= MAX_IDS_PER_CALL:
+            raise BootstrapConfigError(f"max_lookup_ids must be in 1..{MAX_IDS_PER_CALL}", field="max_lookup_ids")
+        for name in ("max_body_bytes", "max_waiters", "max_tombstones", "max_pending_outcomes"):
+            if getattr(self, name) < 1:
+                raise BootstrapConfigError(f"{name} must be at least 1", field=name)
+        if self.shutdown_timeout_s < 0:
+            raise BootstrapConfigError("shutdown_timeout_s must not be negative", field="shutdown_timeout_s")
+
+    @classmethod
+    def with_token_file(cls, token_file: str | Path | None, **kwargs: object) -> BootstrapConfig:
+        """A config whose token is the content of ``token_file`` (stripped); ``None`` means no token."""
+        token = None
+        if token_file is not None:
+            try:
+                token = Path(token_file).read_text(encoding="utf-8").strip()
+            except OSError as err:
+                raise BootstrapConfigError(f"cannot read token file: {err}", field="token_file") from None
+            if not token:
+                raise BootstrapConfigError(f"token file {token_file} is empty", field="token_file")
+        return cls(token=token, **kwargs)  # type: ignore[arg-type]
+
+    def table_limits(self) -> TableLimits:
+        return TableLimits(
+            default_request_lease_s=self.default_request_lease_s,
+            max_lease_s=self.max_lease_s,
+            max_tombstones=self.max_tombstones,
+            tombstone_ttl_s=self.tombstone_ttl_s,
+            max_pending_outcomes=self.max_pending_outcomes,
+        )

@@ -1,0 +1,286 @@
+"""Wire schema of the bootstrap server: strict msgspec Structs, JSON encoded.
+
+Every Struct forbids unknown fields, bounds its strings and lists, and checks the relations between its
+fields in ``__post_init__`` (which runs both when a caller builds one and when the server decodes one), so a
+bad value fails at the edge with the field named. The public records (:class:`EngineRegistration`,
+:class:`KVLayerSpec`, :class:`RequestRecord`) are frozen and hashable-free plain data.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvlink.bootstrap.errors import InvalidField
+
+# Bounds that hold whatever the server configuration says; the configuration tightens some of them.
+MAX_ID_LEN = 512
+MAX_RANK = 1 << 16
+MAX_LAYERS = 4096
+MAX_KV_GROUPS = 64
+MAX_BLOCKS_PER_GROUP = 1 << 20
+MAX_LEASE_S = 86_400.0
+MAX_IDS_PER_CALL = 65_536
+
+EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+Name = Annotated[str, Meta(min_length=1, max_length=128)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
+Size = Annotated[int, Meta(ge=1, le=MAX_RANK)]
+LeaseS = Annotated[float, Meta(gt=0.0, le=MAX_LEASE_S)]
+WaitS = Annotated[float, Meta(ge=0.0, le=MAX_LEASE_S)]
+BlockId = Annotated[int, Meta(ge=0, lt=1 << 62)]
+BlockGroup = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
+BlockIds = Annotated[list[BlockGroup], Meta(max_length=MAX_KV_GROUPS)]
+RequestIds = Annotated[list[RequestId], Meta(min_length=1, max_length=MAX_IDS_PER_CALL)]
+
+_ADDR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+
+
+class RequestStatus(str, enum.Enum):
+    """What a lookup knows about a request id that it cannot answer with a record."""
+
+    UNKNOWN = "unknown"
+    """Never published (or forgotten: the tombstone memory is bounded, or the server restarted)."""
+    EXPIRED = "expired"
+    """Its lease ran out: do not pull."""
+    RELEASED = "released"
+    """Already reported pulled or abandoned: its blocks are freed, do not pull."""
+
+
+class Outcome(str, enum.Enum):
+    """How a published request ended, as reported to its prefill engine."""
+
+    PULLED = "pulled"
+    ABANDONED = "abandoned"
+    EXPIRED = "expired"
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class KVLayerSpec(_Strict, kw_only=True):
+    """One KV cache layer as the prefill engine registered it."""
+
+    name: Name
+    region_id: Annotated[int, Meta(ge=0, lt=1 << 32)]
+    block_bytes: Annotated[int, Meta(gt=0, lt=1 << 40)]
+    num_blocks: Annotated[int, Meta(ge=0, lt=1 << 40)]
+    tokens_per_block: Annotated[int, Meta(gt=0, le=1 << 20)]
+    dtype: Name
+    layout: Name
+
+
+class EngineRegistration(_Strict, kw_only=True):
+    """One rank of a prefill engine: where to reach it and how its KV cache is laid out."""
+
+    engine_id: EngineId
+    dp_rank: Rank = 0
+    dp_size: Size = 1
+    tp_rank: Rank = 0
+    tp_size: Size = 1
+    pp_rank: Rank = 0
+    pp_size: Size = 1
+    transport_addr: Annotated[str, Meta(min_length=3, max_length=300)]
+    layers: Annotated[list[KVLayerSpec], Meta(max_length=MAX_LAYERS)]
+    protocol_version: Annotated[int, Meta(ge=0, lt=1 << 31)]
+    compat_hash: Annotated[str, Meta(min_length=1, max_length=256)]
+
+    def __post_init__(self) -> None:
+        for rank, size in (("dp_rank", "dp_size"), ("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            if getattr(self, rank) >= getattr(self, size):
+                raise ValueError(f"invalid `{rank}`: {getattr(self, rank)} is not below {size} {getattr(self, size)}")
+        match = _ADDR.match(self.transport_addr)
+        if match is None or not 0 < int(match.group(1)) < 65536:
+            raise ValueError(f"invalid `transport_addr`: {self.transport_addr!r} is not host:port")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError("invalid `layers`: layer names repeat")
+
+    @property
+    def rank_key(self) -> tuple[str, int, int, int]:
+        return (self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank)
+
+    def same_layout(self, other: EngineRegistration) -> bool:
+        """True when only the transport address may differ (what a re-registration may change)."""
+        return (
+            self.dp_size == other.dp_size
+            and self.tp_size == other.tp_size
+            and self.pp_size == other.pp_size
+            and self.layers == other.layers
+            and self.protocol_version == other.protocol_version
+            and self.compat_hash == other.compat_hash
+        )
+
+
+class RequestRecord(_Strict, kw_only=True):
+    """A finished prefill request, as decode sees it.
+
+    ``lease_remaining_s`` is relative (seconds left when the server answered), so clocks need not agree.
+    """
+
+    engine_id: EngineId
+    request_id: RequestId
+    transfer_id: RequestId | None = None
+    block_ids: BlockIds
+    num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
+    lease_remaining_s: float
+
+
+class ReleasedRequest(_Strict, kw_only=True):
+    """One outcome in a poll answer; ``seq`` increases per engine and acknowledges it on the next poll."""
+
+    seq: int
+    request_id: RequestId
+    outcome: Outcome
+
+
+# ----- request bodies ---------------------------------------------------------------------------------------
+
+
+class RegisterEngineBody(_Strict, kw_only=True):
+    registration: EngineRegistration
+    lease_s: LeaseS
+
+
+class EngineKeyBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    dp_rank: Rank = 0
+    tp_rank: Rank = 0
+    pp_rank: Rank = 0
+
+
+class EngineRanksBody(_Strict, kw_only=True):
+    engine_id: EngineId
+
+
+class PublishBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    request_id: RequestId
+    transfer_id: RequestId | None = None
+    block_ids: BlockIds
+    num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
+    lease_s: LeaseS | None = None
+
+
+class LookupBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    request_ids: RequestIds
+    wait_s: WaitS = 0.0
+
+
+class LookupTransferBody(_Strict, kw_only=True):
+    transfer_id: RequestId
+    wait_s: WaitS = 0.0
+    engine_id: EngineId | None = None
+
+
+class RenewBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    request_ids: RequestIds
+    lease_s: LeaseS
+
+
+class ReleaseBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    request_id: RequestId
+    outcome: Literal["pulled", "abandoned"]
+
+
+class PollReleasedBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    server_id: Annotated[str, Meta(max_length=64)] | None = None
+    ack: Annotated[int, Meta(ge=0)] = 0
+
+
+# ----- answers ----------------------------------------------------------------------------------------------
+
+
+class RegisterAnswer(_Strict, kw_only=True):
+    created: bool
+    lease_s: float
+
+
+class LeaseAnswer(_Strict, kw_only=True):
+    lease_s: float
+
+
+class OkAnswer(_Strict, kw_only=True):
+    ok: bool = True
+
+
+class EngineRanksAnswer(_Strict, kw_only=True):
+    ranks: list[EngineRegistration]
+
+
+class LookupAnswer(_Strict, kw_only=True):
+    """Grouped lookup: every asked id appears in exactly one of the four lists."""
+
+    ready: list[RequestRecord] = []
+    expired: list[str] = []
+    released: list[str] = []
+    unknown: list[str] = []
+
+
+class RenewAnswer(_Strict, kw_only=True):
+    renewed: list[str] = []
+    expired: list[str] = []
+    released: list[str] = []
+    unknown: list[str] = []
+
+
+class ReleaseAnswer(_Strict, kw_only=True):
+    already_released: bool
+
+
+class PollReleasedAnswer(_Strict, kw_only=True):
+    server_id: str
+    released: list[ReleasedRequest]
+
+
+class ErrorAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    error: str
+    code: str
+    field: str | None = None
+
+
+class HealthAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    status: str
+    server_id: str
+    engines: int
+    requests: int
+
+
+# ----- validation errors ------------------------------------------------------------------------------------
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_NAMED = re.compile(r"(?:unknown field|missing required field|invalid) `([^`]+)`")
+
+
+def field_of(err: msgspec.ValidationError) -> str | None:
+    """The dotted path of the field a msgspec validation error is about (``None``: the whole body)."""
+    text = str(err)
+    match = _PATH.search(text)
+    path = match.group(1) if match else ""
+    named = _NAMED.search(text)
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+    return path or None
+
+
+def invalid_from(err: msgspec.ValidationError) -> InvalidField:
+    text = _PATH.sub("", str(err))
+    return InvalidField(text, field=field_of(err))
+
+
+def checked(struct_type: type, **fields: object):
+    """Build a Struct from caller arguments with the same validation the server applies to a body."""
+    try:
+        return msgspec.convert(fields, struct_type)
+    except msgspec.ValidationError as err:
+        raise invalid_from(err) from None

@@ -1,0 +1,452 @@
+"""The pairing table: engines, published requests, leases, outcomes. Pure logic against an injected clock.
+
+No sockets, no asyncio, no threads: the HTTP adapter calls it from its event loop thread only (the table is
+not thread-safe), and tests drive it with a fake clock. Every public call first expires what is due, so the
+answers never show a lease that has run out.
+
+Lifecycle of a request (keyed by ``(engine_id, request_id)``, optionally also by a global ``transfer_id``)::
+
+    publish -> live --release(pulled|abandoned)--> tombstone "released" + outcome for the engine
+                    --lease runs out------------> tombstone "expired"  + outcome "expired"
+                    --engine lease runs out, or the engine re-registers at a new address
+                                                --> tombstone "expired" (no outcome: the engine is gone/new)
+
+Tombstones are a bounded, time-limited memory (oldest forgotten first), so a lookup can answer "expired"
+or "released" instead of "unknown" for a while and memory stays flat. Outcomes wait per engine until the
+engine acknowledges them by sequence number (``poll_released(ack=...)``), so a lost answer loses nothing.
+
+Leases use one heap per kind holding the live object; a renewal only moves ``expires_at`` and the stale heap
+entry is pushed again when it surfaces, so each live item has exactly one heap entry.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Iterable
+
+from kvlink.bootstrap.config import TableLimits
+from kvlink.bootstrap.errors import (
+    Conflict,
+    InvalidField,
+    RequestExpired,
+    UnknownEngine,
+    UnknownRequest,
+)
+from kvlink.bootstrap.schema import (
+    EngineRegistration,
+    LookupAnswer,
+    Outcome,
+    PollReleasedAnswer,
+    ReleasedRequest,
+    RenewAnswer,
+    RequestRecord,
+    RequestStatus,
+)
+
+MAX_OUTCOMES_PER_POLL = 10_000
+
+RankIndex = tuple[int, int, int]  # (dp_rank, tp_rank, pp_rank)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Rank:
+    registration: EngineRegistration
+    lease_s: float
+    expires_at: float
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    engine_id: str
+    request_id: str
+    transfer_id: str | None
+    block_ids: list[list[int]]
+    num_tokens: int
+    expires_at: float
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Engine:
+    engine_id: str
+    ranks: dict[RankIndex, _Rank] = dataclasses.field(default_factory=dict)
+    requests: dict[str, _Request] = dataclasses.field(default_factory=dict)
+    outcomes: collections.deque[ReleasedRequest] = dataclasses.field(default_factory=collections.deque)
+    next_seq: int = 1
+
+
+@dataclasses.dataclass(slots=True)
+class TableStats:
+    """Monotonic counters, read by the metrics collector at scrape time (no cost per request)."""
+
+    engines_registered: int = 0
+    engines_expired: int = 0
+    published: int = 0
+    looked_up: int = 0
+    expired: int = 0
+    released_pulled: int = 0
+    released_abandoned: int = 0
+    outcomes_dropped: int = 0
+    conflicts: int = 0
+
+
+_LAYOUT_FIELDS = ("dp_size", "tp_size", "pp_size", "protocol_version", "compat_hash", "layers")
+_ENGINE_WIDE_FIELDS = ("dp_size", "tp_size", "pp_size", "protocol_version", "compat_hash")
+
+
+class PairingTable:
+    """Registered engine ranks and published requests with their leases. See the module docstring."""
+
+    def __init__(
+        self,
+        limits: TableLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        server_id: str | None = None,
+    ) -> None:
+        self.limits = limits or TableLimits()
+        self.clock = clock
+        self.server_id = server_id or secrets.token_hex(8)
+        self.stats = TableStats()
+        self.on_publish: Callable[[RequestRecord], None] | None = None
+        """Called after each new publish; the HTTP adapter wakes its long polls with it."""
+        self._engines: dict[str, _Engine] = {}
+        self._transfers: dict[str, _Request] = {}
+        self._rank_heap: list[tuple[float, int, _Rank]] = []
+        self._request_heap: list[tuple[float, int, _Request]] = []
+        self._tie = itertools.count()
+        self._tombstones: collections.OrderedDict[tuple[str, str], tuple[RequestStatus, float]] = (
+            collections.OrderedDict()
+        )
+        self._transfer_tombstones: collections.OrderedDict[str, tuple[RequestStatus, float]] = (
+            collections.OrderedDict()
+        )
+
+    # ----- sizes ------------------------------------------------------------------------------------------
+
+    @property
+    def num_engine_ranks(self) -> int:
+        return sum(len(e.ranks) for e in self._engines.values())
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(e.requests) for e in self._engines.values())
+
+    @property
+    def num_tombstones(self) -> int:
+        return len(self._tombstones) + len(self._transfer_tombstones)
+
+    @property
+    def num_pending_outcomes(self) -> int:
+        return sum(len(e.outcomes) for e in self._engines.values())
+
+    # ----- engines ----------------------------------------------------------------------------------------
+
+    def register_engine(self, registration: EngineRegistration, lease_s: float) -> bool:
+        """Register or renew one rank; True when the rank was new. Conflict if its layout changed."""
+        now = self._sweep()
+        lease_s = self._lease(lease_s)
+        rank_index = (registration.dp_rank, registration.tp_rank, registration.pp_rank)
+        engine = self._engines.get(registration.engine_id)
+        if engine is None:
+            engine = self._engines[registration.engine_id] = _Engine(registration.engine_id)
+        existing = engine.ranks.get(rank_index)
+        if existing is not None:
+            old = existing.registration
+            if not old.same_layout(registration):
+                self.stats.conflicts += 1
+                field = next(f for f in _LAYOUT_FIELDS if getattr(old, f) != getattr(registration, f))
+                raise Conflict(
+                    f"rank {rank_index} of engine {registration.engine_id!r} is registered with another "
+                    f"{field}; it is replaced only after its lease runs out",
+                    field=f"registration.{field}",
+                )
+            if old.transport_addr != registration.transport_addr:
+                # A new process behind the same engine id: the block ids published by the old one mean
+                # nothing in the new one, so pulling them would read someone else's KV cache.
+                self._drop_requests(engine, now)
+                existing.registration = registration
+            existing.lease_s = lease_s
+            existing.expires_at = now + lease_s
+            return False
+        for other in engine.ranks.values():
+            for field in _ENGINE_WIDE_FIELDS:
+                if getattr(other.registration, field) != getattr(registration, field):
+                    self.stats.conflicts += 1
+                    raise Conflict(
+                        f"engine {registration.engine_id!r} has live ranks with another {field}",
+                        field=f"registration.{field}",
+                    )
+            break
+        rank = _Rank(registration, lease_s, now + lease_s)
+        engine.ranks[rank_index] = rank
+        heapq.heappush(self._rank_heap, (rank.expires_at, next(self._tie), rank))
+        self.stats.engines_registered += 1
+        return True
+
+    def heartbeat(self, engine_id: str, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> float:
+        """Renew a rank's lease by the length it registered with; UnknownEngine if it is not live."""
+        now = self._sweep()
+        rank = self._rank(engine_id, (dp_rank, tp_rank, pp_rank))
+        rank.expires_at = now + rank.lease_s
+        return rank.lease_s
+
+    def unregister_engine(self, engine_id: str, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> bool:
+        """Remove a rank now (graceful shutdown); idempotent. The last rank takes the engine's requests."""
+        now = self._sweep()
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.ranks.pop((dp_rank, tp_rank, pp_rank), None) is None:
+            return False
+        if not engine.ranks:
+            self._drop_engine(engine, now)
+        return True
+
+    def get_engine(self, engine_id: str, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> EngineRegistration:
+        self._sweep()
+        return self._rank(engine_id, (dp_rank, tp_rank, pp_rank)).registration
+
+    def engine_ranks(self, engine_id: str) -> list[EngineRegistration]:
+        """All live ranks of an engine, ordered by (dp, tp, pp) rank."""
+        self._sweep()
+        engine = self._engine(engine_id)
+        return [engine.ranks[k].registration for k in sorted(engine.ranks)]
+
+    # ----- requests ---------------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        lease_s: float | None = None,
+        transfer_id: str | None = None,
+    ) -> RequestRecord:
+        """Publish a finished prefill request. The same publish again renews it; a different one conflicts."""
+        now = self._sweep()
+        engine = self._engine(engine_id)
+        lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
+        existing = engine.requests.get(request_id)
+        if existing is not None:
+            if (existing.transfer_id, existing.block_ids, existing.num_tokens) != (
+                transfer_id,
+                block_ids,
+                num_tokens,
+            ):
+                self.stats.conflicts += 1
+                raise Conflict(f"request {request_id!r} is already published with other content", field="request_id")
+            existing.expires_at = now + lease_s
+            return self._record(existing, now)
+        if transfer_id is not None and transfer_id in self._transfers:
+            self.stats.conflicts += 1
+            raise Conflict(f"transfer id {transfer_id!r} is bound to another live request", field="transfer_id")
+        request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s)
+        engine.requests[request_id] = request
+        self._tombstones.pop((engine_id, request_id), None)
+        if transfer_id is not None:
+            self._transfers[transfer_id] = request
+            self._transfer_tombstones.pop(transfer_id, None)
+        heapq.heappush(self._request_heap, (request.expires_at, next(self._tie), request))
+        self.stats.published += 1
+        record = self._record(request, now)
+        if self.on_publish is not None:
+            self.on_publish(record)
+        return record
+
+    def lookup(self, engine_id: str, request_ids: Iterable[str]) -> LookupAnswer:
+        """Grouped lookup: each distinct id lands in exactly one of ready/expired/released/unknown."""
+        now = self._sweep()
+        engine = self._engine(engine_id)
+        ready: list[RequestRecord] = []
+        expired: list[str] = []
+        released: list[str] = []
+        unknown: list[str] = []
+        by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
+        for request_id in dict.fromkeys(request_ids):
+            request = engine.requests.get(request_id)
+            if request is not None:
+                ready.append(self._record(request, now))
+                continue
+            tomb = self._tombstones.get((engine_id, request_id))
+            (by_status[tomb[0]] if tomb is not None else unknown).append(request_id)
+        self.stats.looked_up += len(ready) + len(expired) + len(released) + len(unknown)
+        return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
+
+    def lookup_transfer(self, transfer_id: str) -> RequestRecord | RequestStatus:
+        now = self._sweep()
+        self.stats.looked_up += 1
+        request = self._transfers.get(transfer_id)
+        if request is not None:
+            return self._record(request, now)
+        tomb = self._transfer_tombstones.get(transfer_id)
+        return tomb[0] if tomb is not None else RequestStatus.UNKNOWN
+
+    def has_engine(self, engine_id: str) -> bool:
+        self._sweep()
+        return engine_id in self._engines
+
+    def renew(self, engine_id: str, request_ids: Iterable[str], lease_s: float) -> RenewAnswer:
+        """Extend the leases of live requests (decode is still pulling); reports the ids it could not renew."""
+        now = self._sweep()
+        engine = self._engine(engine_id)
+        lease_s = self._lease(lease_s)
+        answer = RenewAnswer()
+        by_status = {RequestStatus.EXPIRED: answer.expired, RequestStatus.RELEASED: answer.released}
+        for request_id in dict.fromkeys(request_ids):
+            request = engine.requests.get(request_id)
+            if request is not None:
+                request.expires_at = max(request.expires_at, now + lease_s)
+                answer.renewed.append(request_id)
+                continue
+            tomb = self._tombstones.get((engine_id, request_id))
+            (by_status[tomb[0]] if tomb is not None else answer.unknown).append(request_id)
+        return answer
+
+    def release(self, engine_id: str, request_id: str, outcome: Outcome | str) -> bool:
+        """Decode is done with a request. Returns True if it was already released (idempotent; the first
+        outcome wins). RequestExpired if its lease ran out first: the blocks may have been reused."""
+        now = self._sweep()
+        outcome = Outcome(outcome)
+        if outcome is Outcome.EXPIRED:
+            raise InvalidField("outcome must be pulled or abandoned", field="outcome")
+        engine = self._engine(engine_id)
+        request = engine.requests.pop(request_id, None)
+        if request is None:
+            tomb = self._tombstones.get((engine_id, request_id))
+            if tomb is None:
+                raise UnknownRequest(f"request {request_id!r} of engine {engine_id!r} is unknown", field="request_id")
+            if tomb[0] is RequestStatus.EXPIRED:
+                raise RequestExpired(
+                    f"request {request_id!r} expired before it was released; its blocks may have been reused",
+                    field="request_id",
+                )
+            return True
+        self._end(engine, request, RequestStatus.RELEASED, outcome, now)
+        if outcome is Outcome.PULLED:
+            self.stats.released_pulled += 1
+        else:
+            self.stats.released_abandoned += 1
+        return False
+
+    def poll_released(self, engine_id: str, server_id: str | None = None, ack: int = 0) -> PollReleasedAnswer:
+        """Outcomes of the engine's requests not yet acknowledged.
+
+        ``ack`` acknowledges every outcome with ``seq <= ack`` (only when ``server_id`` names this table:
+        sequence numbers restart with the server).
+        """
+        self._sweep()
+        engine = self._engine(engine_id)
+        if server_id == self.server_id:
+            while engine.outcomes and engine.outcomes[0].seq <= ack:
+                engine.outcomes.popleft()
+        released = list(itertools.islice(engine.outcomes, MAX_OUTCOMES_PER_POLL))
+        return PollReleasedAnswer(server_id=self.server_id, released=released)
+
+    def expire(self) -> None:
+        """Expire everything that is due now (the adapter also calls this periodically)."""
+        self._sweep()
+
+    # ----- internals --------------------------------------------------------------------------------------
+
+    def _lease(self, lease_s: float) -> float:
+        if not 0 < lease_s <= self.limits.max_lease_s:
+            raise InvalidField(f"lease_s must be in (0, {self.limits.max_lease_s}]", field="lease_s")
+        return float(lease_s)
+
+    def _engine(self, engine_id: str) -> _Engine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise UnknownEngine(f"engine {engine_id!r} is not registered (or its lease ran out)", field="engine_id")
+        return engine
+
+    def _rank(self, engine_id: str, index: RankIndex) -> _Rank:
+        rank = self._engine(engine_id).ranks.get(index)
+        if rank is None:
+            raise UnknownEngine(
+                f"rank (dp, tp, pp) = {index} of engine {engine_id!r} is not registered", field="engine_id"
+            )
+        return rank
+
+    @staticmethod
+    def _record(request: _Request, now: float) -> RequestRecord:
+        return RequestRecord(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            block_ids=request.block_ids,
+            num_tokens=request.num_tokens,
+            lease_remaining_s=max(0.0, request.expires_at - now),
+        )
+
+    def _sweep(self) -> float:
+        now = self.clock()
+        heap = self._rank_heap
+        while heap and heap[0][0] <= now:
+            _, _, rank = heapq.heappop(heap)
+            reg = rank.registration
+            engine = self._engines.get(reg.engine_id)
+            index = (reg.dp_rank, reg.tp_rank, reg.pp_rank)
+            if engine is None or engine.ranks.get(index) is not rank:
+                continue  # unregistered earlier
+            if rank.expires_at > now:
+                heapq.heappush(heap, (rank.expires_at, next(self._tie), rank))
+                continue
+            del engine.ranks[index]
+            if not engine.ranks:
+                self.stats.engines_expired += 1
+                self._drop_engine(engine, now)
+        heap = self._request_heap
+        while heap and heap[0][0] <= now:
+            _, _, request = heapq.heappop(heap)
+            engine = self._engines.get(request.engine_id)
+            if engine is None or engine.requests.get(request.request_id) is not request:
+                continue  # released, or its engine went away
+            if request.expires_at > now:
+                heapq.heappush(heap, (request.expires_at, next(self._tie), request))
+                continue
+            del engine.requests[request.request_id]
+            self._end(engine, request, RequestStatus.EXPIRED, Outcome.EXPIRED, now)
+            self.stats.expired += 1
+        self._trim(self._tombstones, now)
+        self._trim(self._transfer_tombstones, now)
+        return now
+
+    def _end(self, engine: _Engine, request: _Request, status: RequestStatus, outcome: Outcome | None, now: float) -> None:
+        """Forget a request that has already left ``engine.requests``: tombstone it, queue its outcome."""
+        self._bury(self._tombstones, (request.engine_id, request.request_id), status, now)
+        if request.transfer_id is not None and self._transfers.get(request.transfer_id) is request:
+            del self._transfers[request.transfer_id]
+            self._bury(self._transfer_tombstones, request.transfer_id, status, now)
+        if outcome is not None:
+            engine.outcomes.append(ReleasedRequest(seq=engine.next_seq, request_id=request.request_id, outcome=outcome))
+            engine.next_seq += 1
+            if len(engine.outcomes) > self.limits.max_pending_outcomes:
+                engine.outcomes.popleft()
+                self.stats.outcomes_dropped += 1
+
+    def _drop_requests(self, engine: _Engine, now: float) -> None:
+        requests, engine.requests = engine.requests, {}
+        for request in requests.values():
+            self._end(engine, request, RequestStatus.EXPIRED, None, now)
+        self.stats.expired += len(requests)
+
+    def _drop_engine(self, engine: _Engine, now: float) -> None:
+        self._drop_requests(engine, now)
+        del self._engines[engine.engine_id]
+
+    def _bury(self, tombs: collections.OrderedDict, key: object, status: RequestStatus, now: float) -> None:
+        tombs[key] = (status, now)
+        tombs.move_to_end(key)
+        if len(tombs) > self.limits.max_tombstones:
+            tombs.popitem(last=False)
+
+    def _trim(self, tombs: collections.OrderedDict, now: float) -> None:
+        horizon = now - self.limits.tombstone_ttl_s
+        while tombs:
+            key, (_, at) = next(iter(tombs.items()))
+            if at > horizon:
+                break
+            del tombs[key]

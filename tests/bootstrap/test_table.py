@@ -1,0 +1,350 @@
+"""The pairing table alone, against a fake clock: leases, expiry, conflicts, grouped lookups, outcomes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlink.bootstrap import (
+    Conflict,
+    InvalidField,
+    Outcome,
+    PairingTable,
+    RequestExpired,
+    RequestRecord,
+    RequestStatus,
+    TableLimits,
+    UnknownEngine,
+    UnknownRequest,
+)
+from tests.fakes import FakeClock
+
+
+@pytest.fixture
+def engine(table, make_registration):
+    table.register_engine(make_registration("E"), lease_s=600.0)
+    return "E"
+
+
+def outcomes(table: PairingTable, engine_id: str, ack: int = 0) -> list[tuple[str, Outcome]]:
+    return [(r.request_id, r.outcome) for r in table.poll_released(engine_id, table.server_id, ack).released]
+
+
+# ----- engines ----------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_renews(table, clock, make_registration):
+    reg = make_registration("E")
+    assert table.register_engine(reg, 10.0) is True
+    clock.advance(8)
+    assert table.register_engine(reg, 10.0) is False  # same layout: a renewal
+    clock.advance(8)
+    assert table.get_engine("E") == reg
+    assert table.num_engine_ranks == 1
+
+
+def test_register_other_layout_conflicts_and_keeps_the_first(table, make_registration):
+    table.register_engine(make_registration("E", num_blocks=1024), 10.0)
+    with pytest.raises(Conflict) as err:
+        table.register_engine(make_registration("E", num_blocks=2048), 10.0)
+    assert err.value.field == "registration.layers"
+    assert table.get_engine("E").layers[0].num_blocks == 1024
+    with pytest.raises(Conflict) as err:
+        table.register_engine(make_registration("E", compat_hash="other"), 10.0)
+    assert err.value.field == "registration.compat_hash"
+
+
+def test_conflicting_layout_is_accepted_after_the_old_lease_ran_out(table, clock, make_registration):
+    table.register_engine(make_registration("E", num_blocks=1024), 10.0)
+    clock.advance(10)
+    assert table.register_engine(make_registration("E", num_blocks=2048), 10.0) is True
+
+
+def test_ranks_of_one_engine_must_agree_on_sizes(table, make_registration):
+    table.register_engine(make_registration("E", tp_rank=0, tp_size=2), 10.0)
+    with pytest.raises(Conflict) as err:
+        table.register_engine(make_registration("E", tp_rank=1, tp_size=4), 10.0)
+    assert err.value.field == "registration.tp_size"
+    table.register_engine(make_registration("E", tp_rank=1, tp_size=2, port=5001), 10.0)
+    assert [r.tp_rank for r in table.engine_ranks("E")] == [0, 1]
+
+
+def test_engine_lease_runs_out_without_heartbeat(table, clock, make_registration):
+    table.register_engine(make_registration("E"), 10.0)
+    for _ in range(5):
+        clock.advance(6)
+        assert table.heartbeat("E") == 10.0
+    clock.advance(10)
+    with pytest.raises(UnknownEngine):
+        table.heartbeat("E")
+    with pytest.raises(UnknownEngine):
+        table.get_engine("E")
+    assert table.stats.engines_expired == 1
+
+
+def test_unknown_rank_of_known_engine(table, engine):
+    with pytest.raises(UnknownEngine) as err:
+        table.get_engine(engine, tp_rank=3)
+    assert err.value.field == "engine_id"
+
+
+def test_engine_death_expires_its_requests(table, clock, make_registration):
+    engine = "E"
+    table.register_engine(make_registration(engine), 10.0)
+    table.publish(engine, "r1", [[1]], 16, lease_s=100.0, transfer_id="t1")
+    clock.advance(11)  # the engine's lease (10 s) ran out, the request's (100 s) did not
+    with pytest.raises(UnknownEngine):
+        table.lookup(engine, ["r1"])
+    assert table.lookup_transfer("t1") is RequestStatus.EXPIRED
+    table.register_engine(make_registration("E"), 10.0)
+    assert table.lookup(engine, ["r1"]).expired == ["r1"]
+
+
+def test_new_address_drops_the_old_processes_requests(table, engine, make_registration):
+    table.publish(engine, "r1", [[1, 2]], 32, lease_s=30.0)
+    assert table.register_engine(make_registration("E", port=6000), 10.0) is False
+    assert table.get_engine("E").transport_addr == "127.0.0.1:6000"
+    assert table.lookup(engine, ["r1"]).expired == ["r1"]
+
+
+def test_unregister_last_rank_removes_engine(table, engine):
+    table.publish(engine, "r1", [[1]], 16, lease_s=30.0)
+    assert table.unregister_engine(engine) is True
+    assert table.unregister_engine(engine) is False
+    assert table.has_engine(engine) is False
+
+
+def test_lease_bounds(table, make_registration, engine):
+    with pytest.raises(InvalidField) as err:
+        table.register_engine(make_registration("F"), 10_000.0)
+    assert err.value.field == "lease_s"
+    with pytest.raises(InvalidField):
+        table.publish(engine, "r", [[1]], 1, lease_s=0.0)
+
+
+# ----- requests ---------------------------------------------------------------------------------------------
+
+
+def test_publish_needs_a_registered_engine(table):
+    with pytest.raises(UnknownEngine):
+        table.publish("nobody", "r1", [[1]], 16)
+
+
+def test_grouped_lookup_sorts_every_id_into_one_bucket(table, clock, engine):
+    table.publish(engine, "ready", [[1, 2], [3]], 40, lease_s=50.0)
+    table.publish(engine, "expires", [[4]], 16, lease_s=5.0)
+    table.publish(engine, "pulled", [[5]], 16, lease_s=50.0)
+    table.release(engine, "pulled", "pulled")
+    clock.advance(6)
+    answer = table.lookup(engine, ["ready", "expires", "pulled", "never", "ready"])
+    assert [r.request_id for r in answer.ready] == ["ready"]
+    record = answer.ready[0]
+    assert isinstance(record, RequestRecord)
+    assert record.block_ids == [[1, 2], [3]] and record.num_tokens == 40
+    assert record.lease_remaining_s == pytest.approx(44.0)
+    assert answer.expired == ["expires"]
+    assert answer.released == ["pulled"]
+    assert answer.unknown == ["never"]
+
+
+def test_publish_again_renews_and_other_content_conflicts(table, clock, engine):
+    table.publish(engine, "r1", [[1]], 16, lease_s=10.0, transfer_id="t1")
+    clock.advance(8)
+    table.publish(engine, "r1", [[1]], 16, lease_s=10.0, transfer_id="t1")
+    clock.advance(8)
+    assert table.lookup(engine, ["r1"]).ready
+    with pytest.raises(Conflict) as err:
+        table.publish(engine, "r1", [[2]], 16, lease_s=10.0, transfer_id="t1")
+    assert err.value.field == "request_id"
+
+
+def test_transfer_id_is_bound_to_one_live_request(table, engine):
+    # n > 1 sampling must not share one pairing key (sglang#26486)
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t1")
+    with pytest.raises(Conflict) as err:
+        table.publish(engine, "r2", [[2]], 16, transfer_id="t1")
+    assert err.value.field == "transfer_id"
+    table.release(engine, "r1", "abandoned")
+    table.publish(engine, "r2", [[2]], 16, transfer_id="t1")  # free again once released
+    assert table.lookup_transfer("t1").request_id == "r2"
+
+
+def test_lookup_transfer_statuses(table, clock, engine):
+    assert table.lookup_transfer("t") is RequestStatus.UNKNOWN
+    table.publish(engine, "r1", [[1]], 16, lease_s=5.0, transfer_id="t")
+    assert table.lookup_transfer("t").request_id == "r1"
+    clock.advance(5)
+    assert table.lookup_transfer("t") is RequestStatus.EXPIRED
+    table.publish(engine, "r2", [[1]], 16, lease_s=5.0, transfer_id="u")
+    table.release(engine, "r2", "pulled")
+    assert table.lookup_transfer("u") is RequestStatus.RELEASED
+
+
+def test_default_request_lease(table, clock, engine):
+    table.publish(engine, "r1", [[1]], 16)
+    clock.advance(29.9)
+    assert table.lookup(engine, ["r1"]).ready
+    clock.advance(0.1)
+    assert table.lookup(engine, ["r1"]).expired == ["r1"]
+
+
+def test_renew_extends_and_reports_what_it_could_not(table, clock, engine):
+    table.publish(engine, "a", [[1]], 16, lease_s=5.0)
+    table.publish(engine, "b", [[2]], 16, lease_s=5.0)
+    table.release(engine, "b", "abandoned")
+    answer = table.renew(engine, ["a", "b", "zzz"], lease_s=20.0)
+    assert (answer.renewed, answer.released, answer.unknown, answer.expired) == (["a"], ["b"], ["zzz"], [])
+    clock.advance(19)
+    assert table.lookup(engine, ["a"]).ready
+    clock.advance(1)
+    assert table.renew(engine, ["a"], lease_s=20.0).expired == ["a"]
+
+
+def test_renew_never_shortens_a_lease(table, clock, engine):
+    table.publish(engine, "a", [[1]], 16, lease_s=50.0)
+    table.renew(engine, ["a"], lease_s=1.0)
+    clock.advance(10)
+    assert table.lookup(engine, ["a"]).ready
+
+
+def test_release_is_idempotent_first_outcome_wins(table, engine):
+    table.publish(engine, "r1", [[1]], 16)
+    assert table.release(engine, "r1", "pulled") is False
+    assert table.release(engine, "r1", "abandoned") is True
+    assert outcomes(table, engine) == [("r1", Outcome.PULLED)]
+
+
+def test_release_after_expiry_tells_decode(table, clock, engine):
+    table.publish(engine, "r1", [[1]], 16, lease_s=5.0)
+    clock.advance(5)
+    with pytest.raises(RequestExpired) as err:
+        table.release(engine, "r1", "pulled")
+    assert err.value.field == "request_id"
+    with pytest.raises(UnknownRequest):
+        table.release(engine, "never", "pulled")
+    with pytest.raises(InvalidField):
+        table.release(engine, "r1", "expired")
+
+
+def test_outcomes_are_reported_until_acknowledged(table, clock, engine):
+    table.publish(engine, "p", [[1]], 16, lease_s=5.0)
+    table.publish(engine, "a", [[2]], 16, lease_s=5.0)
+    table.publish(engine, "e", [[3]], 16, lease_s=5.0)
+    table.release(engine, "p", "pulled")
+    table.release(engine, "a", "abandoned")
+    clock.advance(5)
+    first = table.poll_released(engine, None, 0).released
+    assert [(r.request_id, r.outcome) for r in first] == [
+        ("p", Outcome.PULLED), ("a", Outcome.ABANDONED), ("e", Outcome.EXPIRED)]
+    # Not acknowledged yet (the answer may have been lost): sent again.
+    assert table.poll_released(engine, table.server_id, 0).released == first
+    # Acknowledging up to the last seq leaves nothing; an ack for another server acknowledges nothing.
+    assert table.poll_released(engine, "other-server", first[-1].seq).released == first
+    assert table.poll_released(engine, table.server_id, first[-1].seq).released == []
+
+
+def test_on_publish_hook(table, engine):
+    seen = []
+    table.on_publish = seen.append
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t")
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t")  # renewal: no second wake-up
+    assert [(r.request_id, r.transfer_id) for r in seen] == [("r1", "t")]
+
+
+# ----- bounded memory ---------------------------------------------------------------------------------------
+
+
+def test_tombstones_are_bounded_and_forgotten(clock, make_registration):
+    table = PairingTable(TableLimits(max_tombstones=10, tombstone_ttl_s=100.0), clock=clock)
+    table.register_engine(make_registration("E"), 600.0)
+    for i in range(100):
+        table.publish("E", f"r{i}", [[i]], 16, lease_s=1.0, transfer_id=f"t{i}")
+    clock.advance(1)
+    table.expire()
+    assert table.num_requests == 0
+    assert table.num_tombstones == 20  # 10 request ids + 10 transfer ids
+    answer = table.lookup("E", ["r0", "r99"])
+    assert answer.unknown == ["r0"] and answer.expired == ["r99"]
+    clock.advance(100)
+    assert table.lookup("E", ["r99"]).unknown == ["r99"]
+    assert table.num_tombstones == 0
+
+
+def test_pending_outcomes_are_bounded(clock, make_registration):
+    table = PairingTable(TableLimits(max_pending_outcomes=5), clock=clock)
+    table.register_engine(make_registration("E"), 600.0)
+    for i in range(8):
+        table.publish("E", f"r{i}", [[i]], 16)
+        table.release("E", f"r{i}", "pulled")
+    assert [r.request_id for r in table.poll_released("E").released] == [f"r{i}" for i in range(3, 8)]
+    assert table.stats.outcomes_dropped == 3
+
+
+def test_renewals_do_not_grow_the_lease_heap(table, clock, engine):
+    table.publish(engine, "r1", [[1]], 16, lease_s=2.0)
+    for _ in range(1000):
+        clock.advance(1)
+        table.renew(engine, ["r1"], lease_s=2.0)
+        table.heartbeat(engine)
+    assert len(table._request_heap) == 1
+    assert len(table._rank_heap) == 1
+    assert table.lookup(engine, ["r1"]).ready
+
+
+# ----- a property: every published request ends exactly once ------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(0, 9), st.floats(0.5, 20.0)),
+        st.tuples(st.just("release"), st.integers(0, 9), st.sampled_from(["pulled", "abandoned"])),
+        st.tuples(st.just("renew"), st.integers(0, 9), st.floats(0.5, 20.0)),
+        st.tuples(st.just("advance"), st.floats(0.0, 10.0)),
+        st.tuples(st.just("poll")),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_every_published_request_is_reported_exactly_once(make_registration, program):
+    clock = FakeClock()
+    table = PairingTable(TableLimits(), clock=clock)
+    table.register_engine(make_registration("E"), 600.0)
+    live: set[str] = set()
+    ended: list[str] = []
+    acked = 0
+
+    def poll() -> None:
+        nonlocal acked
+        answer = table.poll_released("E", table.server_id, acked)
+        fresh = [r for r in answer.released if r.seq > acked]
+        if fresh:
+            acked = fresh[-1].seq
+        ended.extend(r.request_id for r in fresh)
+
+    gen = 0
+    for op in program:
+        if op[0] == "publish":
+            rid = f"r{op[1]}-{gen}"
+            gen += 1
+            table.publish("E", rid, [[op[1]]], 16, lease_s=op[2])
+            live.add(rid)
+        elif op[0] == "release" and live:
+            rid = sorted(live)[op[1] % len(live)]
+            try:
+                table.release("E", rid, op[2])
+            except RequestExpired:
+                pass
+        elif op[0] == "renew" and live:
+            table.renew("E", sorted(live), op[2])
+        elif op[0] == "advance":
+            clock.advance(op[1])
+        elif op[0] == "poll":
+            poll()
+    clock.advance(100)  # every lease has run out (the engine's has not)
+    poll()
+    poll()
+    assert sorted(ended) == sorted(live)  # each exactly once
+    assert table.num_requests == 0
