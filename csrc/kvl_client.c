@@ -1,0 +1,292 @@
+/* kvl_client.c - the requester: each peer has `streams` TCP connections,
+ * each with one worker thread that takes parts of batches from its queue,
+ * sends the whole descriptor list in one frame and receives the data
+ * straight into the destinations (READ), or streams the sources out (WRITE).
+ * A failed connection is closed and reopened on the next part. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "kvl_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int grow(void **p, size_t *cap, size_t need) {
+  if (need <= *cap) return 0;
+  void *n = realloc(*p, need);
+  if (!n) return KVL_ENOMEM;
+  *p = n;
+  *cap = need;
+  return 0;
+}
+
+static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
+  kvl__peer *p = s->peer;
+  kvl_engine *e = p->e;
+  uint64_t now = kvl__now_ms();
+  uint32_t t = e->cfg.connect_timeout_ms;
+  if (deadline > now && deadline - now < t) t = (uint32_t)(deadline - now);
+  int fd, rc = kvl__connect(p->host, p->port, t, &fd);
+  if (rc) {
+    snprintf(why, cap, "connecting to %s:%u: %s", p->host, p->port, kvl_strerror(rc));
+    return rc == KVL_ETIMEDOUT ? KVL_ETIMEDOUT : KVL_ECONNECT;
+  }
+  char name[KVL_MAX_NAME + 1];
+  if ((rc = kvl__handshake_client(e, fd, name, why, cap)) != 0) {
+    close(fd);
+    return rc;
+  }
+  s->fd = fd;
+  return 0;
+}
+
+/* Receive the status frame answering seq; data may follow it. */
+static int recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
+                       size_t cap) {
+  kvl_engine *e = s->peer->e;
+  uint8_t hb[KVL__HDR_LEN], body[KVL__STATUS_MAX];
+  kvl__hdr h;
+  int rc = kvl__recv_all(s->fd, hb, sizeof hb, deadline, &e->closing);
+  if (rc) {
+    snprintf(why, cap, "%s waiting for the response from %s", kvl_strerror(rc), s->peer->name);
+    return rc;
+  }
+  if ((rc = kvl__hdr_decode(hb, &h, why, cap)) != 0) return rc;
+  if ((h.type != type && h.type != KVL__T_ERROR) || h.body_len > sizeof body) {
+    snprintf(why, cap, "expected frame type %u, got %u", type, h.type);
+    return KVL_EPROTO;
+  }
+  if ((rc = kvl__recv_all(s->fd, body, h.body_len, deadline, &e->closing)) != 0) {
+    snprintf(why, cap, "%s inside a response", kvl_strerror(rc));
+    return rc;
+  }
+  if ((rc = kvl__status_decode(body, h.body_len, st, why, cap)) != 0) return rc;
+  if (h.type == KVL__T_ERROR || st->status < 0) {
+    snprintf(why, cap, "peer %s refused: %s", s->peer->name, st->msg[0] ? st->msg : kvl_strerror(st->status));
+    return st->status < 0 ? st->status : KVL_EREMOTE;
+  }
+  if (h.seq != seq) {
+    snprintf(why, cap, "response to request %u, expected %u", h.seq, seq);
+    return KVL_EPROTO;
+  }
+  return 0;
+}
+
+static int send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t deadline) {
+  kvl_batch *b = pt->batch;
+  kvl_engine *e = s->peer->e;
+  size_t body = 8 + (size_t)pt->count * KVL__WDESC_LEN;
+  if (grow((void **)&s->buf, &s->cap, KVL__HDR_LEN + body) != 0) return KVL_ENOMEM;
+  kvl__hdr_encode(s->buf, type, e->cfg.crc ? KVL__F_CRC : 0, ++s->seq, (uint32_t)body);
+  kvl__put_u32(s->buf + KVL__HDR_LEN, pt->count);
+  kvl__put_u32(s->buf + KVL__HDR_LEN + 4, 0);
+  for (uint32_t i = 0; i < pt->count; i++) {
+    const kvl__desc *d = &b->desc[pt->first + i];
+    kvl__wdesc w = {d->region, d->offset, d->length};
+    kvl__wdesc_put(s->buf + KVL__HDR_LEN, i, &w);
+  }
+  return kvl__send_all(s->fd, s->buf, KVL__HDR_LEN + body, deadline, &e->closing);
+}
+
+static uint64_t part_bytes(const kvl__part *pt) {
+  uint64_t t = 0;
+  for (uint32_t i = 0; i < pt->count; i++) t += pt->batch->desc[pt->first + i].length;
+  return t;
+}
+
+/* Fill s->iov with descriptors [from, from+n) of the part. */
+static int part_iov(kvl__stream *s, const kvl__part *pt, uint32_t from, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) {
+    const kvl__desc *d = &pt->batch->desc[pt->first + from + i];
+    s->iov[i].iov_base = (void *)(uintptr_t)d->local;
+    s->iov[i].iov_len = (size_t)d->length;
+  }
+  return (int)n;
+}
+
+static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
+  kvl_batch *b = pt->batch;
+  kvl_engine *e = s->peer->e;
+  uint64_t dl = b->deadline_ms, want = part_bytes(pt);
+  kvl__status st;
+  int rc = send_request(s, pt, KVL__T_READ_REQ, dl);
+  if (rc) {
+    snprintf(why, cap, "%s sending a READ request to %s", kvl_strerror(rc), s->peer->name);
+    return rc;
+  }
+  if ((rc = recv_status(s, KVL__T_READ_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
+  if (st.total != want) {
+    snprintf(why, cap, "peer announced %llu bytes, expected %llu", (unsigned long long)st.total,
+             (unsigned long long)want);
+    return KVL_EPROTO;
+  }
+  for (uint32_t from = 0; from < pt->count; from += KVL__IOV_MAX) {
+    uint32_t n = pt->count - from < KVL__IOV_MAX ? pt->count - from : KVL__IOV_MAX;
+    int niov = part_iov(s, pt, from, n);
+    if ((rc = kvl__batch_enter_io(b)) != 0) {
+      snprintf(why, cap, "batch finished while receiving");
+      return rc;
+    }
+    rc = kvl__recvv(s->fd, s->iov, niov, dl, &e->closing);
+    kvl__batch_leave_io(b);
+    if (rc) {
+      snprintf(why, cap, "%s receiving %llu bytes from %s", kvl_strerror(rc), (unsigned long long)want,
+               s->peer->name);
+      return rc;
+    }
+  }
+  if (e->cfg.crc) {
+    if (grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
+    if ((rc = kvl__recv_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing)) != 0) {
+      snprintf(why, cap, "%s receiving checksums from %s", kvl_strerror(rc), s->peer->name);
+      return rc;
+    }
+    for (uint32_t i = 0; i < pt->count; i++) {
+      const kvl__desc *d = &b->desc[pt->first + i];
+      uint32_t got = kvl_crc32c(0, (const void *)(uintptr_t)d->local, (size_t)d->length);
+      if (got != kvl__get_u32((const uint8_t *)&s->crcs[i])) {
+        snprintf(why, cap, "checksum mismatch in descriptor %u (region 0x%x offset %llu, %llu bytes)",
+                 pt->first + i, d->region, (unsigned long long)d->offset, (unsigned long long)d->length);
+        return KVL_ECRC;
+      }
+    }
+  }
+  KVL__STAT_ADD(e, bytes_read, want);
+  return 0;
+}
+
+static int run_write(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
+  kvl_batch *b = pt->batch;
+  kvl_engine *e = s->peer->e;
+  uint64_t dl = b->deadline_ms, want = part_bytes(pt);
+  kvl__status st;
+  int rc = send_request(s, pt, KVL__T_WRITE_REQ, dl);
+  for (uint32_t from = 0; rc == 0 && from < pt->count; from += KVL__IOV_MAX) {
+    uint32_t n = pt->count - from < KVL__IOV_MAX ? pt->count - from : KVL__IOV_MAX;
+    if (kvl_batch_poll(b) != KVL_INPROGRESS) return KVL_ECANCELED;
+    rc = kvl__sendv(s->fd, s->iov, part_iov(s, pt, from, n), dl, &e->closing);
+  }
+  if (rc == 0 && e->cfg.crc) {
+    if (grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
+    for (uint32_t i = 0; i < pt->count; i++) {
+      const kvl__desc *d = &b->desc[pt->first + i];
+      kvl__put_u32((uint8_t *)&s->crcs[i], kvl_crc32c(0, (const void *)(uintptr_t)d->local, (size_t)d->length));
+    }
+    rc = kvl__send_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing);
+  }
+  if (rc) {
+    snprintf(why, cap, "%s sending %llu bytes to %s", kvl_strerror(rc), (unsigned long long)want, s->peer->name);
+    return rc;
+  }
+  if ((rc = recv_status(s, KVL__T_WRITE_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
+  KVL__STAT_ADD(e, bytes_written, want);
+  return 0;
+}
+
+static int run_notify(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
+  kvl_batch *b = pt->batch;
+  kvl_engine *e = s->peer->e;
+  uint8_t hb[KVL__HDR_LEN];
+  kvl__status st;
+  kvl__hdr_encode(hb, KVL__T_NOTIFY, 0, ++s->seq, (uint32_t)b->payload_len);
+  struct iovec v[2] = {{hb, sizeof hb}, {(void *)b->payload, b->payload_len}};
+  int rc = kvl__sendv(s->fd, v, 2, b->deadline_ms, &e->closing);
+  if (rc) {
+    snprintf(why, cap, "%s sending a notification to %s", kvl_strerror(rc), s->peer->name);
+    return rc;
+  }
+  return recv_status(s, KVL__T_NOTIFY_ACK, s->seq, &st, b->deadline_ms, why, cap);
+}
+
+static void run_part(kvl__stream *s, kvl__part *pt) {
+  kvl_batch *b = pt->batch;
+  char why[KVL_MAX_EVENT_MSG + 1] = "";
+  int rc = 0;
+  if (kvl_batch_poll(b) != KVL_INPROGRESS) {
+    kvl__part_finish(pt, KVL_ECANCELED, NULL);
+    return;
+  }
+  if (kvl__now_ms() >= b->deadline_ms) {
+    snprintf(why, sizeof why, "deadline passed before the request was sent");
+    rc = KVL_ETIMEDOUT;
+  }
+  if (rc == 0 && s->fd < 0) rc = reconnect(s, b->deadline_ms, why, sizeof why);
+  if (rc == 0) {
+    pthread_mutex_lock(&b->mu);
+    if (b->state == KVL__B_RUNNING) pt->running_on = s;
+    else rc = KVL_ECANCELED;
+    pthread_mutex_unlock(&b->mu);
+  }
+  if (rc == 0) {
+    rc = b->op == KVL_OP_READ    ? run_read(s, pt, why, sizeof why)
+         : b->op == KVL_OP_WRITE ? run_write(s, pt, why, sizeof why)
+                                 : run_notify(s, pt, why, sizeof why);
+    pthread_mutex_lock(&b->mu);
+    pt->running_on = NULL;
+    if (rc && b->state != KVL__B_RUNNING) rc = b->err; /* we were stopped: keep the first cause */
+    pthread_mutex_unlock(&b->mu);
+  }
+  if (rc && s->fd >= 0) { /* the stream may be mid-frame: start afresh */
+    close(s->fd);
+    s->fd = -1;
+  }
+  if (rc && rc != KVL_ECANCELED && rc != KVL_ECLOSED)
+    kvl__log(s->peer->e, rc, "batch to %s:%u failed: %s", s->peer->host, s->peer->port, why);
+  kvl__part_finish(pt, rc, why);
+}
+
+static void *stream_main(void *arg) {
+  kvl__stream *s = arg;
+  kvl_engine *e = s->peer->e;
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    while (!s->head && !__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) pthread_cond_wait(&s->cv, &s->mu);
+    kvl__part *pt = s->head;
+    if (pt) {
+      s->head = pt->next;
+      if (!s->head) s->tail = NULL;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!pt) break; /* closing and nothing queued */
+    if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) kvl__part_finish(pt, KVL_ECLOSED, "engine closed");
+    else run_part(s, pt);
+  }
+  if (s->fd >= 0) close(s->fd);
+  s->fd = -1;
+  return NULL;
+}
+
+int kvl__stream_start(kvl__stream *s) {
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setstacksize(&at, 512 * 1024);
+  int rc = pthread_create(&s->thread, &at, stream_main, s);
+  pthread_attr_destroy(&at);
+  if (rc != 0) return KVL_ESYS;
+  s->started = 1;
+  return 0;
+}
+
+void kvl__stream_stop(kvl__stream *s) {
+  pthread_mutex_lock(&s->mu);
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  if (s->started) pthread_join(s->thread, NULL);
+  s->started = 0;
+  free(s->buf);
+  free(s->crcs);
+  s->buf = NULL;
+  s->crcs = NULL;
+}
+
+void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt) {
+  pt->next = NULL;
+  pthread_mutex_lock(&s->mu);
+  if (s->tail) s->tail->next = pt;
+  else s->head = pt;
+  s->tail = pt;
+  pthread_cond_signal(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}

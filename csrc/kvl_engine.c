@@ -1,0 +1,347 @@
+/* kvl_engine.c - the engine object: configuration, the listener thread,
+ * peers, the public entry points, and the queues the caller drains
+ * (notifications and logged events). It owns every thread it starts and
+ * joins them all in kvl_engine_destroy. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "kvl_internal.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+void kvl_config_init(kvl_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->streams = 2;
+  cfg->op_timeout_ms = 30000;
+  cfg->connect_timeout_ms = 5000;
+  cfg->handshake_timeout_ms = 5000;
+  cfg->max_conns = 256;
+}
+
+void kvl__log(kvl_engine *e, int code, const char *fmt, ...) {
+  pthread_mutex_lock(&e->mu);
+  if (e->ev_count == KVL__EVENTS) { /* keep the newest */
+    e->ev_head = (e->ev_head + 1) % KVL__EVENTS;
+    e->ev_count--;
+    e->stats.events_dropped++;
+  }
+  kvl__event *ev = &e->events[(e->ev_head + e->ev_count) % KVL__EVENTS];
+  ev->code = code;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(ev->msg, sizeof ev->msg, fmt, ap);
+  va_end(ap);
+  e->ev_count++;
+  pthread_mutex_unlock(&e->mu);
+}
+
+int kvl_event_next(kvl_engine *e, int *code, char *msg, size_t cap) {
+  pthread_mutex_lock(&e->mu);
+  int got = e->ev_count > 0;
+  if (got) {
+    kvl__event *ev = &e->events[e->ev_head];
+    *code = ev->code;
+    snprintf(msg, cap, "%s", ev->msg);
+    e->ev_head = (e->ev_head + 1) % KVL__EVENTS;
+    e->ev_count--;
+  }
+  pthread_mutex_unlock(&e->mu);
+  return got;
+}
+
+int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t len) {
+  kvl__notif *n = malloc(sizeof *n + len);
+  if (!n) return KVL_ENOMEM;
+  n->next = NULL;
+  snprintf(n->from, sizeof n->from, "%s", from);
+  n->len = len;
+  memcpy(n->data, data, len);
+  pthread_mutex_lock(&e->mu);
+  if (e->nnotifs >= KVL__NOTIF_MAX) {
+    e->stats.notifs_dropped++;
+    pthread_mutex_unlock(&e->mu);
+    free(n);
+    return KVL_EFULL;
+  }
+  if (e->ntail) e->ntail->next = n;
+  else e->nhead = n;
+  e->ntail = n;
+  e->nnotifs++;
+  pthread_mutex_unlock(&e->mu);
+  return 0;
+}
+
+int kvl_notif_next(kvl_engine *e, char *from, size_t from_cap, void *buf, size_t cap, size_t *len_out) {
+  pthread_mutex_lock(&e->mu);
+  kvl__notif *n = e->nhead;
+  if (n && n->len > cap) {
+    pthread_mutex_unlock(&e->mu);
+    return KVL_EINVAL;
+  }
+  if (n) {
+    e->nhead = n->next;
+    if (!e->nhead) e->ntail = NULL;
+    e->nnotifs--;
+  }
+  pthread_mutex_unlock(&e->mu);
+  if (!n) return 0;
+  snprintf(from, from_cap, "%s", n->from);
+  memcpy(buf, n->data, n->len);
+  *len_out = n->len;
+  free(n);
+  return 1;
+}
+
+static void *listener_main(void *arg) {
+  kvl_engine *e = arg;
+  while (!__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) {
+    struct pollfd p = {e->listen_fd, POLLIN, 0};
+    int r = poll(&p, 1, KVL__SLICE_MS);
+    kvl__server_reap(e, 0);
+    if (r <= 0) continue;
+    int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) kvl__log(e, KVL_ESYS, "accept: out of file descriptors");
+      continue;
+    }
+    kvl__server_accept(e, fd);
+  }
+  return NULL;
+}
+
+int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
+  if (!cfg || !out || cfg->streams < 1 || cfg->streams > KVL_MAX_STREAMS || cfg->op_timeout_ms == 0 ||
+      cfg->connect_timeout_ms == 0 || cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 ||
+      (cfg->token && (cfg->token_len == 0 || cfg->token_len > 1024)) ||
+      (cfg->name && strlen(cfg->name) > KVL_MAX_NAME) ||
+      (cfg->listen_host && strlen(cfg->listen_host) >= 256))
+    return KVL_EINVAL;
+  for (const char *c = cfg->name; c && *c; c++)
+    if (*c < 0x20 || *c > 0x7e) return KVL_EINVAL;
+  kvl_engine *e = calloc(1, sizeof *e);
+  if (!e) return KVL_ENOMEM;
+  e->cfg = *cfg;
+  snprintf(e->name, sizeof e->name, "%s", cfg->name ? cfg->name : "");
+  if (cfg->token) {
+    e->token = malloc(cfg->token_len);
+    if (!e->token) {
+      free(e);
+      return KVL_ENOMEM;
+    }
+    memcpy(e->token, cfg->token, cfg->token_len);
+  }
+  e->cfg.token = e->token;
+  e->cfg.name = e->name;
+  e->cfg.listen_host = NULL;
+  e->listen_fd = -1;
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_mutex_init(&e->connect_mu, NULL);
+  kvl__regions_init(&e->regions);
+  if (cfg->listen_host) {
+    int loop = 0;
+    snprintf(e->listen_host, sizeof e->listen_host, "%s", cfg->listen_host);
+    e->cfg.listen_host = e->listen_host;
+    int rc = kvl__listen(cfg->listen_host, cfg->listen_port, &e->listen_fd, &e->port, &loop);
+    if (rc == 0 && !loop && !e->token && !cfg->allow_insecure) {
+      close(e->listen_fd);
+      e->listen_fd = -1;
+      rc = KVL_EINSECURE;
+    }
+    if (rc == 0 && pthread_create(&e->listener, NULL, listener_main, e) != 0) rc = KVL_ESYS;
+    if (rc) {
+      if (e->listen_fd >= 0) close(e->listen_fd);
+      kvl__regions_destroy(&e->regions);
+      pthread_mutex_destroy(&e->mu);
+      pthread_mutex_destroy(&e->connect_mu);
+      free(e->token);
+      free(e);
+      return rc;
+    }
+    e->has_listener = 1;
+  }
+  *out = e;
+  return 0;
+}
+
+int kvl_engine_port(const kvl_engine *e) { return e->has_listener ? e->port : 0; }
+
+void kvl_engine_destroy(kvl_engine *e) {
+  if (!e) return;
+  __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
+  if (e->has_listener) pthread_join(e->listener, NULL);
+  for (uint32_t i = 0; i < e->npeers; i++) {
+    kvl__peer *p = e->peers[i];
+    for (int k = 0; k < p->nstreams; k++) kvl__stream_stop(&p->streams[k]);
+    for (int k = 0; k < p->nstreams; k++) {
+      pthread_mutex_destroy(&p->streams[k].mu);
+      pthread_cond_destroy(&p->streams[k].cv);
+    }
+    free(p);
+  }
+  kvl__server_reap(e, 1);
+  if (e->listen_fd >= 0) close(e->listen_fd);
+  while (e->nhead) {
+    kvl__notif *n = e->nhead;
+    e->nhead = n->next;
+    free(n);
+  }
+  kvl__regions_destroy(&e->regions);
+  pthread_mutex_destroy(&e->mu);
+  pthread_mutex_destroy(&e->connect_mu);
+  free(e->token);
+  free(e);
+}
+
+void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
+  pthread_mutex_lock(&e->mu);
+  *out = e->stats;
+  pthread_mutex_unlock(&e->mu);
+  out->bytes_read = __atomic_load_n(&e->stats.bytes_read, __ATOMIC_RELAXED);
+  out->bytes_written = __atomic_load_n(&e->stats.bytes_written, __ATOMIC_RELAXED);
+  out->bytes_served = __atomic_load_n(&e->stats.bytes_served, __ATOMIC_RELAXED);
+  out->batches_ok = __atomic_load_n(&e->stats.batches_ok, __ATOMIC_RELAXED);
+  out->batches_failed = __atomic_load_n(&e->stats.batches_failed, __ATOMIC_RELAXED);
+  out->conns_accepted = __atomic_load_n(&e->stats.conns_accepted, __ATOMIC_RELAXED);
+  out->conns_rejected = __atomic_load_n(&e->stats.conns_rejected, __ATOMIC_RELAXED);
+  out->server_conns = kvl__server_conns(e);
+  pthread_mutex_lock(&e->regions.mu);
+  out->regions = e->regions.count;
+  pthread_mutex_unlock(&e->regions.mu);
+}
+
+int kvl_region_register(kvl_engine *e, uint64_t addr, uint64_t len, uint32_t access, uint32_t *id_out) {
+  return kvl__regions_add(&e->regions, addr, len, access, id_out);
+}
+
+int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms) {
+  return kvl__regions_remove(&e->regions, id, timeout_ms);
+}
+
+static kvl__peer *peer_get(kvl_engine *e, uint32_t id) {
+  pthread_mutex_lock(&e->mu);
+  kvl__peer *p = id < e->npeers ? e->peers[id] : NULL;
+  pthread_mutex_unlock(&e->mu);
+  return p;
+}
+
+/* Thread-local detail of the last failed call, read by the binding. */
+static __thread char last_msg[KVL_MAX_EVENT_MSG + 1];
+const char *kvl_last_message(void) { return last_msg; }
+
+int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out) {
+  last_msg[0] = 0;
+  if (!host || strlen(host) >= sizeof(((kvl__peer *)0)->host) || port == 0) return KVL_EINVAL;
+  if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
+  pthread_mutex_lock(&e->connect_mu); /* one connect at a time: dedup and the limit stay exact */
+  int rc = 0;
+  pthread_mutex_lock(&e->mu);
+  for (uint32_t i = 0; i < e->npeers; i++) {
+    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0) {
+      *peer_out = i;
+      pthread_mutex_unlock(&e->mu);
+      pthread_mutex_unlock(&e->connect_mu);
+      return 0;
+    }
+  }
+  if (e->npeers >= KVL_MAX_PEERS) rc = KVL_EFULL;
+  pthread_mutex_unlock(&e->mu);
+  kvl__peer *p = rc ? NULL : calloc(1, sizeof *p);
+  if (!p) {
+    pthread_mutex_unlock(&e->connect_mu);
+    return rc ? rc : KVL_ENOMEM;
+  }
+  p->e = e;
+  snprintf(p->host, sizeof p->host, "%s", host);
+  p->port = port;
+  p->nstreams = e->cfg.streams;
+  for (int k = 0; k < p->nstreams; k++) {
+    kvl__stream *s = &p->streams[k];
+    s->peer = p;
+    s->index = k;
+    s->fd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+  }
+  for (int k = 0; k < p->nstreams && rc == 0; k++) {
+    kvl__stream *s = &p->streams[k];
+    rc = kvl__connect(host, port, e->cfg.connect_timeout_ms, &s->fd);
+    if (rc) {
+      snprintf(last_msg, sizeof last_msg, "connecting to %s:%u: %s", host, port, kvl_strerror(rc));
+      break;
+    }
+    rc = kvl__handshake_client(e, s->fd, p->name, last_msg, sizeof last_msg);
+  }
+  if (rc == 0) {
+    for (int k = 0; k < p->nstreams && rc == 0; k++) rc = kvl__stream_start(&p->streams[k]);
+    /* A thread that started serves until destroy; keep the peer so it is joined. */
+    pthread_mutex_lock(&e->mu);
+    *peer_out = e->npeers;
+    e->peers[e->npeers++] = p;
+    pthread_mutex_unlock(&e->mu);
+    if (rc) snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
+  } else {
+    for (int k = 0; k < p->nstreams; k++) {
+      kvl__stream *s = &p->streams[k];
+      if (s->fd >= 0) close(s->fd);
+      pthread_mutex_destroy(&s->mu);
+      pthread_cond_destroy(&s->cv);
+    }
+    free(p);
+  }
+  pthread_mutex_unlock(&e->connect_mu);
+  if (rc) kvl__log(e, rc, "connect to %s:%u failed: %s", host, port, last_msg[0] ? last_msg : kvl_strerror(rc));
+  return rc;
+}
+
+int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap) {
+  kvl__peer *p = peer_get(e, peer);
+  if (!p) return KVL_ENOPEER;
+  snprintf(buf, cap, "%s", p->name);
+  return 0;
+}
+
+int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs, const uint32_t *remote_regions,
+               size_t n_regions, const uint64_t *remote_offsets, const uint64_t *lengths, size_t n_lengths, size_t n,
+               uint32_t timeout_ms, kvl_batch **out) {
+  last_msg[0] = 0;
+  if ((op != KVL_OP_READ && op != KVL_OP_WRITE) || n == 0 || !local_addrs || !remote_regions || !remote_offsets ||
+      !lengths || (n_regions != 1 && n_regions != n) || (n_lengths != 1 && n_lengths != n) || !out)
+    return KVL_EINVAL;
+  if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
+  kvl__peer *p = peer_get(e, peer);
+  if (!p) return KVL_ENOPEER;
+  uint64_t deadline = kvl__now_ms() + (timeout_ms ? timeout_ms : e->cfg.op_timeout_ms);
+  kvl_batch *b;
+  int rc = kvl__batch_build(e, op, p->nstreams, local_addrs, remote_regions, n_regions, remote_offsets, lengths,
+                            n_lengths, n, deadline, &b);
+  if (rc) return rc;
+  uint32_t base = __atomic_fetch_add(&p->rr, 1, __ATOMIC_RELAXED);
+  uint32_t np = b->parts_total; /* b may finish (and drop part refs) once enqueued */
+  for (uint32_t i = 0; i < np; i++) kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i]);
+  *out = b;
+  return 0;
+}
+
+int kvl_notify(kvl_engine *e, uint32_t peer, const void *data, size_t len, uint32_t timeout_ms) {
+  last_msg[0] = 0;
+  if (!data || len == 0 || len > KVL_MAX_NOTIFY) return KVL_EINVAL;
+  if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
+  kvl__peer *p = peer_get(e, peer);
+  if (!p) return KVL_ENOPEER;
+  uint32_t t = timeout_ms ? timeout_ms : e->cfg.op_timeout_ms;
+  kvl_batch *b;
+  int rc = kvl__batch_notify(e, data, len, kvl__now_ms() + t, &b);
+  if (rc) return rc;
+  kvl__stream_enqueue(&p->streams[0], &b->parts[0]);
+  rc = kvl_batch_wait(b, t + 1000);
+  if (rc) snprintf(last_msg, sizeof last_msg, "%s", b->msg);
+  kvl_batch_release(b);
+  return rc;
+}

@@ -1,0 +1,267 @@
+/* kvl_internal.h - types shared by the engine's C files; not part of the API.
+ * Internal symbols carry the kvl__ prefix. */
+#ifndef KVL_INTERNAL_H
+#define KVL_INTERNAL_H
+
+#include "kvl.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+typedef struct {
+  const void *p;
+  size_t n;
+} kvl__bytes;
+
+/* ---- time, crypto (kvl_sha256.c) --------------------------------------- */
+uint64_t kvl__now_ms(void);
+void kvl__sha256(const void *data, size_t len, uint8_t out[32]);
+void kvl__hmac_sha256(const uint8_t *key, size_t key_len, const kvl__bytes *parts, int nparts, uint8_t out[32]);
+int kvl__ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
+
+/* ---- wire format (kvl_proto.c; documented in docs/protocol.md) ---------- */
+#define KVL__MAGIC 0x4B4C564Bu /* bytes 'K' 'V' 'L' 'K' */
+#define KVL__HDR_LEN 16
+#define KVL__NONCE_LEN 32
+#define KVL__MAC_LEN 32
+#define KVL__WDESC_LEN 24
+#define KVL__F_CRC 0x1u
+
+enum {
+  KVL__T_HELLO = 1,
+  KVL__T_CHALLENGE = 2,
+  KVL__T_AUTH = 3,
+  KVL__T_WELCOME = 4,
+  KVL__T_READ_REQ = 5,
+  KVL__T_READ_RESP = 6,
+  KVL__T_WRITE_REQ = 7,
+  KVL__T_WRITE_RESP = 8,
+  KVL__T_NOTIFY = 9,
+  KVL__T_NOTIFY_ACK = 10,
+  KVL__T_ERROR = 15,
+};
+
+typedef struct {
+  uint8_t version, type;
+  uint16_t flags;
+  uint32_t seq, body_len;
+} kvl__hdr;
+
+typedef struct { /* HELLO and CHALLENGE */
+  uint8_t nonce[KVL__NONCE_LEN];
+  uint8_t mac[KVL__MAC_LEN]; /* CHALLENGE only */
+  uint8_t auth;              /* 1 if the sender holds a token */
+  char name[KVL_MAX_NAME + 1];
+} kvl__hello;
+
+typedef struct { /* READ_RESP, WRITE_RESP, NOTIFY_ACK, ERROR */
+  int32_t status;
+  uint32_t index; /* offending descriptor, if any */
+  uint64_t total; /* data bytes that follow (READ_RESP) */
+  char msg[KVL_MAX_EVENT_MSG + 1];
+} kvl__status;
+
+typedef struct { /* one descriptor as it crosses the wire */
+  uint32_t region;
+  uint64_t offset, length;
+} kvl__wdesc;
+
+void kvl__put_u32(uint8_t *p, uint32_t v);
+void kvl__put_u64(uint8_t *p, uint64_t v);
+uint32_t kvl__get_u32(const uint8_t *p);
+uint64_t kvl__get_u64(const uint8_t *p);
+
+void kvl__hdr_encode(uint8_t out[KVL__HDR_LEN], uint8_t type, uint16_t flags, uint32_t seq, uint32_t body_len);
+int kvl__hdr_decode(const uint8_t in[KVL__HDR_LEN], kvl__hdr *h, char *why, size_t cap);
+size_t kvl__hello_encode(uint8_t *out, uint8_t type, const kvl__hello *h); /* body only */
+int kvl__hello_decode(const uint8_t *body, size_t len, uint8_t type, kvl__hello *h, char *why, size_t cap);
+size_t kvl__status_encode(uint8_t *out, const kvl__status *s);
+int kvl__status_decode(const uint8_t *body, size_t len, kvl__status *s, char *why, size_t cap);
+/* READ_REQ/WRITE_REQ body: u32 count, u32 reserved, count x wdesc. */
+int kvl__descs_check(const uint8_t *body, size_t len, uint32_t *count, char *why, size_t cap);
+void kvl__wdesc_get(const uint8_t *body, uint32_t i, kvl__wdesc *d);
+void kvl__wdesc_put(uint8_t *body, uint32_t i, const kvl__wdesc *d);
+#define KVL__STATUS_MAX (4 + 4 + 8 + 2 + KVL_MAX_EVENT_MSG)
+
+/* ---- sockets (kvl_sock.c) ------------------------------------------------ */
+#define KVL__SLICE_MS 100 /* longest a socket call blocks before re-checking */
+#define KVL__IOV_MAX 1024
+int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, int *is_loopback);
+int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, int *fd_out);
+void kvl__sock_tune(int fd);
+void kvl__peer_str(int fd, char *buf, size_t cap);
+/* Send/receive every byte of iov before deadline (0: none); closing is polled
+ * between slices. iov is consumed. */
+int kvl__sendv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *closing);
+int kvl__recvv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *closing);
+/* Wait without deadline until fd is readable (or closed), polling closing. */
+int kvl__wait_readable(int fd, const int *closing);
+int kvl__send_all(int fd, const void *p, size_t len, uint64_t deadline, const int *closing);
+int kvl__recv_all(int fd, void *p, size_t len, uint64_t deadline, const int *closing);
+
+/* ---- regions (kvl_region.c) -------------------------------------------- */
+typedef struct {
+  uint64_t addr, len;
+  uint32_t access;
+  uint16_t gen;
+  uint8_t state; /* 0 free, 1 active, 2 draining */
+  uint64_t inflight;
+} kvl__region;
+
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t drained;
+  uint32_t count;
+  kvl__region slot[KVL_MAX_REGIONS]; /* guarded by mu */
+} kvl__regions;
+
+void kvl__regions_init(kvl__regions *t);
+void kvl__regions_destroy(kvl__regions *t);
+int kvl__regions_add(kvl__regions *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t *id);
+int kvl__regions_remove(kvl__regions *t, uint32_t id, uint32_t timeout_ms);
+/* Validate all descriptors and pin their regions; on failure *bad is the
+ * index of the refused descriptor and nothing stays pinned. */
+int kvl__regions_acquire(kvl__regions *t, const uint8_t *body, uint32_t count, uint32_t need, uint32_t *bad,
+                         char *why, size_t cap);
+int kvl__regions_resolve(kvl__regions *t, const uint8_t *body, uint32_t first, uint32_t n, struct iovec *out);
+void kvl__regions_release(kvl__regions *t, const uint8_t *body, uint32_t count);
+
+/* ---- engine internals ---------------------------------------------------- */
+typedef struct kvl__stream kvl__stream;
+typedef struct kvl__peer kvl__peer;
+typedef struct kvl__conn kvl__conn;
+
+typedef struct { /* one descriptor of a batch, after coalescing */
+  uint64_t local;
+  uint64_t offset, length;
+  uint32_t region;
+} kvl__desc;
+
+typedef struct kvl__part {
+  kvl_batch *batch;
+  kvl_engine *engine;
+  uint32_t first, count;    /* range in batch->desc */
+  kvl__stream *running_on;  /* guarded by batch->mu */
+  struct kvl__part *next;   /* guarded by the stream's mu */
+} kvl__part;
+
+enum { KVL__B_RUNNING = 0, KVL__B_DONE = 1, KVL__B_FAILED = 2 };
+
+struct kvl_batch {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int op;              /* KVL_OP_* or 0 for a notification */
+  int state;           /* KVL__B_*, guarded by mu */
+  int err;             /* guarded by mu */
+  int active_io;       /* workers inside a receive into our memory; mu */
+  int refs;            /* mu */
+  uint32_t parts_total, parts_done, parts_finished; /* mu */
+  uint64_t deadline_ms;
+  size_t ndesc;
+  kvl__desc *desc;
+  kvl__part *parts;
+  const void *payload; /* notification */
+  size_t payload_len;
+  char msg[KVL_MAX_EVENT_MSG + 1];
+};
+
+/* Called with b->mu held: move to FAILED and stop every worker touching b. */
+void kvl__batch_fail_locked(kvl_batch *b, int err, const char *msg);
+void kvl__batch_unref(kvl_batch *b);
+void kvl__part_finish(kvl__part *pt, int rc, const char *msg);
+/* Bracket a receive into the batch's memory; enter fails once it finished. */
+int kvl__batch_enter_io(kvl_batch *b);
+void kvl__batch_leave_io(kvl_batch *b);
+int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local, const uint32_t *regions,
+                     size_t n_regions, const uint64_t *offsets, const uint64_t *lengths, size_t n_lengths, size_t n,
+                     uint64_t deadline, kvl_batch **out);
+int kvl__batch_notify(kvl_engine *e, const void *data, size_t len, uint64_t deadline, kvl_batch **out);
+
+struct kvl__stream {
+  kvl__peer *peer;
+  int index;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  kvl__part *head, *tail; /* queue, guarded by mu */
+  int fd;                 /* worker-owned; -1 when disconnected */
+  pthread_t thread;
+  int started;
+  uint32_t seq;
+  uint8_t *buf;           /* request encoding buffer */
+  size_t cap;
+  uint32_t *crcs;
+  size_t crc_cap;
+  struct iovec iov[KVL__IOV_MAX];
+};
+
+struct kvl__peer {
+  kvl_engine *e;
+  char host[256];
+  uint16_t port;
+  char name[KVL_MAX_NAME + 1];
+  int nstreams;
+  uint32_t rr; /* next stream for a one-part batch (atomic) */
+  kvl__stream streams[KVL_MAX_STREAMS];
+};
+
+#define KVL__EVENTS 128
+typedef struct {
+  int code;
+  char msg[KVL_MAX_EVENT_MSG + 1];
+} kvl__event;
+
+typedef struct kvl__notif {
+  struct kvl__notif *next;
+  char from[KVL_MAX_NAME + 1];
+  size_t len;
+  uint8_t data[];
+} kvl__notif;
+
+#define KVL__NOTIF_MAX 65536
+
+struct kvl_engine {
+  kvl_config cfg;       /* strings below are owned copies */
+  char name[KVL_MAX_NAME + 1];
+  char listen_host[256];
+  uint8_t *token;
+  int closing;          /* atomic; set once by destroy */
+  int listen_fd;
+  uint16_t port;
+  pthread_t listener;
+  int has_listener;
+  kvl__regions regions;
+
+  pthread_mutex_t connect_mu; /* serializes kvl_peer_connect */
+  pthread_mutex_t mu;   /* guards peers, conns, notifs, events */
+  kvl__peer *peers[KVL_MAX_PEERS];
+  uint32_t npeers;
+  kvl__conn *conns;
+  uint32_t nconns;
+  kvl__notif *nhead, *ntail;
+  uint32_t nnotifs;
+  kvl__event events[KVL__EVENTS];
+  uint32_t ev_head, ev_count;
+
+  kvl_stats stats;      /* counters updated with atomics */
+};
+
+void kvl__log(kvl_engine *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+#define KVL__STAT_ADD(e, field, v) __atomic_fetch_add(&(e)->stats.field, (v), __ATOMIC_RELAXED)
+
+/* handshake (kvl_auth.c) */
+int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap);
+int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap);
+/* accepted connections (kvl_server.c) */
+void kvl__server_accept(kvl_engine *e, int fd);
+void kvl__server_reap(kvl_engine *e, int all);
+uint32_t kvl__server_conns(kvl_engine *e);
+int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t len);
+/* requester streams (kvl_client.c) */
+int kvl__stream_start(kvl__stream *s);
+void kvl__stream_stop(kvl__stream *s);
+void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt);
+/* send an ERROR-class frame (status body) */
+int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);
+
+#endif

@@ -1,0 +1,149 @@
+/* kvl_region.c - the table of registered memory regions. A region id packs
+ * a slot index and a generation, so an id from an unregistered region never
+ * reaches memory that a later registration reuses the slot for. Peers pin
+ * the regions they access (inflight) for the duration of one request;
+ * removal refuses new accesses at once and waits for the pins to drop. */
+#include "kvl_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+static uint32_t make_id(uint32_t idx, uint16_t gen) { return (uint32_t)gen << 16 | (idx + 1); }
+
+/* The slot of a live id, or NULL. Called with t->mu held. */
+static kvl__region *lookup(kvl__regions *t, uint32_t id) {
+  uint32_t idx = (id & 0xffffu);
+  if (idx == 0 || idx > KVL_MAX_REGIONS) return NULL;
+  kvl__region *r = &t->slot[idx - 1];
+  if (r->state == 0 || r->gen != (uint16_t)(id >> 16)) return NULL;
+  return r;
+}
+
+void kvl__regions_init(kvl__regions *t) {
+  memset(t, 0, sizeof *t);
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&t->drained, &ca);
+  pthread_condattr_destroy(&ca);
+  for (uint32_t i = 0; i < KVL_MAX_REGIONS; i++) t->slot[i].gen = 1;
+}
+
+void kvl__regions_destroy(kvl__regions *t) {
+  pthread_mutex_destroy(&t->mu);
+  pthread_cond_destroy(&t->drained);
+}
+
+int kvl__regions_add(kvl__regions *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t *id) {
+  if (len == 0 || addr == 0 || addr + len < addr || (access & ~(KVL_ACCESS_READ | KVL_ACCESS_WRITE)))
+    return KVL_EINVAL;
+  pthread_mutex_lock(&t->mu);
+  for (uint32_t i = 0; i < KVL_MAX_REGIONS; i++) {
+    kvl__region *r = &t->slot[i];
+    if (r->state != 0) continue;
+    r->addr = addr;
+    r->len = len;
+    r->access = access;
+    r->inflight = 0;
+    r->state = 1;
+    t->count++;
+    *id = make_id(i, r->gen);
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return KVL_EFULL;
+}
+
+int kvl__regions_remove(kvl__regions *t, uint32_t id, uint32_t timeout_ms) {
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_sec += timeout_ms / 1000;
+  until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+  pthread_mutex_lock(&t->mu);
+  kvl__region *r = lookup(t, id);
+  if (!r) {
+    pthread_mutex_unlock(&t->mu);
+    return KVL_ENOREGION;
+  }
+  r->state = 2; /* from now on lookups refuse it */
+  while (r->inflight > 0) {
+    if (pthread_cond_timedwait(&t->drained, &t->mu, &until) == ETIMEDOUT && r->inflight > 0) {
+      pthread_mutex_unlock(&t->mu);
+      return KVL_EBUSY; /* still draining; the id stays refused */
+    }
+  }
+  r->state = 0;
+  r->gen = (uint16_t)(r->gen == 0xffff ? 1 : r->gen + 1);
+  t->count--;
+  pthread_mutex_unlock(&t->mu);
+  return 0;
+}
+
+static void unpin(kvl__regions *t, const uint8_t *body, uint32_t count) {
+  for (uint32_t i = 0; i < count; i++) {
+    kvl__wdesc d;
+    kvl__wdesc_get(body, i, &d);
+    kvl__region *r = &t->slot[(d.region & 0xffffu) - 1];
+    if (--r->inflight == 0 && r->state == 2) pthread_cond_broadcast(&t->drained);
+  }
+}
+
+int kvl__regions_acquire(kvl__regions *t, const uint8_t *body, uint32_t count, uint32_t need, uint32_t *bad,
+                         char *why, size_t cap) {
+  int rc = 0;
+  uint32_t i;
+  pthread_mutex_lock(&t->mu);
+  for (i = 0; i < count; i++) {
+    kvl__wdesc d;
+    kvl__wdesc_get(body, i, &d);
+    kvl__region *r = lookup(t, d.region);
+    if (!r || r->state != 1) {
+      snprintf(why, cap, "descriptor %u names unknown region 0x%x", i, d.region);
+      rc = KVL_ENOREGION;
+      break;
+    }
+    if ((r->access & need) != need) {
+      snprintf(why, cap, "descriptor %u: region 0x%x does not permit %s", i, d.region,
+               need == KVL_ACCESS_READ ? "READ" : "WRITE");
+      rc = KVL_EACCESS;
+      break;
+    }
+    /* overflow-safe: offset + length <= len */
+    if (d.offset > r->len || d.length > r->len - d.offset) {
+      snprintf(why, cap, "descriptor %u: offset %llu + length %llu beyond region 0x%x of %llu bytes", i,
+               (unsigned long long)d.offset, (unsigned long long)d.length, d.region, (unsigned long long)r->len);
+      rc = KVL_ERANGE;
+      break;
+    }
+    r->inflight++;
+  }
+  if (rc) {
+    unpin(t, body, i);
+    *bad = i;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int kvl__regions_resolve(kvl__regions *t, const uint8_t *body, uint32_t first, uint32_t n, struct iovec *out) {
+  /* The regions are pinned, so their address and length cannot change. */
+  for (uint32_t i = 0; i < n; i++) {
+    kvl__wdesc d;
+    kvl__wdesc_get(body, first + i, &d);
+    const kvl__region *r = &t->slot[(d.region & 0xffffu) - 1];
+    out[i].iov_base = (void *)(uintptr_t)(r->addr + d.offset);
+    out[i].iov_len = (size_t)d.length;
+  }
+  return 0;
+}
+
+void kvl__regions_release(kvl__regions *t, const uint8_t *body, uint32_t count) {
+  pthread_mutex_lock(&t->mu);
+  unpin(t, body, count);
+  pthread_mutex_unlock(&t->mu);
+}

@@ -1,0 +1,257 @@
+/* kvl_server.c - the responder: one thread per accepted connection serves
+ * READ, WRITE and NOTIFY requests straight from/into registered memory. A
+ * peer that breaks the protocol or asks for memory it may not touch gets an
+ * error frame naming why, a logged event, and a closed connection; nobody
+ * else notices. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "kvl_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+struct kvl__conn {
+  kvl__conn *next;  /* e->conns list, guarded by e->mu */
+  kvl_engine *e;
+  int fd;
+  int done;         /* guarded by e->mu */
+  pthread_t thread;
+  char addr[64];
+  char name[KVL_MAX_NAME + 1];
+  uint8_t *body;
+  size_t cap;
+  uint32_t *crcs;
+  size_t crc_cap;
+  struct iovec iov[KVL__IOV_MAX];
+};
+
+static int grow(void **p, size_t *cap, size_t need) {
+  if (need <= *cap) return 0;
+  void *n = realloc(*p, need);
+  if (!n) return KVL_ENOMEM;
+  *p = n;
+  *cap = need;
+  return 0;
+}
+
+static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t index, uint64_t total, const char *msg) {
+  kvl__status st;
+  memset(&st, 0, sizeof st);
+  st.status = status;
+  st.index = index;
+  st.total = total;
+  if (msg) snprintf(st.msg, sizeof st.msg, "%s", msg);
+  return kvl__send_status(c->fd, type, seq, &st, kvl__now_ms() + c->e->cfg.op_timeout_ms, &c->e->closing);
+}
+
+/* CRC of each descriptor in [first, first+n), resolved to iov. */
+static void crc_descs(kvl__conn *c, uint32_t first, uint32_t n, uint32_t *out) {
+  kvl__regions_resolve(&c->e->regions, c->body, first, n, c->iov);
+  for (uint32_t i = 0; i < n; i++) kvl__put_u32((uint8_t *)&out[first + i], kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len));
+}
+
+/* Returns 0 to keep serving, a negative code to hang up (with why filled). */
+static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
+  kvl_engine *e = c->e;
+  int is_read = h->type == KVL__T_READ_REQ;
+  uint8_t resp = is_read ? KVL__T_READ_RESP : KVL__T_WRITE_RESP;
+  uint32_t count, bad = 0;
+  int rc = kvl__descs_check(c->body, h->body_len, &count, why, cap);
+  if (rc) {
+    reply(c, resp, h->seq, rc, 0, 0, why);
+    return rc;
+  }
+  rc = kvl__regions_acquire(&e->regions, c->body, count, is_read ? KVL_ACCESS_READ : KVL_ACCESS_WRITE, &bad, why, cap);
+  if (rc) {
+    reply(c, resp, h->seq, rc, bad, 0, why);
+    return rc;
+  }
+  int crc = (h->flags & KVL__F_CRC) != 0;
+  uint64_t total = 0, deadline = kvl__now_ms() + e->cfg.op_timeout_ms;
+  for (uint32_t i = 0; i < count; i++) {
+    kvl__wdesc d;
+    kvl__wdesc_get(c->body, i, &d);
+    total += d.length;
+  }
+  if (crc && grow((void **)&c->crcs, &c->crc_cap, (size_t)count * 4) != 0) {
+    rc = KVL_ENOMEM;
+    snprintf(why, cap, "no memory for %u checksums", count);
+    goto out;
+  }
+  if (is_read) {
+    if (crc)
+      for (uint32_t first = 0; first < count; first += KVL__IOV_MAX)
+        crc_descs(c, first, count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX, c->crcs);
+    if ((rc = reply(c, resp, h->seq, 0, 0, total, NULL)) != 0) goto io_fail;
+  }
+  for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
+    uint32_t n = count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX;
+    kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
+    rc = is_read ? kvl__sendv(c->fd, c->iov, (int)n, deadline, &e->closing)
+                 : kvl__recvv(c->fd, c->iov, (int)n, deadline, &e->closing);
+    if (rc) goto io_fail;
+  }
+  if (crc && is_read) {
+    rc = kvl__send_all(c->fd, c->crcs, (size_t)count * 4, deadline, &e->closing);
+    if (rc) goto io_fail;
+  } else if (crc) {
+    rc = kvl__recv_all(c->fd, c->crcs, (size_t)count * 4, deadline, &e->closing);
+    if (rc) goto io_fail;
+    for (uint32_t first = 0; first < count && rc == 0; first += KVL__IOV_MAX) {
+      uint32_t n = count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX;
+      kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
+      for (uint32_t i = 0; i < n; i++) {
+        if (kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len) != kvl__get_u32((uint8_t *)&c->crcs[first + i])) {
+          bad = first + i;
+          rc = KVL_ECRC;
+          snprintf(why, cap, "checksum mismatch in written descriptor %u", bad);
+          break;
+        }
+      }
+    }
+  }
+  kvl__regions_release(&e->regions, c->body, count);
+  if (!is_read) {
+    int r2 = reply(c, resp, h->seq, rc, bad, total, rc ? why : NULL);
+    if (r2) return r2;
+  }
+  if (rc == 0) KVL__STAT_ADD(e, bytes_served, total);
+  return rc == KVL_ECRC ? 0 : rc;
+io_fail:
+  snprintf(why, cap, "%s while %s %llu bytes", kvl_strerror(rc), is_read ? "sending" : "receiving",
+           (unsigned long long)total);
+out:
+  kvl__regions_release(&e->regions, c->body, count);
+  return rc;
+}
+
+static void *conn_main(void *arg) {
+  kvl__conn *c = arg;
+  kvl_engine *e = c->e;
+  char why[KVL_MAX_EVENT_MSG + 1] = "";
+  kvl__sock_tune(c->fd);
+  int rc = kvl__handshake_server(e, c->fd, c->name, why, sizeof why);
+  if (rc) {
+    KVL__STAT_ADD(e, conns_rejected, 1);
+    kvl__log(e, rc, "refused connection from %s: %s", c->addr, why);
+    goto out;
+  }
+  for (;;) {
+    uint8_t hb[KVL__HDR_LEN], peek;
+    kvl__hdr h;
+    if ((rc = kvl__wait_readable(c->fd, &e->closing)) != 0) break;
+    if (recv(c->fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT) == 0) break; /* orderly close */
+    uint64_t deadline = kvl__now_ms() + e->cfg.op_timeout_ms;
+    if ((rc = kvl__recv_all(c->fd, hb, sizeof hb, deadline, &e->closing)) != 0) {
+      snprintf(why, sizeof why, "%s inside a frame header", kvl_strerror(rc));
+      break;
+    }
+    if ((rc = kvl__hdr_decode(hb, &h, why, sizeof why)) != 0) {
+      reply(c, KVL__T_ERROR, 0, rc, 0, 0, why);
+      break;
+    }
+    if (grow((void **)&c->body, &c->cap, h.body_len) != 0) {
+      rc = KVL_ENOMEM;
+      snprintf(why, sizeof why, "no memory for a %u-byte body", h.body_len);
+      break;
+    }
+    if ((rc = kvl__recv_all(c->fd, c->body, h.body_len, deadline, &e->closing)) != 0) {
+      snprintf(why, sizeof why, "%s inside a %u-byte frame body", kvl_strerror(rc), h.body_len);
+      break;
+    }
+    if (h.type == KVL__T_READ_REQ || h.type == KVL__T_WRITE_REQ) {
+      if ((rc = serve_data(c, &h, why, sizeof why)) != 0) break;
+    } else if (h.type == KVL__T_NOTIFY) {
+      int st = kvl__notif_push(e, c->name, c->body, h.body_len);
+      if ((rc = reply(c, KVL__T_NOTIFY_ACK, h.seq, st, 0, 0, st ? "notification queue full" : NULL)) != 0) break;
+    } else {
+      rc = KVL_EPROTO;
+      snprintf(why, sizeof why, "unexpected frame type %u after handshake", h.type);
+      reply(c, KVL__T_ERROR, h.seq, rc, 0, 0, why);
+      break;
+    }
+  }
+  if (rc && rc != KVL_ECLOSED && rc != KVL_EPEERCLOSED) {
+    KVL__STAT_ADD(e, conns_rejected, 1);
+    kvl__log(e, rc, "disconnected %s (%s): %s", c->addr, c->name[0] ? c->name : "?", why);
+  } else if (rc == KVL_EPEERCLOSED && why[0]) {
+    kvl__log(e, rc, "peer %s (%s) went away: %s", c->addr, c->name[0] ? c->name : "?", why);
+  }
+out:
+  close(c->fd);
+  c->fd = -1;
+  pthread_mutex_lock(&e->mu);
+  c->done = 1;
+  pthread_mutex_unlock(&e->mu);
+  return NULL;
+}
+
+void kvl__server_accept(kvl_engine *e, int fd) {
+  char addr[64];
+  kvl__peer_str(fd, addr, sizeof addr);
+  pthread_mutex_lock(&e->mu);
+  int full = e->nconns >= e->cfg.max_conns;
+  pthread_mutex_unlock(&e->mu);
+  kvl__conn *c = full ? NULL : calloc(1, sizeof *c);
+  if (!c) {
+    KVL__STAT_ADD(e, conns_rejected, 1);
+    kvl__log(e, full ? KVL_EBUSY : KVL_ENOMEM, "refused connection from %s: %s", addr,
+             full ? "too many connections" : "out of memory");
+    close(fd);
+    return;
+  }
+  c->e = e;
+  c->fd = fd;
+  snprintf(c->addr, sizeof c->addr, "%s", addr);
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setstacksize(&at, 512 * 1024);
+  pthread_mutex_lock(&e->mu);
+  if (pthread_create(&c->thread, &at, conn_main, c) != 0) {
+    pthread_mutex_unlock(&e->mu);
+    pthread_attr_destroy(&at);
+    kvl__log(e, KVL_ESYS, "refused connection from %s: cannot start a thread", addr);
+    close(fd);
+    free(c);
+    return;
+  }
+  c->next = e->conns;
+  e->conns = c;
+  e->nconns++;
+  KVL__STAT_ADD(e, conns_accepted, 1);
+  pthread_mutex_unlock(&e->mu);
+  pthread_attr_destroy(&at);
+}
+
+void kvl__server_reap(kvl_engine *e, int all) {
+  for (;;) {
+    kvl__conn *dead = NULL;
+    pthread_mutex_lock(&e->mu);
+    for (kvl__conn **pp = &e->conns; *pp; pp = &(*pp)->next) {
+      if ((*pp)->done || all) {
+        dead = *pp;
+        *pp = dead->next;
+        e->nconns--;
+        break;
+      }
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (!dead) return;
+    pthread_join(dead->thread, NULL);
+    free(dead->body);
+    free(dead->crcs);
+    free(dead);
+  }
+}
+
+uint32_t kvl__server_conns(kvl_engine *e) {
+  pthread_mutex_lock(&e->mu);
+  uint32_t n = 0;
+  for (kvl__conn *c = e->conns; c; c = c->next) n += !c->done;
+  pthread_mutex_unlock(&e->mu);
+  return n;
+}

@@ -1,0 +1,175 @@
+"""Engine: the pythonic face of the C transport engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlink import _binding as B
+from kvlink.errors import Closed
+from kvlink.transport.batch import Batch
+from kvlink.transport.config import EngineConfig, split_hostport
+from kvlink.transport.region import Access, Region
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = B.PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Peer:
+    id: int
+    address: str
+    name: str
+
+
+def _u64(a: Any, what: str, n: int | None = None) -> np.ndarray:
+    arr = np.ascontiguousarray(a, dtype=np.uint64).reshape(-1)
+    if np.asarray(a).dtype.kind == "i" and (np.asarray(a) < 0).any():
+        raise ValueError(f"{what} must not be negative")
+    if n is not None and len(arr) not in (1, n):
+        raise ValueError(f"{what} has {len(arr)} entries, expected 1 or {n}")
+    return arr
+
+
+class Engine:
+    """A transport engine: registers memory, connects to peers, and moves
+    batches of (local offset, remote region, remote offset, length)
+    descriptors. Use as a context manager or call close()."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        host, port = split_hostport(cfg.listen, "listen") if cfg.listen else (None, 0)
+        self._h = B.engine_create(
+            listen_host=host, listen_port=port, token=cfg.token, name=cfg.name, streams=cfg.streams, crc=cfg.crc,
+            allow_insecure=cfg.allow_insecure, op_timeout_ms=int(cfg.op_timeout_s * 1000),
+            connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
+            handshake_timeout_ms=int(cfg.handshake_timeout_s * 1000), max_conns=cfg.max_conns)
+        self._host = host
+        self._lock = threading.Lock()
+        self._regions: set[Region] = set()
+        self.port = B.engine_port(self._h)
+        logger.info("kvlink engine %r: listen=%s streams=%d crc=%s auth=%s", cfg.name, self.address, cfg.streams,
+                    cfg.crc, "token" if cfg.token else "none")
+
+    # -- lifecycle -----------------------------------------------------------------
+    def _handle(self) -> Any:
+        h = self._h
+        if h is None:
+            raise Closed("engine is closed")
+        return h
+
+    @property
+    def address(self) -> str | None:
+        if self._host is None:
+            return None
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self.port}"
+
+    def close(self) -> None:
+        """Fail every batch in flight, close every connection, join every thread."""
+        with self._lock:
+            h, self._h = self._h, None
+        if h is not None:
+            self._log_events(h)
+            B.engine_destroy(h)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- memory ----------------------------------------------------------------------
+    def register(self, obj: Any, access: Access = Access.READ) -> Region:
+        """Register a buffer-protocol object, a CPU torch tensor, or (address, length)."""
+        region = Region(self, obj, access)
+        self._regions.add(region)
+        return region
+
+    # -- peers -----------------------------------------------------------------------
+    def connect(self, address: str) -> Peer:
+        """Connect (all streams, authenticated) to a peer engine at 'host:port'."""
+        host, port = split_hostport(address, "peer address")
+        try:
+            pid, name = B.peer_connect(self._handle(), host, port)
+        finally:
+            self._log_events(self._h)
+        return Peer(pid, address, name)
+
+    # -- batches ---------------------------------------------------------------------
+    def read(self, peer: Peer, local: Region, local_offsets: Any, remote_regions: Any, remote_offsets: Any,
+             lengths: Any, timeout_s: float | None = None) -> Batch:
+        """Pull remote bytes into ``local`` at ``local_offsets``."""
+        if not local.writable:
+            raise ValueError("the destination region of a READ must be writable memory")
+        return self._submit(B.OP_READ, peer, local, local_offsets, remote_regions, remote_offsets, lengths,
+                            timeout_s)
+
+    def write(self, peer: Peer, local: Region, local_offsets: Any, remote_regions: Any, remote_offsets: Any,
+              lengths: Any, timeout_s: float | None = None) -> Batch:
+        """Push bytes of ``local`` at ``local_offsets`` into the peer's regions."""
+        return self._submit(B.OP_WRITE, peer, local, local_offsets, remote_regions, remote_offsets, lengths,
+                            timeout_s)
+
+    def _submit(self, op: int, peer: Peer, local: Region, local_offsets: Any, remote_regions: Any,
+                remote_offsets: Any, lengths: Any, timeout_s: float | None) -> Batch:
+        if not local.registered:
+            raise ValueError("local region is not registered")
+        loff = _u64(local_offsets, "local_offsets")
+        n = len(loff)
+        if n == 0:
+            raise ValueError("a batch needs at least one descriptor")
+        roff = _u64(remote_offsets, "remote_offsets")
+        if len(roff) != n:
+            raise ValueError(f"remote_offsets has {len(roff)} entries, local_offsets {n}")
+        lens = _u64(lengths, "lengths", n)
+        regs = np.ascontiguousarray(remote_regions, dtype=np.uint32).reshape(-1)
+        if len(regs) not in (1, n):
+            raise ValueError(f"remote_regions has {len(regs)} entries, expected 1 or {n}")
+        if (lens == 0).any():
+            raise ValueError("descriptor lengths must be positive")
+        # Local bounds, overflow-safe: offset <= length and len <= length - offset.
+        size = np.uint64(local.length)
+        bad = (loff > size) | (lens > size - np.minimum(loff, size))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"descriptor {i}: local offset {int(loff[i])} + length "
+                             f"{int(lens[i if len(lens) > 1 else 0])} beyond the local region of {local.length} bytes")
+        addrs = loff + np.uint64(local.addr)
+        t = self.config.op_timeout_s if timeout_s is None else timeout_s
+        h = B.submit(self._handle(), peer.id, op, addrs, regs, roff, lens, max(1, int(t * 1000)))
+        nbytes = int(lens.sum()) if len(lens) == n else int(lens[0]) * n
+        return Batch(h, local, nbytes, t)
+
+    # -- notifications, events, stats ----------------------------------------------
+    def notify(self, peer: Peer, payload: bytes, timeout_s: float | None = None) -> None:
+        """Send a small opaque message (<= 4096 bytes) and wait for the peer to queue it."""
+        if not isinstance(payload, (bytes, bytearray)) or not 1 <= len(payload) <= B.MAX_NOTIFY:
+            raise ValueError(f"payload must be 1..{B.MAX_NOTIFY} bytes")
+        t = self.config.op_timeout_s if timeout_s is None else timeout_s
+        B.notify(self._handle(), peer.id, bytes(payload), max(1, int(t * 1000)))
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Received notifications as (sender engine name, payload), oldest first."""
+        return B.drain_notifications(self._handle())
+
+    def events(self) -> list[tuple[str, str]]:
+        """Drain what the engine logged (refused peers and why, failed batches) and log it."""
+        return self._log_events(self._handle())
+
+    def stats(self) -> dict[str, int]:
+        return B.engine_stats(self._handle())
+
+    @staticmethod
+    def _log_events(h: Any) -> list[tuple[str, str]]:
+        if h is None:
+            return []
+        evs = B.events(h)
+        for name, msg in evs:
+            logger.warning("kvlink engine: %s (%s)", msg, name)
+        return evs
