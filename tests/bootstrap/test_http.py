@@ -1,0 +1,256 @@
+"""Client and embedded server over loopback HTTP: the whole pairing flow, leases, long polls, metrics."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+
+import msgspec
+import pytest
+
+from kvlink.bootstrap import (
+    BootstrapClient,
+    BootstrapConfig,
+    BootstrapServer,
+    BootstrapUnavailable,
+    Conflict,
+    InvalidField,
+    LookupTimeout,
+    Outcome,
+    RequestExpired,
+    RequestRecord,
+    RequestReleased,
+    RequestStatus,
+    TooManyWaiters,
+    Unauthorized,
+    UnknownEngine,
+    UnknownRequest,
+)
+
+
+@pytest.fixture
+def engine(client, make_registration):
+    client.register_engine(make_registration("P"), lease_s=600.0)
+    return "P"
+
+
+def test_full_pairing_flow(client, make_registration):
+    regs = [make_registration("P", tp_rank=r, tp_size=2, port=5000 + r) for r in range(2)]
+    assert [client.register_engine(r, lease_s=30.0) for r in regs] == [True, True]
+    assert client.register_engine(regs[0], lease_s=30.0) is False
+    client.heartbeat("P", tp_rank=1)
+    assert client.get_engine("P", tp_rank=1) == regs[1]
+    assert client.engine_ranks("P") == regs
+
+    client.publish("P", "prefill-req-1-abc", [[1, 2, 3], [7]], 48, lease_s=30.0, transfer_id="xfer-1")
+    client.publish("P", "prefill-req-2-def", [[4]], 16, lease_s=30.0)
+    found = client.lookup("P", ["prefill-req-1-abc", "prefill-req-2-def", "nope"])
+    record = found["prefill-req-1-abc"]
+    assert isinstance(record, RequestRecord)
+    assert (record.block_ids, record.num_tokens, record.transfer_id) == ([[1, 2, 3], [7]], 48, "xfer-1")
+    assert 0 < record.lease_remaining_s <= 30.0
+    assert found["nope"] is RequestStatus.UNKNOWN
+    assert client.lookup_transfer("xfer-1") == record
+
+    assert client.renew("P", ["prefill-req-1-abc", "nope"], lease_s=60.0) == {"nope": RequestStatus.UNKNOWN}
+    assert client.release("P", "prefill-req-1-abc", "pulled") is False
+    assert client.release("P", "prefill-req-1-abc", "pulled") is True  # idempotent (vllm#50565)
+    client.release("P", "prefill-req-2-def", Outcome.ABANDONED)
+    assert client.poll_released("P") == [("prefill-req-1-abc", "pulled"), ("prefill-req-2-def", "abandoned")]
+    assert client.poll_released("P") == []  # each reported once
+    assert client.lookup("P", ["prefill-req-1-abc"]) == {"prefill-req-1-abc": RequestStatus.RELEASED}
+    with pytest.raises(RequestReleased):
+        client.lookup_transfer("xfer-1")
+    assert client.unregister_engine("P", tp_rank=0) is True
+
+
+def test_expiry_is_reported_to_both_sides(client, clock, engine):
+    client.publish(engine, "r1", [[1]], 16, lease_s=5.0, transfer_id="t1")
+    clock.advance(5.0)
+    assert client.lookup(engine, ["r1"]) == {"r1": RequestStatus.EXPIRED}
+    with pytest.raises(RequestExpired) as err:
+        client.lookup_transfer("t1")
+    assert err.value.status == 410 and err.value.field == "transfer_id"
+    with pytest.raises(RequestExpired):
+        client.release(engine, "r1", "pulled")
+    assert client.poll_released(engine) == [("r1", Outcome.EXPIRED)]
+    assert client.poll_released(engine) == []
+
+
+def test_errors_map_to_exceptions(client, engine, make_registration):
+    with pytest.raises(Conflict) as err:
+        client.register_engine(make_registration("P", num_blocks=1), lease_s=30.0)
+    assert err.value.status == 409 and err.value.field == "registration.layers"
+    client.publish(engine, "r1", [[1]], 16, lease_s=30.0)
+    with pytest.raises(Conflict):
+        client.publish(engine, "r1", [[2]], 16, lease_s=30.0)
+    with pytest.raises(UnknownEngine) as err:
+        client.lookup("nobody", ["r1"])
+    assert isinstance(err.value, BootstrapUnavailable)  # "cannot pair with that engine now"
+    with pytest.raises(UnknownEngine):
+        client.heartbeat("nobody")
+    with pytest.raises(UnknownRequest):
+        client.lookup_transfer("never")
+    with pytest.raises(UnknownRequest):
+        client.release(engine, "never", "abandoned")
+    with pytest.raises(UnknownEngine):
+        client.lookup_transfer("never", wait_s=5.0, engine_id="nobody")  # fast, no wait
+
+
+def test_client_validates_before_sending(make_registration):
+    cli = BootstrapClient("http://127.0.0.1:9", timeout_s=0.5)  # nothing listens: only validation runs
+    with pytest.raises(InvalidField) as err:
+        cli.publish("P", "r", [[1, -2]], 16, lease_s=1.0)
+    assert err.value.field == "block_ids[0][1]"
+    with pytest.raises(InvalidField) as err:
+        cli.lookup("P", [])
+    assert err.value.field == "request_ids"
+    reg = make_registration("P")
+    bad = msgspec.structs.replace(reg, layers=[msgspec.structs.replace(reg.layers[0], block_bytes=0)])
+    with pytest.raises(InvalidField) as err:
+        cli.register_engine(bad, lease_s=1.0)
+    assert err.value.field == "registration.layers[0].block_bytes"
+    with pytest.raises(InvalidField):
+        BootstrapClient("ftp://x", timeout_s=1.0)
+
+
+def test_wrong_token_is_unauthorized(server, engine):
+    with BootstrapClient(server.url, token="wrong", timeout_s=2.0) as cli:
+        with pytest.raises(Unauthorized):
+            cli.lookup(engine, ["r"])
+        assert cli.health().status == "ok"  # /health needs no token
+
+
+# ----- long polls -------------------------------------------------------------------------------------------
+
+
+def test_long_poll_times_out_with_a_clear_error(client, engine):
+    with pytest.raises(LookupTimeout) as err:
+        client.lookup_transfer("never", wait_s=0.3)
+    assert isinstance(err.value, TimeoutError) and err.value.field == "transfer_id"
+    assert client.lookup(engine, ["never"], wait_s=0.2) == {"never": RequestStatus.UNKNOWN}
+
+
+def test_long_poll_answered_by_a_publish_from_another_thread(client, server, engine, token):
+    def publish_later() -> None:
+        time.sleep(0.2)
+        with BootstrapClient(server.url, token=token) as other:
+            other.publish(engine, "r1", [[9]], 16, lease_s=30.0, transfer_id="router-42")
+
+    thread = threading.Thread(target=publish_later)
+    thread.start()
+    record = client.lookup_transfer("router-42", wait_s=20.0)
+    thread.join()
+    assert (record.request_id, record.block_ids) == ("r1", [[9]])
+
+
+def test_grouped_long_poll_waits_for_every_id(client, server, engine, token):
+    def publish_later() -> None:
+        with BootstrapClient(server.url, token=token) as other:
+            for rid in ("a", "b"):
+                time.sleep(0.1)
+                other.publish(engine, rid, [[1]], 16, lease_s=30.0)
+
+    thread = threading.Thread(target=publish_later)
+    thread.start()
+    found = client.lookup(engine, ["a", "b"], wait_s=20.0)
+    thread.join()
+    assert all(isinstance(found[rid], RequestRecord) for rid in ("a", "b"))
+
+
+@pytest.mark.parametrize("config", [BootstrapConfig(max_wait_s=0.2)], ids=["max_wait_0.2"])
+def test_client_waits_longer_than_the_server_bound(server, make_registration):
+    cli = BootstrapClient(server.url, timeout_s=2.0)
+    cli.register_engine(make_registration("P"), lease_s=60.0)
+    timer = threading.Timer(0.5, cli.publish, args=("P", "r", [[1]], 16, 30.0, "late"))
+    timer.start()
+    try:
+        assert cli.lookup_transfer("late", wait_s=20.0).request_id == "r"
+    finally:
+        timer.cancel()
+    with pytest.raises(LookupTimeout):
+        cli.lookup_transfer("never", wait_s=0.5)
+
+
+@pytest.mark.parametrize("config", [BootstrapConfig(max_waiters=1)], ids=["max_waiters_1"])
+def test_waiters_are_bounded(server):
+    results: list[object] = []
+
+    def wait() -> None:
+        try:
+            BootstrapClient(server.url).lookup_transfer("a", wait_s=1.0)
+        except LookupTimeout as err:
+            results.append(err)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while server.app.counters.waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(TooManyWaiters) as err:
+        BootstrapClient(server.url).lookup_transfer("b", wait_s=1.0)
+    assert err.value.status == 429
+    waiting.join()
+    assert len(results) == 1
+
+
+def test_stop_ends_long_polls(make_registration):
+    srv = BootstrapServer(BootstrapConfig(max_wait_s=30.0)).start()
+    cli = BootstrapClient(srv.url, timeout_s=1.0, retries=1)
+    cli.register_engine(make_registration("P"), lease_s=60.0)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            cli.lookup_transfer("never", wait_s=25.0)
+        except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+            errors.append(err)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while srv.app.counters.waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], BootstrapUnavailable)
+
+
+# ----- observability ----------------------------------------------------------------------------------------
+
+
+def test_metrics_need_the_token_and_count(client, server, engine, token):
+    client.publish(engine, "r1", [[1]], 16, lease_s=30.0)
+    client.lookup(engine, ["r1", "r2"])
+    client.release(engine, "r1", "pulled")
+    with pytest.raises(UnknownRequest):
+        client.lookup_transfer("x")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/metrics")
+    assert conn.getresponse().status == 401
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    assert "kvlink_bootstrap_engine_ranks 1.0" in text
+    assert "kvlink_bootstrap_published_total 1.0" in text
+    assert "kvlink_bootstrap_looked_up_total 3.0" in text
+    assert 'kvlink_bootstrap_released_total{outcome="pulled"} 1.0' in text
+    assert 'kvlink_bootstrap_errors_total{code="unknown_request"} 1.0' in text
+
+
+def test_two_servers_in_one_process_keep_their_own_metrics(server, client, engine):
+    with BootstrapServer(BootstrapConfig()) as other:
+        assert other.app.metrics.registry is not server.app.metrics.registry
+        assert b"kvlink_bootstrap_engine_ranks 0.0" in other.app.metrics.render()
+        assert b"kvlink_bootstrap_engine_ranks 1.0" in server.app.metrics.render()
+
+
+def test_health(client, engine):
+    health = client.health()
+    assert (health.status, health.engines, health.requests) == ("ok", 1, 0)

@@ -1,0 +1,107 @@
+"""``python -m kvlink.bootstrap`` as a real subprocess, and the configuration it refuses."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapConfigError, Unauthorized
+from kvlink.bootstrap.cli import add_parser
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "kvlink.bootstrap", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def test_standalone_server_serves_and_stops_on_sigterm(tmp_path, make_registration):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    proc = spawn("--host", "127.0.0.1", "--port", "0", "--token-file", str(token_file), "--log-level", "WARNING")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("kvlink bootstrap listening on http://127.0.0.1:"), (line, proc.stderr.read())
+        url = line.rsplit(" ", 1)[1].strip()
+        with BootstrapClient(url, token="s3cret-token", timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P"), lease_s=30.0)
+            cli.publish("P", "r", [[1, 2]], 32, lease_s=30.0, transfer_id="t")
+            assert cli.lookup_transfer("t").block_ids == [[1, 2]]
+        with BootstrapClient(url, timeout_s=5.0) as anonymous:
+            with pytest.raises(Unauthorized):
+                anonymous.get_engine("P")
+            assert anonymous.health().engines == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_standalone_refuses_public_host_without_token():
+    proc = spawn("--host", "0.0.0.0", "--port", "0")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "without a token" in err and "allow_insecure" in err
+
+
+def test_standalone_refuses_an_empty_token_file(tmp_path):
+    empty = tmp_path / "token"
+    empty.write_text("  \n")
+    proc = spawn("--token-file", str(empty))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "empty" in err
+
+
+def test_add_parser_wires_a_subcommand():
+    parser = argparse.ArgumentParser(prog="kvlink")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bootstrap", "--port", "1234", "--allow-insecure"])
+    assert (args.command, args.port, args.allow_insecure, args.token_file) == ("bootstrap", 1234, True, None)
+    assert callable(args.func)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"host": "0.0.0.0"}, "host"),
+        ({"host": "10.1.2.3"}, "host"),
+        ({"token": ""}, "token"),
+        ({"token": " padded "}, "token"),
+        ({"port": 70000}, "port"),
+        ({"max_wait_s": 0}, "max_wait_s"),
+        ({"max_wait_s": float("inf")}, "max_wait_s"),
+        ({"default_request_lease_s": 900.0}, "default_request_lease_s"),
+        ({"max_lookup_ids": 0}, "max_lookup_ids"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+    ],
+)
+def test_config_is_validated(kwargs, field):
+    with pytest.raises(BootstrapConfigError) as err:
+        BootstrapConfig(**kwargs)
+    assert err.value.field == field
+    assert isinstance(err.value, ValueError)
+
+
+def test_config_accepts_safe_setups(tmp_path):
+    assert BootstrapConfig(host="::1").host == "::1"
+    assert BootstrapConfig(host="localhost").host == "localhost"
+    assert BootstrapConfig(host="0.0.0.0", token="t").token == "t"
+    assert BootstrapConfig(host="0.0.0.0", allow_insecure=True).allow_insecure
+    assert "t0ken" not in repr(BootstrapConfig(token="t0ken"))
+    token_file = tmp_path / "tok"
+    token_file.write_text("abc\n")
+    assert BootstrapConfig.with_token_file(token_file, host="0.0.0.0").token == "abc"
+    with pytest.raises(BootstrapConfigError):
+        BootstrapConfig.with_token_file(tmp_path / "missing")
+    with pytest.raises(Exception):  # frozen
+        BootstrapConfig().port = 1  # type: ignore[misc]
