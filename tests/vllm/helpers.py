@@ -1,0 +1,120 @@
+"""Shared helpers for the real-vLLM tests: engine settings, prompts, server processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+BASE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def kv_config(role: str, **extra) -> dict:
+    return {"kv_connector": "KVLinkConnector", "kv_connector_module_path": "kvlink.vllm", "kv_role": role,
+            "kv_connector_extra_config": extra}
+
+
+def engine_kwargs(model: str, **kw) -> dict:
+    base = dict(model=model, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+                block_size=BLOCK, max_model_len=2048, seed=0, max_num_seqs=64)
+    base.update(kw)
+    return base
+
+
+def token_prompts(n_tokens: list[int], seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(n)] for n in n_tokens]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+class Server:
+    """A vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server) in its own process group."""
+
+    def __init__(self, model: str, kv: dict | None, cpu: int, log: Path, extra_args=(), env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
+                "--kv-cache-memory-bytes", str(128 << 20), "--block-size", str(BLOCK),
+                "--max-model-len", "2048", "--seed", "0", "--served-model-name", "tiny",
+                "--disable-uvicorn-access-log", *extra_args]
+        if kv is not None:
+            args += ["--kv-transfer-config", json.dumps(kv)]
+        e = dict(os.environ, **BASE_ENV, VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        e.update(env or {})
+        self.log = log
+        self._logf = open(log, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._logf, stderr=subprocess.STDOUT, env=e,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log {self.log}:\n"
+                                   + self.log.read_text(errors="replace")[-4000:])
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready in {timeout} s; log {self.log}")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._logf.close()
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        total = None
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+        return total

@@ -1,0 +1,150 @@
+"""Prefill and decode LLMs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), real kvlink transport.
+
+vLLM keeps the worker-side connector in a process global (first engine wins), so each engine's connector
+is captured at creation and put back before that engine runs (``Engines.generate``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from tests.vllm.helpers import BLOCK, engine_kwargs, kv_config, token_prompts
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+LENGTHS = [BLOCK // 3, BLOCK * 2, BLOCK * 6 + 7]  # shorter than a block, exact multiple, several blocks
+MAX_TOKENS = 12
+
+
+class Engines:
+    def __init__(self, model: str):
+        import vllm.distributed.kv_transfer.kv_transfer_state as kts
+
+        self.kts, self.model, self.llms, self.agents = kts, model, {}, {}
+
+    def make(self, name: str, kv: dict | None) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.kts._KV_CONNECTOR_AGENT = None
+        extra = {"kv_transfer_config": KVTransferConfig(**kv)} if kv else {}
+        self.llms[name] = LLM(**engine_kwargs(self.model, **extra))
+        self.agents[name] = self.kts._KV_CONNECTOR_AGENT
+        self.kts._KV_CONNECTOR_AGENT = None
+
+    def generate(self, name: str, prompts: list[list[int]], params) -> list:
+        self.kts._KV_CONNECTOR_AGENT = self.agents[name]
+        try:
+            return self.llms[name].generate([{"prompt_token_ids": p} for p in prompts], params,
+                                            use_tqdm=False)
+        finally:
+            self.kts._KV_CONNECTOR_AGENT = None
+
+    def scheduler_side(self, name: str):
+        return self.llms[name].llm_engine.engine_core.engine_core.scheduler.connector._sched
+
+    def close(self) -> None:
+        for name in list(self.llms):
+            self.kts._KV_CONNECTOR_AGENT = self.agents[name]
+            try:
+                self.llms[name].llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self.kts._KV_CONNECTOR_AGENT = None
+        self.llms.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    e = Engines(tiny_model)
+    e.make("base", None)
+    e.make("pre", kv_config("kv_producer"))
+    e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("dec_bad", dict(kv_config("kv_consumer", debug_corrupt_kv=True), kv_load_failure_policy="recompute"))
+    yield e
+    e.close()
+
+
+def greedy(n=MAX_TOKENS, params=None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, extra_args=extra)
+
+
+def prefill(engines, prompts):
+    outs = engines.generate("pre", prompts, greedy(1, {"do_remote_decode": True}))
+    return [o.kv_transfer_params for o in outs]
+
+
+def decode(engines, name, prompts, params):
+    return [list(engines.generate(name, [p], greedy(params=kp))[0].outputs[0].token_ids)
+            for p, kp in zip(prompts, params)]
+
+
+def test_decode_equals_baseline_and_blocks_are_freed(engines):
+    prompts = token_prompts(LENGTHS, seed=1)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    params = prefill(engines, prompts)
+    for p, kp in zip(prompts, params):
+        assert kp["do_remote_prefill"] is True and kp["remote_num_tokens"] == len(p)
+        assert len(kp["remote_block_ids"]) == -(-len(p) // BLOCK)
+    assert len(engines.scheduler_side("pre").held_requests) == len(prompts)
+    before = engines.agents["dec"]._worker.snapshot()
+    got = decode(engines, "dec", prompts, params)
+    assert got == want
+    after = engines.agents["dec"]._worker.snapshot()
+    assert after["pulls_ok"] - before["pulls_ok"] == len(prompts)
+    assert after["bytes_pulled"] > before["bytes_pulled"]
+    # Prefill frees the blocks once it hears they were pulled (its engine must step to notice).
+    import time
+
+    deadline = time.monotonic() + 10
+    while engines.scheduler_side("pre").held_requests and time.monotonic() < deadline:
+        engines.generate("pre", token_prompts([4], seed=99), greedy(1))
+        time.sleep(0.05)
+    assert engines.scheduler_side("pre").held_requests == {}
+
+
+def test_corrupted_kv_changes_output(engines):
+    """Negative control: the decode output really depends on the pulled KV."""
+    prompts = token_prompts([BLOCK * 4], seed=2)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    params = prefill(engines, prompts)
+    got = decode(engines, "dec_bad", prompts, params)
+    assert got != want
+
+
+def test_requests_without_params_are_untouched(engines):
+    prompts = token_prompts([50, 70], seed=3)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    for name in ("pre", "dec"):
+        outs = engines.generate(name, prompts, greedy())
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert all(o.kv_transfer_params is None for o in outs)
+    assert engines.scheduler_side("pre").held_requests == {}
+
+
+def test_malformed_params_computed_locally_with_error(engines):
+    prompts = token_prompts([40], seed=4)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    bad = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
+           "remote_block_ids": "not-a-list", "remote_engine_id": "x", "remote_request_id": "y"}
+    out = engines.generate("dec", prompts, greedy(params=bad))[0]
+    assert list(out.outputs[0].token_ids) == want[0]
+    assert "remote_block_ids" in out.kv_transfer_params["kvlink_error"]
+
+
+def test_unreachable_prefill_recomputes(engines):
+    prompts = token_prompts([70], seed=5)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    from tests.vllm.helpers import free_port
+
+    dead = {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{free_port()}",
+            "remote_block_ids": [1, 2, 3], "remote_engine_id": "gone", "remote_request_id": "r"}
+    got = decode(engines, "dec", prompts, [dead])
+    assert got == want
