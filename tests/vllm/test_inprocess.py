@@ -64,6 +64,7 @@ def engines(tiny_model):
     e.make("base", None)
     e.make("pre", kv_config("kv_producer"))
     e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("pre_short", kv_config("kv_producer", lease_s=1.0))
     e.make("dec_bad", dict(kv_config("kv_consumer", debug_corrupt_kv=True), kv_load_failure_policy="recompute"))
     yield e
     e.close()
@@ -148,3 +149,18 @@ def test_unreachable_prefill_recomputes(engines):
             "remote_block_ids": [1, 2, 3], "remote_engine_id": "gone", "remote_request_id": "r"}
     got = decode(engines, "dec", prompts, [dead])
     assert got == want
+
+
+def test_expired_lease_frees_blocks(engines):
+    import time
+
+    engines.generate("pre_short", token_prompts([80], seed=6), greedy(1, {"do_remote_decode": True}))
+    side = engines.scheduler_side("pre_short")
+    assert len(side.held_requests) == 1
+    deadline = time.monotonic() + 15
+    while side.held_requests and time.monotonic() < deadline:
+        engines.generate("pre_short", token_prompts([4], seed=7), greedy(1))
+        time.sleep(0.2)
+    assert side.held_requests == {}
+    side.get_kv_connector_stats()
+    assert side.totals.data["leases_expired"] >= 1

@@ -1,0 +1,163 @@
+"""Prefill + decode OpenAI servers with KVLinkConnector and the kvlink proxy, all on loopback.
+
+One prefill and one decode server for the whole module (start-up dominates); the decode server also
+gives the baseline (requests without kv_transfer_params run there as on a plain server). The last test
+kills the prefill server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from tests.proxy.conftest import AppThread
+from tests.vllm.helpers import Server, free_port, http_json, kv_config, token_prompts
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    bport = free_port()
+    pre_kv = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0), engine_id="prefill-0")
+    dec_kv = dict(kv_config("kv_consumer", lookup_wait_s=10.0, transfer_timeout_s=10.0),
+                  kv_load_failure_policy="recompute")
+    pre = Server(tiny_model, pre_kv, cpu=0, log=logs / "prefill.log")
+    dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log")
+    proxies = []
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        from kvlink.proxy.config import ProxyConfig
+        from kvlink.proxy.router import build_app
+
+        seq = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), timeout_s=60)))
+        conc = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), mode="concurrent",
+                                               timeout_s=60, prefill_bootstrap=(f"http://127.0.0.1:{bport}",),
+                                               prefill_engine_ids=("prefill-0",))))
+        proxies += [seq, conc]
+        yield {"pre": pre, "dec": dec, "seq": seq.url, "conc": conc.url, "logs": logs}
+    finally:
+        for p in proxies:
+            p.stop()
+        pre.stop()
+        dec.stop()
+
+
+def complete(url, prompt, params=None, max_tokens=MAX_TOKENS, timeout=60.0, stream=False):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    if stream:
+        import json
+
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            chunks = [ln[6:] for ln in r.read().decode().split("\n") if ln.startswith("data: ")]
+        return "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]")
+    status, out = http_json(url + "/v1/completions", body, timeout=timeout)
+    assert status == 200, out
+    return out
+
+
+def text(out):
+    return out["choices"][0]["text"]
+
+
+def baseline(pd, prompts):
+    return [text(complete(pd["dec"].url, p)) for p in prompts]
+
+
+def held_blocks(pd) -> float | None:
+    return pd["pre"].metric("kvlink_held_blocks")
+
+
+def wait_held_zero(pd, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if held_blocks(pd) == 0.0:  # present once anything was held
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["seq", "conc"])
+def test_pd_equals_baseline(pd, mode):
+    prompts = token_prompts([7, 64, 230], seed=10)
+    want = baseline(pd, prompts)
+    got = [text(complete(pd[mode], p)) for p in prompts]
+    assert got == want
+
+
+def test_streaming_through_proxy(pd):
+    prompts = token_prompts([100], seed=11)
+    assert complete(pd["seq"], prompts[0], stream=True) == baseline(pd, prompts)[0]
+
+
+def test_32_concurrent_requests(pd):
+    rng = random.Random(12)
+    prompts = token_prompts([rng.randint(5, 300) for _ in range(32)], seed=12)
+    want = baseline(pd, prompts)
+    with cf.ThreadPoolExecutor(32) as ex:
+        got = list(ex.map(lambda p: text(complete(pd["seq"], p, timeout=120)), prompts))
+    assert got == want
+    assert wait_held_zero(pd)
+
+
+def test_malformed_params_clear_error_and_no_harm(pd):
+    prompts = token_prompts([60, 61], seed=13)
+    want = baseline(pd, prompts)
+    bad = {"do_remote_prefill": True, "remote_bootstrap_addr": 12}
+    with cf.ThreadPoolExecutor(2) as ex:
+        f_bad = ex.submit(complete, pd["dec"].url, prompts[0], bad)
+        f_good = ex.submit(lambda: text(complete(pd["seq"], prompts[1])))
+        out_bad = f_bad.result()
+        assert f_good.result() == want[1]
+    assert text(out_bad) == want[0]
+    assert "remote_bootstrap_addr" in out_bad["kv_transfer_params"]["kvlink_error"]
+
+
+def test_random_client_aborts_leave_no_blocks_held(pd):
+    rng = random.Random(14)
+    prompts = token_prompts([rng.randint(20, 400) for _ in range(200)], seed=14)
+
+    def one(i):
+        url = pd["seq"] if i % 2 == 0 else pd["conc"]
+        try:
+            complete(url, prompts[i], max_tokens=64, timeout=rng.uniform(0.05, 1.5))
+            return "ok"
+        except (TimeoutError, socket.timeout, OSError):
+            return "aborted"
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(200)))
+    assert results.count("aborted") > 0
+    assert wait_held_zero(pd, timeout=60), f"prefill still holds {held_blocks(pd)} blocks"
+    # Both servers still answer correctly.
+    p = token_prompts([90], seed=15)
+    assert text(complete(pd["seq"], p[0])) == baseline(pd, p)[0]
+
+
+def test_prefill_killed_decode_recomputes(pd):
+    """Last: kills the prefill server. Decode must recompute within its timeout and stay healthy."""
+    prompts = token_prompts([150], seed=16)
+    want = baseline(pd, prompts)
+    status, out = http_json(pd["pre"].url + "/v1/completions",
+                            {"model": "tiny", "prompt": prompts[0], "max_tokens": 1,
+                             "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    params = out["kv_transfer_params"]
+    pd["pre"].kill()
+    t0 = time.monotonic()
+    assert text(complete(pd["dec"].url, prompts[0], params, timeout=60)) == want[0]
+    assert time.monotonic() - t0 < 30
+    with urllib.request.urlopen(pd["dec"].url + "/health", timeout=5) as r:
+        assert r.status == 200
