@@ -81,6 +81,7 @@ int kvl_batch_poll(kvl_batch *b) {
 int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
   struct timespec until;
   timespec_at(&until, timeout_ms);
+  kvl__stream_steal(b);
   pthread_mutex_lock(&b->mu);
   while (!visible(b)) {
     if (b->state == KVL__B_RUNNING) {

@@ -42,27 +42,30 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
   return 0;
 }
 
-/* Receive the status frame answering seq; data may follow it. */
+/* Receive the status frame answering seq; data may follow it. A success
+ * carries no message, so header and body usually arrive in one receive. */
 static int recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
                        size_t cap) {
   kvl_engine *e = s->peer->e;
-  uint8_t hb[KVL__HDR_LEN], body[KVL__STATUS_MAX];
+  enum { FIXED = KVL__STATUS_MAX - KVL_MAX_EVENT_MSG };
+  uint8_t buf[KVL__HDR_LEN + KVL__STATUS_MAX];
   kvl__hdr h;
-  int rc = kvl__recv_all(s->fd, hb, sizeof hb, deadline, &e->closing);
+  int rc = kvl__recv_all(s->fd, buf, KVL__HDR_LEN + FIXED, deadline, &e->closing);
   if (rc) {
     snprintf(why, cap, "%s waiting for the response from %s", kvl_strerror(rc), s->peer->name);
     return rc;
   }
-  if ((rc = kvl__hdr_decode(hb, &h, why, cap)) != 0) return rc;
-  if ((h.type != type && h.type != KVL__T_ERROR) || h.body_len > sizeof body) {
+  if ((rc = kvl__hdr_decode(buf, &h, why, cap)) != 0) return rc;
+  if ((h.type != type && h.type != KVL__T_ERROR) || h.body_len < FIXED || h.body_len > KVL__STATUS_MAX) {
     snprintf(why, cap, "expected frame type %u, got %u", type, h.type);
     return KVL_EPROTO;
   }
-  if ((rc = kvl__recv_all(s->fd, body, h.body_len, deadline, &e->closing)) != 0) {
+  rc = kvl__recv_all(s->fd, buf + KVL__HDR_LEN + FIXED, h.body_len - FIXED, deadline, &e->closing);
+  if (rc) {
     snprintf(why, cap, "%s inside a response", kvl_strerror(rc));
     return rc;
   }
-  if ((rc = kvl__status_decode(body, h.body_len, st, why, cap)) != 0) return rc;
+  if ((rc = kvl__status_decode(buf + KVL__HDR_LEN, h.body_len, st, why, cap)) != 0) return rc;
   if (h.type == KVL__T_ERROR || st->status < 0) {
     snprintf(why, cap, "peer %s refused: %s", s->peer->name, st->msg[0] ? st->msg : kvl_strerror(st->status));
     return st->status < 0 ? st->status : KVL_EREMOTE;
@@ -237,25 +240,58 @@ static void run_part(kvl__stream *s, kvl__part *pt) {
   kvl__part_finish(pt, rc, why);
 }
 
+/* Take the head of the queue and claim the stream; called with s->mu held. */
+static kvl__part *claim(kvl__stream *s) {
+  kvl__part *pt = s->head;
+  s->head = pt->next;
+  if (!s->head) s->tail = NULL;
+  pt->queued = 0;
+  s->busy = 1;
+  return pt;
+}
+
+static void unclaim(kvl__stream *s) {
+  pthread_mutex_lock(&s->mu);
+  s->busy = 0;
+  if (s->head) pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
 static void *stream_main(void *arg) {
   kvl__stream *s = arg;
   kvl_engine *e = s->peer->e;
   for (;;) {
     pthread_mutex_lock(&s->mu);
-    while (!s->head && !__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) pthread_cond_wait(&s->cv, &s->mu);
-    kvl__part *pt = s->head;
-    if (pt) {
-      s->head = pt->next;
-      if (!s->head) s->tail = NULL;
-    }
+    int closing;
+    while (!(closing = __atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) && (!s->head || s->busy))
+      pthread_cond_wait(&s->cv, &s->mu);
+    while (closing && s->busy) pthread_cond_wait(&s->cv, &s->mu); /* a waiter is running a part */
+    kvl__part *pt = s->head ? claim(s) : NULL;
     pthread_mutex_unlock(&s->mu);
-    if (!pt) break; /* closing and nothing queued */
-    if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) kvl__part_finish(pt, KVL_ECLOSED, "engine closed");
+    if (!pt) break; /* closing and nothing left to fail */
+    if (closing) kvl__part_finish(pt, KVL_ECLOSED, "engine closed");
     else run_part(s, pt);
+    unclaim(s);
   }
   if (s->fd >= 0) close(s->fd);
   s->fd = -1;
   return NULL;
+}
+
+/* A waiter that finds its one-part batch still queued runs it itself: a
+ * thread hand-off costs more than a small transfer on this path. */
+void kvl__stream_steal(kvl_batch *b) {
+  if (b->parts_total != 1) return;
+  kvl__part *pt = &b->parts[0];
+  kvl__stream *s = pt->queued_on;
+  if (!s || __atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE)) return;
+  pthread_mutex_lock(&s->mu);
+  int mine = pt->queued && s->head == pt && !s->busy;
+  if (mine) claim(s);
+  pthread_mutex_unlock(&s->mu);
+  if (!mine) return;
+  run_part(s, pt);
+  unclaim(s);
 }
 
 int kvl__stream_start(kvl__stream *s) {
@@ -283,7 +319,9 @@ void kvl__stream_stop(kvl__stream *s) {
 
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt) {
   pt->next = NULL;
+  pt->queued_on = s;
   pthread_mutex_lock(&s->mu);
+  pt->queued = 1;
   if (s->tail) s->tail->next = pt;
   else s->head = pt;
   s->tail = pt;

@@ -97,6 +97,10 @@ int kvl__sendv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *c
 int kvl__recvv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *closing);
 /* Wait without deadline until fd is readable (or closed), polling closing. */
 int kvl__wait_readable(int fd, const int *closing);
+/* Receive a frame header, waiting without deadline for its first byte and
+ * with `timeout_ms` for the rest. KVL_EPEERCLOSED with *orderly=1 means the
+ * peer closed between frames. */
+int kvl__recv_header(int fd, uint8_t *hb, uint32_t timeout_ms, const int *closing, int *orderly);
 int kvl__send_all(int fd, const void *p, size_t len, uint64_t deadline, const int *closing);
 int kvl__recv_all(int fd, void *p, size_t len, uint64_t deadline, const int *closing);
 
@@ -143,6 +147,8 @@ typedef struct kvl__part {
   kvl_engine *engine;
   uint32_t first, count;    /* range in batch->desc */
   kvl__stream *running_on;  /* guarded by batch->mu */
+  kvl__stream *queued_on;   /* set once at enqueue */
+  int queued;               /* still in the queue; guarded by the stream's mu */
   struct kvl__part *next;   /* guarded by the stream's mu */
 } kvl__part;
 
@@ -184,6 +190,7 @@ struct kvl__stream {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   kvl__part *head, *tail; /* queue, guarded by mu */
+  int busy;               /* a thread is running a part on fd; guarded by mu */
   int fd;                 /* worker-owned; -1 when disconnected */
   pthread_t thread;
   int started;
@@ -261,6 +268,8 @@ int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t
 int kvl__stream_start(kvl__stream *s);
 void kvl__stream_stop(kvl__stream *s);
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt);
+/* Run a single-part batch's part in the calling thread if no worker took it yet. */
+void kvl__stream_steal(kvl_batch *b);
 /* send an ERROR-class frame (status body) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);
 

@@ -26,7 +26,7 @@ struct kvl__conn {
   size_t cap;
   uint32_t *crcs;
   size_t crc_cap;
-  struct iovec iov[KVL__IOV_MAX];
+  struct iovec iov[KVL__IOV_MAX + 2]; /* + response header + checksum trailer */
 };
 
 static int grow(void **p, size_t *cap, size_t need) {
@@ -54,6 +54,61 @@ static void crc_descs(kvl__conn *c, uint32_t first, uint32_t n, uint32_t *out) {
   for (uint32_t i = 0; i < n; i++) kvl__put_u32((uint8_t *)&out[first + i], kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len));
 }
 
+static uint32_t chunk(uint32_t count, uint32_t first) {
+  return count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX;
+}
+
+/* READ: the response header, the data straight from registered memory and
+ * the checksums go out as one gathered send per chunk of descriptors. */
+static int send_read_data(kvl__conn *c, const kvl__hdr *h, uint32_t count, uint64_t total, int crc, uint64_t deadline) {
+  kvl_engine *e = c->e;
+  uint8_t rh[KVL__HDR_LEN + KVL__STATUS_MAX];
+  kvl__status st;
+  memset(&st, 0, sizeof st);
+  st.total = total;
+  size_t blen = kvl__status_encode(rh + KVL__HDR_LEN, &st);
+  kvl__hdr_encode(rh, KVL__T_READ_RESP, 0, h->seq, (uint32_t)blen);
+  if (crc)
+    for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) crc_descs(c, first, chunk(count, first), c->crcs);
+  for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
+    uint32_t n = chunk(count, first);
+    int k = 0;
+    if (first == 0) c->iov[k++] = (struct iovec){rh, KVL__HDR_LEN + blen};
+    kvl__regions_resolve(&e->regions, c->body, first, n, c->iov + k);
+    k += (int)n;
+    if (crc && first + n == count) c->iov[k++] = (struct iovec){c->crcs, (size_t)count * 4};
+    int rc = kvl__sendv(c->fd, c->iov, k, deadline, &e->closing);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* WRITE: receive straight into registered memory, then check the checksums.
+ * Returns KVL_ECRC with *bad set on a mismatch (the stream stays in sync). */
+static int recv_write_data(kvl__conn *c, uint32_t count, int crc, uint64_t deadline, uint32_t *bad) {
+  kvl_engine *e = c->e;
+  for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
+    uint32_t n = chunk(count, first);
+    kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
+    int rc = kvl__recvv(c->fd, c->iov, (int)n, deadline, &e->closing);
+    if (rc) return rc;
+  }
+  if (!crc) return 0;
+  int rc = kvl__recv_all(c->fd, c->crcs, (size_t)count * 4, deadline, &e->closing);
+  if (rc) return rc;
+  for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
+    uint32_t n = chunk(count, first);
+    kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
+    for (uint32_t i = 0; i < n; i++) {
+      if (kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len) != kvl__get_u32((uint8_t *)&c->crcs[first + i])) {
+        *bad = first + i;
+        return KVL_ECRC;
+      }
+    }
+  }
+  return 0;
+}
+
 /* Returns 0 to keep serving, a negative code to hang up (with why filled). */
 static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
   kvl_engine *e = c->e;
@@ -78,55 +133,23 @@ static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
     total += d.length;
   }
   if (crc && grow((void **)&c->crcs, &c->crc_cap, (size_t)count * 4) != 0) {
-    rc = KVL_ENOMEM;
+    kvl__regions_release(&e->regions, c->body, count);
     snprintf(why, cap, "no memory for %u checksums", count);
-    goto out;
+    return KVL_ENOMEM;
   }
-  if (is_read) {
-    if (crc)
-      for (uint32_t first = 0; first < count; first += KVL__IOV_MAX)
-        crc_descs(c, first, count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX, c->crcs);
-    if ((rc = reply(c, resp, h->seq, 0, 0, total, NULL)) != 0) goto io_fail;
-  }
-  for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
-    uint32_t n = count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX;
-    kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
-    rc = is_read ? kvl__sendv(c->fd, c->iov, (int)n, deadline, &e->closing)
-                 : kvl__recvv(c->fd, c->iov, (int)n, deadline, &e->closing);
-    if (rc) goto io_fail;
-  }
-  if (crc && is_read) {
-    rc = kvl__send_all(c->fd, c->crcs, (size_t)count * 4, deadline, &e->closing);
-    if (rc) goto io_fail;
-  } else if (crc) {
-    rc = kvl__recv_all(c->fd, c->crcs, (size_t)count * 4, deadline, &e->closing);
-    if (rc) goto io_fail;
-    for (uint32_t first = 0; first < count && rc == 0; first += KVL__IOV_MAX) {
-      uint32_t n = count - first < KVL__IOV_MAX ? count - first : KVL__IOV_MAX;
-      kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
-      for (uint32_t i = 0; i < n; i++) {
-        if (kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len) != kvl__get_u32((uint8_t *)&c->crcs[first + i])) {
-          bad = first + i;
-          rc = KVL_ECRC;
-          snprintf(why, cap, "checksum mismatch in written descriptor %u", bad);
-          break;
-        }
-      }
-    }
-  }
+  rc = is_read ? send_read_data(c, h, count, total, crc, deadline) : recv_write_data(c, count, crc, deadline, &bad);
   kvl__regions_release(&e->regions, c->body, count);
-  if (!is_read) {
-    int r2 = reply(c, resp, h->seq, rc, bad, total, rc ? why : NULL);
-    if (r2) return r2;
+  if (rc == KVL_ECRC) {
+    snprintf(why, cap, "checksum mismatch in written descriptor %u", bad);
+    return reply(c, resp, h->seq, rc, bad, total, why); /* the stream is in sync: keep serving */
   }
-  if (rc == 0) KVL__STAT_ADD(e, bytes_served, total);
-  return rc == KVL_ECRC ? 0 : rc;
-io_fail:
-  snprintf(why, cap, "%s while %s %llu bytes", kvl_strerror(rc), is_read ? "sending" : "receiving",
-           (unsigned long long)total);
-out:
-  kvl__regions_release(&e->regions, c->body, count);
-  return rc;
+  if (rc) {
+    snprintf(why, cap, "%s while %s %llu bytes", kvl_strerror(rc), is_read ? "sending" : "receiving",
+             (unsigned long long)total);
+    return rc;
+  }
+  KVL__STAT_ADD(e, bytes_served, total);
+  return is_read ? 0 : reply(c, resp, h->seq, 0, 0, total, NULL);
 }
 
 static void *conn_main(void *arg) {
@@ -141,15 +164,15 @@ static void *conn_main(void *arg) {
     goto out;
   }
   for (;;) {
-    uint8_t hb[KVL__HDR_LEN], peek;
+    uint8_t hb[KVL__HDR_LEN];
     kvl__hdr h;
-    if ((rc = kvl__wait_readable(c->fd, &e->closing)) != 0) break;
-    if (recv(c->fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT) == 0) break; /* orderly close */
-    uint64_t deadline = kvl__now_ms() + e->cfg.op_timeout_ms;
-    if ((rc = kvl__recv_all(c->fd, hb, sizeof hb, deadline, &e->closing)) != 0) {
-      snprintf(why, sizeof why, "%s inside a frame header", kvl_strerror(rc));
+    int orderly;
+    if ((rc = kvl__recv_header(c->fd, hb, e->cfg.op_timeout_ms, &e->closing, &orderly)) != 0) {
+      if (orderly) rc = 0; /* the peer hung up between frames */
+      else snprintf(why, sizeof why, "%s inside a frame header", kvl_strerror(rc));
       break;
     }
+    uint64_t deadline = kvl__now_ms() + e->cfg.op_timeout_ms;
     if ((rc = kvl__hdr_decode(hb, &h, why, sizeof why)) != 0) {
       reply(c, KVL__T_ERROR, 0, rc, 0, 0, why);
       break;

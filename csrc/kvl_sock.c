@@ -208,6 +208,28 @@ int kvl__recvv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *c
   return 0;
 }
 
+int kvl__recv_header(int fd, uint8_t *hb, uint32_t timeout_ms, const int *closing, int *orderly) {
+  size_t got = 0;
+  uint64_t deadline = 0;
+  *orderly = 0;
+  while (got < KVL__HDR_LEN) {
+    ssize_t r = recv(fd, hb + got, KVL__HDR_LEN - got, MSG_WAITALL);
+    if (r > 0) {
+      if (got == 0) deadline = kvl__now_ms() + timeout_ms;
+      got += (size_t)r;
+      continue;
+    }
+    if (r == 0) {
+      *orderly = got == 0;
+      return KVL_EPEERCLOSED;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return KVL_EPEERCLOSED;
+    int rc = waited_too_long(got ? deadline : 0, closing);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 int kvl__send_all(int fd, const void *p, size_t len, uint64_t deadline, const int *closing) {
   struct iovec v = {(void *)p, len};
   return kvl__sendv(fd, &v, 1, deadline, closing);

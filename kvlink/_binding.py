@@ -146,6 +146,17 @@ def submit(h: Handle, peer: int, op: int, local_addrs: np.ndarray, regions: np.n
     return ffi.gc(out[0], lib.kvl_batch_release)
 
 
+def submit_one(h: Handle, peer: int, op: int, local_addr: int, region: int, offset: int, length: int,
+               timeout_ms: int) -> Handle:
+    """submit() for a single descriptor, without numpy (the latency path)."""
+    out = ffi.new("kvl_batch **")
+    a = ffi.new("uint64_t[3]", (local_addr, offset, length))
+    r = ffi.new("uint32_t[1]", (region,))
+    check(lib.kvl_submit(h, peer, op, a, r, 1, a + 1, a + 2, 1, 1, timeout_ms, out),
+          f"submit {'READ' if op == OP_READ else 'WRITE'} of 1 descriptor")
+    return ffi.gc(out[0], lib.kvl_batch_release)
+
+
 def batch_release(b: Handle) -> None:
     ffi.release(b)
 
@@ -197,3 +208,42 @@ def proto_check(frame: bytes) -> tuple[int, str, str]:
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
     buf = ffi.from_buffer(data)
     return int(lib.kvl_crc32c(crc, buf, len(buf)))
+
+
+# ---- benchmark yardsticks (csrc/kvl_baseline.c) ---------------------------------
+
+RAW_INFO = 0
+RAW_RSS = (1 << 64) - 1
+
+
+def rawtcp_serve(host: str, port: int, addr: int, length: int, info: str) -> tuple[Handle, int]:
+    out = ffi.new("struct kvl_rawtcp **")
+    port_out = ffi.new("uint16_t *")
+    check(lib.kvl_rawtcp_serve(host.encode(), port, ffi.cast("void *", addr), length, info.encode(), out, port_out),
+          f"raw TCP baseline listen on {host}:{port}", "")
+    return out[0], int(port_out[0])
+
+
+def rawtcp_stop(h: Handle) -> None:
+    lib.kvl_rawtcp_stop(h)
+
+
+def rawtcp_connect(host: str, port: int) -> int:
+    fd = ffi.new("int *")
+    check(lib.kvl_rawtcp_connect(host.encode(), port, fd), f"raw TCP baseline connect to {host}:{port}", "")
+    return int(fd[0])
+
+
+def rawtcp_fetch(fd: int, n: int, dst_addr: int, cap: int) -> int:
+    got = ffi.new("uint64_t *")
+    check(lib.kvl_rawtcp_fetch(fd, n, ffi.cast("void *", dst_addr), cap, got), "raw TCP baseline fetch", "")
+    return int(got[0])
+
+
+def rawtcp_close(fd: int) -> None:
+    lib.kvl_rawtcp_close(fd)
+
+
+def memcpy_blocks(dst_addrs: np.ndarray, src_addrs: np.ndarray, length: int) -> None:
+    lib.kvl_memcpy_blocks(ffi.from_buffer("uint64_t[]", dst_addrs), ffi.from_buffer("uint64_t[]", src_addrs),
+                          length, len(dst_addrs))

@@ -28,9 +28,12 @@ class Peer:
 
 
 def _u64(a: Any, what: str, n: int | None = None) -> np.ndarray:
-    arr = np.ascontiguousarray(a, dtype=np.uint64).reshape(-1)
-    if np.asarray(a).dtype.kind == "i" and (np.asarray(a) < 0).any():
+    arr = np.asarray(a)
+    if arr.dtype.kind not in "ui":
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
         raise ValueError(f"{what} must not be negative")
+    arr = np.ascontiguousarray(arr, dtype=np.uint64).reshape(-1)
     if n is not None and len(arr) not in (1, n):
         raise ValueError(f"{what} has {len(arr)} entries, expected 1 or {n}")
     return arr
@@ -120,6 +123,17 @@ class Engine:
                 remote_offsets: Any, lengths: Any, timeout_s: float | None) -> Batch:
         if not local.registered:
             raise ValueError("local region is not registered")
+        t = self.config.op_timeout_s if timeout_s is None else timeout_s
+        if type(local_offsets) is int and type(remote_offsets) is int and type(lengths) is int \
+                and type(remote_regions) is int:
+            # one descriptor: plain int checks, no arrays (latency path)
+            if not 0 <= local_offsets <= local.length or not 0 < lengths <= local.length - local_offsets \
+                    or remote_offsets < 0:
+                raise ValueError(f"descriptor 0: local offset {local_offsets} + length {lengths} beyond the "
+                                 f"local region of {local.length} bytes (or negative)")
+            h = B.submit_one(self._handle(), peer.id, op, local.addr + local_offsets, remote_regions,
+                             remote_offsets, lengths, max(1, int(t * 1000)))
+            return Batch(h, local, lengths, t)
         loff = _u64(local_offsets, "local_offsets")
         n = len(loff)
         if n == 0:
@@ -141,7 +155,6 @@ class Engine:
             raise ValueError(f"descriptor {i}: local offset {int(loff[i])} + length "
                              f"{int(lens[i if len(lens) > 1 else 0])} beyond the local region of {local.length} bytes")
         addrs = loff + np.uint64(local.addr)
-        t = self.config.op_timeout_s if timeout_s is None else timeout_s
         h = B.submit(self._handle(), peer.id, op, addrs, regs, roff, lens, max(1, int(t * 1000)))
         nbytes = int(lens.sum()) if len(lens) == n else int(lens[0]) * n
         return Batch(h, local, nbytes, t)

@@ -1,0 +1,5 @@
+import sys
+
+from kvlink.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""`kvlink bench`: the transport measured side by side with its yardsticks."""

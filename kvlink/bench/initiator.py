@@ -1,0 +1,192 @@
+"""The initiator half of `kvlink bench`: runs each workload against kvlink
+and the yardsticks on the same random-slot layout, verifying the data."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlink import _binding as B
+from kvlink.bench.stats import Result
+from kvlink.bench.workloads import MiB, Workload, expected, fill_pattern, gather, random_slots
+from kvlink.transport import Engine, EngineConfig
+from kvlink.transport.config import split_hostport
+
+SYSTEMS = ("kvlink", "raw-tcp", "memcpy")
+
+
+@dataclass
+class TargetInfo:
+    address: str
+    region: int
+    buffer_bytes: int
+    seed: int
+    raw_port: int
+
+    @classmethod
+    def fetch(cls, address: str, raw_port: int) -> TargetInfo:
+        host, _ = split_hostport(address)
+        fd = B.rawtcp_connect(host, raw_port)
+        try:
+            buf = np.zeros(4096, dtype=np.uint8)
+            n = B.rawtcp_fetch(fd, B.RAW_INFO, buf.ctypes.data, buf.nbytes)
+        finally:
+            B.rawtcp_close(fd)
+        info = json.loads(bytes(buf[:n]))
+        return cls(info["address"], info["region"], info["buffer_bytes"], info["seed"], raw_port)
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.done, self.quiet = total, 0, quiet
+        self.tty = sys.stderr.isatty()
+
+    def show(self, label: str, i: int, n: int) -> None:
+        if self.quiet:
+            return
+        line = f"[{self.done + 1}/{self.total}] {label}: {i}/{n}"
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(70))
+        elif i == n:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.tty and not self.quiet:
+            sys.stderr.write("\n")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def target_rss(info: TargetInfo, host: str) -> int:
+    fd = B.rawtcp_connect(host, info.raw_port)
+    try:
+        out = np.zeros(1, dtype=np.uint64)
+        B.rawtcp_fetch(fd, B.RAW_RSS, out.ctypes.data, 8)
+        return int(out[0])
+    finally:
+        B.rawtcp_close(fd)
+
+
+class Initiator:
+    def __init__(self, info: TargetInfo, token: bytes | None, streams: int, crc: bool, iters: int, warmup: int,
+                 lat_iters: int, quiet: bool = False):
+        self.info, self.iters, self.warmup, self.lat_iters, self.quiet = info, iters, warmup, lat_iters, quiet
+        self.host, _ = split_hostport(info.address)
+        self.token, self.streams, self.crc = token, streams, crc
+        self.dst = np.zeros(info.buffer_bytes, dtype=np.uint8)
+        self.src = None  # local pattern copy, only for memcpy
+        self.engine = Engine(EngineConfig(listen=None, token=token, name="bench-initiator", streams=streams, crc=crc))
+        self.region = self.engine.register(self.dst)
+        self.peer = self.engine.connect(info.address)
+        self.rng = np.random.default_rng(1234)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- timing ------------------------------------------------------------------------
+    def _timed(self, label: str, w: Workload, op: Callable[[], None], prog: Progress) -> list[float]:
+        n = self.lat_iters if w.latency else self.iters
+        for _ in range(self.warmup):
+            op()
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+            prog.show(label, i + 1, n)
+        return times
+
+    def _verify(self, dst_offs: np.ndarray, src_offs: np.ndarray, w: Workload) -> bool:
+        got = gather(self.dst, dst_offs, w.block_size)
+        return bool(np.array_equal(got, expected(src_offs, w.block_size, self.info.seed)))
+
+    def _clear(self, dst_offs: np.ndarray, w: Workload) -> None:
+        gather_idx = (dst_offs // 8)[:, None].astype(np.int64) + np.arange(w.block_size // 8)[None, :]
+        self.dst.view(np.uint64)[gather_idx] = 0
+
+    # -- systems -------------------------------------------------------------------------
+    def run_kvlink(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray, prog: Progress) -> Result:
+        descs = []
+
+        def op() -> None:
+            b = self.engine.read(self.peer, self.region, l_offs, self.info.region, r_offs, w.block_size)
+            b.wait()
+            descs.append(b.descriptors)
+            b.release()
+
+        times = self._timed(f"{w.name} kvlink", w, op, prog)
+        self._clear(l_offs, w)
+        op()
+        return Result.of("kvlink", w.name, w.blocks, w.block_size, times, self._verify(l_offs, r_offs, w), descs[-1])
+
+    def run_raw(self, w: Workload, prog: Progress) -> Result:
+        fd = B.rawtcp_connect(self.host, self.info.raw_port)
+        try:
+            def op() -> None:
+                B.rawtcp_fetch(fd, w.nbytes, self.dst.ctypes.data, self.dst.nbytes)
+
+            times = self._timed(f"{w.name} raw-tcp", w, op, prog)
+            self.dst[: w.nbytes] = 0
+            op()
+        finally:
+            B.rawtcp_close(fd)
+        whole = Workload(w.name, 1, w.nbytes) if w.nbytes % 8 == 0 else w
+        ok = self._verify(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), whole)
+        return Result.of("raw-tcp", w.name, w.blocks, w.block_size, times, ok)
+
+    def run_memcpy(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray, prog: Progress) -> Result:
+        if self.src is None:
+            self.src = np.empty(self.info.buffer_bytes, dtype=np.uint8)
+            fill_pattern(self.src, self.info.seed)
+        dst_a = l_offs + np.uint64(self.dst.ctypes.data)
+        src_a = r_offs + np.uint64(self.src.ctypes.data)
+        times = self._timed(f"{w.name} memcpy", w, lambda: B.memcpy_blocks(dst_a, src_a, w.block_size), prog)
+        self._clear(l_offs, w)
+        B.memcpy_blocks(dst_a, src_a, w.block_size)
+        return Result.of("memcpy", w.name, w.blocks, w.block_size, times, self._verify(l_offs, r_offs, w))
+
+    def run(self, workloads: list[Workload], systems: list[str]) -> list[Result]:
+        prog = Progress(len(workloads) * len(systems), self.quiet)
+        out = []
+        for w in workloads:
+            r_offs = random_slots(self.rng, self.info.buffer_bytes, w)
+            l_offs = random_slots(self.rng, self.dst.nbytes, w)
+            for s in systems:
+                if s == "kvlink":
+                    out.append(self.run_kvlink(w, r_offs, l_offs, prog))
+                elif s == "raw-tcp":
+                    out.append(self.run_raw(w, prog))
+                else:
+                    out.append(self.run_memcpy(w, r_offs, l_offs, prog))
+                prog.step()
+        return out
+
+    def memory_with_peers(self, peers: int) -> dict[str, float]:
+        """Engine memory beyond registered regions with `peers` initiators connected:
+        the RSS growth of the target and of this process."""
+        before_t, before_i = target_rss(self.info, self.host), rss_bytes()
+        engines = []
+        buf = np.zeros(32 * 1024, dtype=np.uint8)
+        try:
+            for k in range(peers):
+                e = Engine(EngineConfig(listen=None, token=self.token, name=f"bench-peer-{k}", streams=self.streams))
+                engines.append(e)
+                reg = e.register(buf)
+                p = e.connect(self.info.address)
+                e.read(p, reg, [0], self.info.region, [k * 32768], 32768).wait()
+            after_t, after_i = target_rss(self.info, self.host), rss_bytes()
+        finally:
+            for e in engines:
+                e.close()
+        return {"peers": peers, "target_rss_growth_mib": round((after_t - before_t) / MiB, 2),
+                "initiator_rss_growth_mib": round((after_i - before_i) / MiB, 2)}

@@ -1,0 +1,45 @@
+"""The target half of `kvlink bench`: a registered, patterned buffer served by
+an engine and by the raw TCP yardstick. Prints one JSON line describing
+itself, then serves until stdin closes or it is terminated."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+import numpy as np
+
+from kvlink import _binding as B
+from kvlink.bench.workloads import MiB, fill_pattern
+from kvlink.transport import Access, Engine, EngineConfig
+from kvlink.transport.config import split_hostport
+
+SEED = 0x5EED_0F_CAFE
+
+
+def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, crc: bool,
+               allow_insecure: bool = False) -> int:
+    host, port = split_hostport(listen, "--listen")
+    buf = np.empty(buffer_mb * MiB, dtype=np.uint8)
+    fill_pattern(buf, SEED)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Engine(EngineConfig(listen=listen, token=token, name="bench-target", streams=streams, crc=crc,
+                             allow_insecure=allow_insecure)) as eng:
+        region = eng.register(buf, Access.READ | Access.WRITE)
+        info = {"address": eng.address, "region": region.id, "buffer_bytes": buf.nbytes, "seed": SEED}
+        raw, raw_port = B.rawtcp_serve(host, port + 1 if port else 0, region.addr, buf.nbytes, json.dumps(info))
+        info["raw_port"] = raw_port
+        print(json.dumps(info), flush=True)
+        reader = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
+        reader.start()
+        try:
+            while not stop.wait(0.5):
+                eng.events()  # log refused peers as they happen
+        except KeyboardInterrupt:
+            pass
+        finally:
+            B.rawtcp_stop(raw)
+    return 0
