@@ -132,7 +132,7 @@ void kvl__batch_leave_io(kvl_batch *b) {
  * (splitting a descriptor at a cut), each within KVL_MAX_DESC_PER_MSG. */
 int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local, const uint32_t *regions,
                      size_t n_regions, const uint64_t *offsets, const uint64_t *lengths, size_t n_lengths, size_t n,
-                     uint64_t deadline, kvl_batch **out) {
+                     uint64_t deadline, kvl_batch **out, char *why, size_t cap) {
   size_t m = 0;
   uint64_t total = 0;
   kvl__desc *tmp = malloc(n * sizeof *tmp);
@@ -141,6 +141,8 @@ int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local,
     uint32_t r = regions[n_regions == 1 ? 0 : i];
     uint64_t len = lengths[n_lengths == 1 ? 0 : i];
     if (len == 0 || local[i] == 0 || local[i] + len < local[i] || offsets[i] + len < offsets[i]) {
+      snprintf(why, cap, "descriptor %zu: %s", i,
+               len == 0 ? "length 0" : local[i] == 0 ? "local address 0" : "offset + length overflows");
       free(tmp);
       return KVL_EINVAL;
     }

@@ -320,7 +320,7 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
   uint64_t deadline = kvl__now_ms() + (timeout_ms ? timeout_ms : e->cfg.op_timeout_ms);
   kvl_batch *b;
   int rc = kvl__batch_build(e, op, p->nstreams, local_addrs, remote_regions, n_regions, remote_offsets, lengths,
-                            n_lengths, n, deadline, &b);
+                            n_lengths, n, deadline, &b, last_msg, sizeof last_msg);
   if (rc) return rc;
   uint32_t base = __atomic_fetch_add(&p->rr, 1, __ATOMIC_RELAXED);
   uint32_t np = b->parts_total; /* b may finish (and drop part refs) once enqueued */

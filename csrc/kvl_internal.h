@@ -181,7 +181,7 @@ int kvl__batch_enter_io(kvl_batch *b);
 void kvl__batch_leave_io(kvl_batch *b);
 int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local, const uint32_t *regions,
                      size_t n_regions, const uint64_t *offsets, const uint64_t *lengths, size_t n_lengths, size_t n,
-                     uint64_t deadline, kvl_batch **out);
+                     uint64_t deadline, kvl_batch **out, char *why, size_t cap);
 int kvl__batch_notify(kvl_engine *e, const void *data, size_t len, uint64_t deadline, kvl_batch **out);
 
 struct kvl__stream {

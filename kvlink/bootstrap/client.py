@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -32,11 +33,41 @@ _error_decoder = msgspec.json.Decoder(s.ErrorAnswer)
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
+class _OneWriteMixin:
+    """Send each request in one write, with Nagle off.
+
+    ``http.client`` writes the headers and the body separately; with Nagle on, the body then waits for the
+    server's delayed ACK (tens of milliseconds on loopback), and even with it off the server wakes twice.
+    """
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
+
+    def _send_output(self, message_body: Any = None, encode_chunked: bool = False) -> None:
+        buffer = getattr(self, "_buffer", None)  # http.client's pending header lines
+        if isinstance(message_body, bytes) and not encode_chunked and isinstance(buffer, list):
+            buffer.extend((b"", b""))
+            message = b"\r\n".join(buffer) + message_body
+            del buffer[:]
+            self.send(message)  # type: ignore[attr-defined]
+            return
+        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
+
+
+class _HTTPConnection(_OneWriteMixin, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_OneWriteMixin, http.client.HTTPSConnection):
+    pass
+
+
 class _Pool:
     """Idle keep-alive connections to one server, shared by threads (a connection is used by one at a time)."""
 
     def __init__(self, scheme: str, host: str, port: int, max_idle: int) -> None:
-        self._cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        self._cls = _HTTPSConnection if scheme == "https" else _HTTPConnection
         self._host, self._port, self._max_idle = host, port, max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()  # guards _idle and _closed

@@ -1,0 +1,177 @@
+"""Dead, stalled and slow peers; cancel, timeout and close with batches in
+flight; unregistering while peers access a region."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import wire
+
+from kvlink.errors import Canceled, Closed, KVLinkError, PeerClosed, TimeoutError_, UnknownRegion
+from kvlink.transport import Access
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def started_receiving(dst: np.ndarray, fill: int = 0xAB, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (dst == fill).any():
+        assert time.monotonic() < deadline, "the slow peer never started sending"
+        time.sleep(0.01)
+
+
+def test_peer_killed_mid_batch_fails_within_timeout(make_engine):
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); import wire; "
+                             "wire.serve_slow_forever(b'kvlink-test-token')"], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        init = make_engine(name="i", listen=None, op_timeout_s=20)
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        rdst = init.register(dst)
+        peer = init.connect(address)
+        b = init.read(peer, rdst, [0], 1, [0], dst.nbytes)
+        started_receiving(dst)
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerClosed, match="receiving"):
+            b.wait()
+        assert time.monotonic() - t0 < 20  # well within the batch's timeout, not at it
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stalled_peer_times_out_and_others_are_still_served(make_engine, pair):
+    p = pair()
+    stalled = wire.SlowTarget(token=b"kvlink-test-token", stall=True)
+    try:
+        dst = np.zeros(4096, dtype=np.uint8)
+        r = p.init.register(dst)
+        sp = p.init.connect(stalled.address)
+        b = p.init.read(sp, r, [0], 1, [0], 4096, timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError_):
+            b.wait()
+        assert time.monotonic() - t0 < 5
+        # the healthy peer is unaffected
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096).wait()
+        assert np.array_equal(p.dst[:4096], p.src[:4096])
+    finally:
+        stalled.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait-timeout"])
+def test_no_late_write_after_cancel_or_timeout(make_engine, how):
+    """Fill the destination after cancel/timeout returns and check that it stays
+    intact while the peer keeps sending."""
+    slow = wire.SlowTarget(token=b"kvlink-test-token", chunk=2048, interval=0.002)
+    try:
+        init = make_engine(name="i", listen=None, streams=1)
+        dst = np.zeros(4 << 20, dtype=np.uint8)
+        rdst = init.register(dst)
+        peer = init.connect(slow.address)
+        b = init.read(peer, rdst, [0], 1, [0], dst.nbytes)
+        started_receiving(dst)
+        if how == "cancel":
+            b.cancel()
+            with pytest.raises(Canceled):
+                b.wait()
+        else:
+            with pytest.raises(TimeoutError_, match="canceled"):
+                b.wait(timeout_s=0.2)
+        dst[:] = 0x11  # the decode side reuses the blocks at once
+        sent = slow.sent_after_request
+        time.sleep(0.5)
+        assert (dst == 0x11).all()
+        assert slow.sent_after_request >= sent  # the peer was still trying
+        # and the stream is usable again (a fresh connection)
+        b2 = init.read(peer, rdst, [0], 1, [0], 4096)
+        b2.wait(timeout_s=10)
+        assert (dst[:4096] == 0xAB).all()
+    finally:
+        slow.close()
+
+
+def test_close_with_batches_in_flight_neither_hangs_nor_leaks(make_engine):
+    base = threads()
+    slow = wire.SlowTarget(token=b"kvlink-test-token", stall=True)
+    try:
+        from kvlink.transport import Engine, EngineConfig
+
+        init = Engine(EngineConfig(name="i", listen=None, token=b"kvlink-test-token", streams=4))
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        rdst = init.register(dst)
+        peer = init.connect(slow.address)
+        batches = [init.read(peer, rdst, [i * 4096], 1, [0], 4096) for i in range(16)]
+        assert threads() >= base + 4
+        t0 = time.monotonic()
+        init.close()
+        assert time.monotonic() - t0 < 5
+        for b in batches:
+            with pytest.raises((Closed, PeerClosed, Canceled)):
+                b.wait()
+        slow.close()  # and the fake's own threads end
+        deadline = time.monotonic() + 3
+        while threads() > base and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert threads() == base  # every engine thread was joined
+        with pytest.raises(Closed):
+            init.read(peer, rdst, [0], 1, [0], 16)
+    finally:
+        slow.close()
+
+
+def test_unregister_during_remote_writes(pair):
+    """Once unregister returns, no peer touches that memory again."""
+    p = pair()
+    sink = np.zeros(8 << 20, dtype=np.uint8)
+    region = p.target.register(sink, Access.WRITE)
+    src = np.full(8 << 20, 0x5A, dtype=np.uint8)
+    rsrc = p.init.register(src)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            try:
+                p.init.write(p.peer, rsrc, [0], region.id, [0], src.nbytes).wait()
+            except KVLinkError as e:
+                errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    time.sleep(0.2)
+    region.unregister(timeout_s=10)
+    sink[:] = 0x22
+    time.sleep(0.3)
+    stop.set()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert (sink == 0x22).all()
+    assert any(isinstance(e, UnknownRegion) for e in errors)
+
+
+def test_unregister_waits_for_reads_in_flight(pair):
+    p = pair(size=32 << 20)
+    done = []
+    b = p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 32 << 20)
+    p.rsrc.unregister(timeout_s=10)  # returns after the peer's read finished (or failed)
+    try:
+        b.wait()
+        done.append("ok")
+    except UnknownRegion:
+        done.append("refused")
+    assert done
+    with pytest.raises(UnknownRegion):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 16).wait()

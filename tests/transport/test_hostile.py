@@ -1,0 +1,262 @@
+"""What bad peers and bad input get: refused with a reason that names the
+problem, nothing leaked or written, and everyone else keeps being served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import wire
+
+from kvlink.errors import AccessDenied, AuthError, OutOfRange, UnknownRegion, VersionMismatch
+from kvlink.transport import Access, Engine, EngineConfig
+
+
+def wait_event(engine, needle: str, timeout: float = 3.0) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        seen += [msg for _, msg in engine.events()]
+        for m in seen:
+            if needle in m:
+                return m
+        time.sleep(0.02)
+    raise AssertionError(f"no event containing {needle!r}; saw {seen}")
+
+
+def hung_up(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:  # unread bytes were discarded: a reset, also a hang-up
+        return True
+
+
+def still_serves(p) -> None:
+    """The engine keeps serving a well-behaved peer."""
+    p.dst[:4096] = 0
+    p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [4096], 4096).wait()
+    assert np.array_equal(p.dst[:4096], p.src[4096:8192])
+
+
+# ---- access flags and bounds ---------------------------------------------------------
+
+def test_access_flags_are_enforced(pair):
+    p = pair()
+    secret = np.full(4096, 9, dtype=np.uint8)
+    none = p.target.register(secret, Access.NONE)
+    ro = p.target.register(np.full(4096, 5, dtype=np.uint8), Access.READ)
+    with pytest.raises(AccessDenied, match="does not permit READ"):
+        p.init.read(p.peer, p.rdst, [0], none.id, [0], 16).wait()
+    with pytest.raises(AccessDenied, match="does not permit WRITE"):
+        p.init.write(p.peer, p.rdst, [0], ro.id, [0], 16).wait()
+    assert not p.dst[:16].any()
+    assert (secret == 9).all()
+    wait_event(p.target, "does not permit")
+    still_serves(p)  # the next batch reconnects
+
+
+@pytest.mark.parametrize("offset,length", [(1 << 20, 1), ((1 << 20) - 1, 2), (2**63, 2**63), (2**64 - 1, 1),
+                                           (0, 2**64 - 1)])
+def test_out_of_region_requests_are_refused(pair, offset, length):
+    """Checked with overflow-safe arithmetic on the target, whatever the peer sends."""
+    p = pair()
+    with pytest.raises(OutOfRange, match="beyond region"):
+        _raw_request(p, offset, length)
+    still_serves(p)
+
+
+def test_out_of_region_read_through_the_api(pair):
+    p = pair()
+    with pytest.raises(OutOfRange, match=r"descriptor 1: offset 1048000 \+ length 4096 beyond region"):
+        p.init.read(p.peer, p.rdst, [0, 8192], p.rsrc.id, [0, 1048000], 4096).wait()
+    with pytest.raises(ValueError, match="overflows"):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [2**64 - 1], 16)
+    assert not p.dst.any()
+    wait_event(p.target, "beyond region")
+    still_serves(p)
+
+
+def _raw_request(p, offset: int, length: int) -> None:
+    """Send a descriptor the Python API would refuse locally, straight on the wire."""
+    with wire.connect(p.target.address) as s:
+        wire.client_handshake(s, b"kvlink-test-token")
+        s.sendall(wire.frame(wire.READ_REQ, wire.descs_body([(p.rsrc.id, offset, length)]), seq=1))
+        (_, _, ftype, _, _, _), body = wire.recv_frame(s)
+        st, idx, total, msg = wire.parse_status(body)
+        assert ftype == wire.READ_RESP and idx == 0 and total == 0
+        raise OutOfRange(msg)
+
+
+def test_unknown_and_stale_region_ids(pair):
+    p = pair()
+    with pytest.raises(UnknownRegion, match="unknown region"):
+        p.init.read(p.peer, p.rdst, [0], 0xDEAD, [0], 16).wait()
+    tmp = p.target.register(np.ones(64, dtype=np.uint8), Access.READ)
+    stale = tmp.id
+    tmp.unregister()
+    again = p.target.register(np.ones(64, dtype=np.uint8), Access.READ)  # reuses the slot, new generation
+    assert again.id != stale
+    with pytest.raises(UnknownRegion):
+        p.init.read(p.peer, p.rdst, [0], stale, [0], 16).wait()
+    still_serves(p)
+
+
+# ---- authentication and version ------------------------------------------------------
+
+def test_wrong_token_is_refused_both_ways(pair, make_engine):
+    p = pair()
+    bad = make_engine(name="intruder", listen=None, token=b"not-the-token")
+    with pytest.raises(AuthError, match="failed to prove the token"):
+        bad.connect(p.target.address)
+    # a raw client that lies about its proof is told "wrong token" and logged
+    with wire.connect(p.target.address) as s:
+        nc = os.urandom(32)
+        s.sendall(wire.frame(wire.HELLO, wire.hello_body(nc, True, "liar")))
+        _, body = wire.recv_frame(s)
+        s.sendall(wire.frame(wire.AUTH, bytes(32)))
+        (_, _, ftype, _, _, _), body = wire.recv_frame(s)
+        assert ftype == wire.ERROR and wire.parse_status(body)[3] == "wrong token"
+    wait_event(p.target, "wrong token")
+    assert p.target.stats()["conns_rejected"] >= 1
+    still_serves(p)
+
+
+def test_missing_token_is_refused(pair, make_engine):
+    p = pair()
+    anon = make_engine(name="anon", listen=None, token=None)
+    with pytest.raises(AuthError, match="token required"):
+        anon.connect(p.target.address)
+    # and an engine without a token refuses a client that has one
+    open_target = make_engine(name="open", token=None)
+    with pytest.raises(AuthError, match="no token configured"):
+        make_engine(name="c", listen=None).connect(open_target.address)
+    still_serves(p)
+
+
+def test_wrong_version_is_refused(pair):
+    p = pair()
+    with wire.connect(p.target.address) as s:
+        s.sendall(wire.frame(wire.HELLO, wire.hello_body(os.urandom(32), True), version=2))
+        (_, _, ftype, _, _, _), body = wire.recv_frame(s)
+        assert ftype == wire.ERROR
+        st, _, _, msg = wire.parse_status(body)
+        assert msg == "protocol version 2, expected 1"
+        assert hung_up(s)
+    wait_event(p.target, "protocol version 2")
+    # a server answering in another version is refused by our client
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    import threading
+
+    def fake():
+        c, _ = srv.accept()
+        wire.recv_frame(c)
+        c.sendall(wire.frame(wire.CHALLENGE, wire.hello_body(os.urandom(32), True, "v9", bytes(32)), version=9))
+        time.sleep(0.5)
+        c.close()
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    with pytest.raises(VersionMismatch, match="protocol version 9"):
+        p.init.connect(f"127.0.0.1:{port}")
+    t.join()
+    srv.close()
+    still_serves(p)
+
+
+def test_unauthenticated_listener_only_on_loopback():
+    with pytest.raises(ValueError, match="only allowed on loopback"):
+        EngineConfig(listen="0.0.0.0:0", token=None)
+    cfg = EngineConfig(listen="0.0.0.0:0", token=None, allow_insecure=True)
+    with Engine(cfg) as e:
+        assert e.port > 0
+    with Engine(EngineConfig(listen="0.0.0.0:0", token=b"t")) as e:
+        assert e.port > 0
+
+
+# ---- malformed frames -------------------------------------------------------------------
+
+GARBAGE = [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    os.urandom(64),
+    wire.frame(wire.HELLO, body_len=0xFFFFFFFF),  # huge length
+    wire.frame(99, b""),  # unknown type
+    wire.frame(wire.HELLO, wire.hello_body(os.urandom(32), True))[:20],  # truncated, then silence
+]
+
+
+@pytest.mark.parametrize("payload", GARBAGE, ids=["http", "random", "huge-length", "unknown-type", "truncated"])
+def test_garbage_before_handshake(pair, payload):
+    p = pair()
+    before = p.target.stats()["conns_rejected"]
+    with wire.connect(p.target.address, timeout=10) as s:
+        s.sendall(payload)
+        try:
+            s.shutdown(socket.SHUT_WR)  # truncated frames end here
+        except OSError:
+            pass  # already hung up on us
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+    assert p.target.stats()["conns_rejected"] == before + 1
+    still_serves(p)
+
+
+@pytest.mark.parametrize("case", ["huge-count", "count-mismatch", "zero-length", "truncated-body", "bad-flags",
+                                  "unexpected-type"])
+def test_garbage_after_handshake(pair, case):
+    p = pair()
+    good = wire.descs_body([(p.rsrc.id, 0, 16)])
+    frames = {
+        "huge-count": wire.frame(wire.READ_REQ, b"\xff\xff\xff\xff" + bytes(28)),
+        "count-mismatch": wire.frame(wire.READ_REQ, good[:4].replace(b"\x01", b"\x02", 1) + good[4:]),
+        "zero-length": wire.frame(wire.READ_REQ, wire.descs_body([(p.rsrc.id, 0, 0)])),
+        "truncated-body": wire.frame(wire.READ_REQ, good)[:-5],
+        "bad-flags": wire.frame(wire.READ_REQ, good, flags=0x80),
+        "unexpected-type": wire.frame(wire.CHALLENGE, wire.hello_body(bytes(32), True, "x", bytes(32))),
+    }
+    with wire.connect(p.target.address, timeout=10) as s:
+        wire.client_handshake(s, b"kvlink-test-token")
+        s.sendall(frames[case])
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        got = b""
+        try:
+            while chunk := s.recv(4096):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    if case != "truncated-body":
+        assert got, "expected an error frame naming the problem"
+        (_, _, ftype, _, _, blen) = wire.HDR.unpack_from(got)
+        st, _, _, msg = wire.parse_status(got[wire.HDR.size:wire.HDR.size + blen])
+        assert st < 0 and msg
+    wait_event(p.target, "disconnected" if case != "truncated-body" else "frame body")
+    still_serves(p)
+
+
+def test_handshake_stall_is_cut_off(make_engine):
+    target = make_engine(name="t", handshake_timeout_s=0.3)
+    with wire.connect(target.address) as s:
+        t0 = time.monotonic()
+        assert hung_up(s)  # we send nothing; the engine hangs up
+        assert time.monotonic() - t0 < 5
+    wait_event(target, "during handshake")
+
+
+def test_many_hostile_connections_do_not_starve_others(pair):
+    p = pair()
+    socks = [wire.connect(p.target.address) for _ in range(30)]
+    for s in socks[::2]:
+        s.sendall(os.urandom(100))
+    still_serves(p)
+    for s in socks:
+        s.close()
