@@ -87,7 +87,7 @@ class Heartbeater:
         """One heartbeat, registering when needed; raises what the client raises (used by the thread)."""
         reg = self.registration
         if not self.registered.is_set():
-            self._register(again=False)
+            self._register(again=self.registrations > 0)
             return
         try:
             self.client.heartbeat(reg.engine_id, reg.tp_rank, reg.dp_rank, reg.pp_rank)

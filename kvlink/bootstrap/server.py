@@ -304,6 +304,8 @@ class BootstrapServer:
     def start(self) -> BootstrapServer:
         if self._thread is not None:
             raise RuntimeError("bootstrap server already started")
+        self._ready.clear()
+        self._failure = None
         sock = _listen_socket(self.config.host, self.config.port)
         self._port = sock.getsockname()[1]
         self._thread = threading.Thread(target=self._run, args=(sock,), name="kvlink-bootstrap", daemon=True)
@@ -350,7 +352,9 @@ class BootstrapServer:
     async def _serve(self, sock: socket.socket) -> None:
         self._stop = asyncio.Event()
         self.app = BootstrapApp(self.config, self.table)
-        runner = web.AppRunner(self.app.app, access_log=None, shutdown_timeout=self.config.shutdown_timeout_s)
+        # handler_cancellation: a long poll whose client went away stops waiting (and frees its waiter slot).
+        runner = web.AppRunner(self.app.app, access_log=None, shutdown_timeout=self.config.shutdown_timeout_s,
+                               handler_cancellation=True)
         await runner.setup()
         sweeper = None
         try:

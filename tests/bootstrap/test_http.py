@@ -254,3 +254,22 @@ def test_two_servers_in_one_process_keep_their_own_metrics(server, client, engin
 def test_health(client, engine):
     health = client.health()
     assert (health.status, health.engines, health.requests) == ("ok", 1, 0)
+
+
+def test_a_long_poll_whose_client_left_frees_its_slot(server, raw, token):
+    import socket as _socket
+
+    sock = _socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    body = b'{"transfer_id": "t", "wait_s": 60.0}'
+    sock.sendall(b"POST /v1/request/lookup_transfer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while server.app.counters.waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.app.counters.waiting == 1
+    sock.close()
+    deadline = time.monotonic() + 3.0  # the poll itself would wait max_wait_s = 5 s
+    while server.app.counters.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.app.counters.waiting == 0
+    assert server.app._waiters == {}
