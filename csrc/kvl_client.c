@@ -283,12 +283,18 @@ static void *stream_main(void *arg) {
 void kvl__stream_steal(kvl_batch *b) {
   if (b->parts_total != 1) return;
   kvl__part *pt = &b->parts[0];
+  /* While b->mu is held an unfinished part's stream cannot be freed: the
+   * worker must finish the part (which takes b->mu) before it exits. */
+  pthread_mutex_lock(&b->mu);
+  int mine = 0;
   kvl__stream *s = pt->queued_on;
-  if (!s || __atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE)) return;
-  pthread_mutex_lock(&s->mu);
-  int mine = pt->queued && s->head == pt && !s->busy;
-  if (mine) claim(s);
-  pthread_mutex_unlock(&s->mu);
+  if (s && b->state == KVL__B_RUNNING && b->parts_finished == 0) {
+    pthread_mutex_lock(&s->mu);
+    mine = pt->queued && s->head == pt && !s->busy && !__atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE);
+    if (mine) claim(s);
+    pthread_mutex_unlock(&s->mu);
+  }
+  pthread_mutex_unlock(&b->mu);
   if (!mine) return;
   run_part(s, pt);
   unclaim(s);

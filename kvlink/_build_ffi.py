@@ -19,7 +19,7 @@ CSRC = os.path.join(ROOT, "csrc")
 CFLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-format-truncation", "-fvisibility=hidden"]
 LDFLAGS: list[str] = []
 if os.environ.get("KVLINK_SANITIZE") == "1":
-    CFLAGS = ["-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    CFLAGS = ["-std=c11", "-O1", "-g", "-Wno-format-truncation", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
               "-fno-sanitize-recover=undefined"]
     LDFLAGS = ["-fsanitize=address,undefined"]
 
