@@ -1,0 +1,128 @@
+"""TTFT and KV transfer time per request: single server vs PD through kvlink vs PD through NixlConnector.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_connector.py --requests 8 [--nixl-path DIR]
+
+Uses the kvheavy model (32 KiB of KV per token) and prompts of 1,000-2,000 tokens, sent one at a time
+(streaming, TTFT = first token at the client). Each mode runs its own servers (at most two at once) on
+loopback; NIXL runs only when ``--nixl-path`` points at a ``pip install --target`` of nixl (see
+docs/connector.md). The VM is noisy: compare modes from the same run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvlink.demo.servers import ProxyProc, Stack, VLLMServer, free_port, kvlink_config  # noqa: E402
+from kvlink.demo.tiny_model import ensure_model  # noqa: E402
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(rng.randint(1000, 2000))] for _ in range(n)]
+
+
+def ttft(url: str, prompt: list[int], max_tokens: int = 8) -> float:
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+    return first if first is not None else float("nan")
+
+
+def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: str | None) -> dict:
+    with Stack() as stack:
+        if mode == "single":
+            srv = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30))
+            srv.wait_ready()
+            url, dec = srv.url, None
+        else:
+            if mode == "kvlink":
+                bport = free_port()
+                pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport)
+                dec_kv = kvlink_config("kv_consumer")
+                env_p = env_d = None
+            else:
+                pre_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+                dec_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+                base = {"PYTHONPATH": nixl_path, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                        "UCX_NET_DEVICES": "lo", "UCX_TLS": "self,sm,tcp"}
+                env_p = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+                env_d = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+            pre = stack.add(VLLMServer(f"{mode}-prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=1 << 30,
+                                       env=env_p))
+            dec = stack.add(VLLMServer(f"{mode}-decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=1 << 30,
+                                       env=env_d))
+            pre.wait_ready()
+            dec.wait_ready()
+            proxy = stack.add(ProxyProc(pre.url, dec.url, logs))
+            proxy.wait_ready()
+            url = proxy.url
+        ttft(url, ps[0][:200])  # warm-up
+        ttfts, xfers, nbytes = [], [], []
+        for p in ps:
+            m0 = dec.metrics() if dec else {}
+            ttfts.append(ttft(url, p))
+            if dec:
+                time.sleep(0.3)
+                m1 = dec.metrics()
+                key_t = next((k for k in m1 if k.endswith("transfer_seconds_sum") or
+                              (k.startswith("vllm:nixl_xfer_time") and k.endswith("_sum"))), None)
+                key_b = next((k for k in m1 if k in ("kvlink_bytes_pulled_total", "vllm:nixl_bytes_transferred_sum")), None)
+                xfers.append(m1.get(key_t, 0) - m0.get(key_t, 0) if key_t else float("nan"))
+                nbytes.append(m1.get(key_b, 0) - m0.get(key_b, 0) if key_b else float("nan"))
+        return {"mode": mode, "ttft_ms": [t * 1e3 for t in ttfts], "xfer_ms": [x * 1e3 for x in xfers],
+                "bytes": nbytes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--modes", default="single,kvlink,nixl")
+    ap.add_argument("--nixl-path", default=None, help="directory holding nixl (pip install --target)")
+    ap.add_argument("--out", default=None, help="write the raw results as JSON here")
+    args = ap.parse_args()
+    model = str(ensure_model("kvheavy"))
+    ps = prompts(args.requests)
+    logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-"))
+    print(f"kvheavy model, {len(ps)} prompts of {min(map(len, ps))}-{max(map(len, ps))} tokens; logs {logs}")
+    results = []
+    for mode in args.modes.split(","):
+        if mode == "nixl" and not args.nixl_path:
+            print("nixl: skipped (no --nixl-path)")
+            continue
+        t0 = time.monotonic()
+        try:
+            r = run_mode(mode, model, ps, logs, args.nixl_path)
+        except Exception as e:  # noqa: BLE001
+            print(f"{mode}: failed: {e}")
+            continue
+        results.append(r)
+        med = statistics.median
+        line = f"{mode:7s} TTFT median {med(r['ttft_ms']):8.1f} ms  p90 {sorted(r['ttft_ms'])[int(.9 * (len(ps) - 1))]:8.1f} ms"
+        if r["xfer_ms"]:
+            mib = med(r["bytes"]) / 2**20
+            line += f"  KV transfer median {med(r['xfer_ms']):7.2f} ms for {mib:.1f} MiB"
+        print(line + f"  ({time.monotonic() - t0:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
