@@ -60,3 +60,22 @@ def test_remote_source_parsing():
                 {"remote_bootstrap_addr": "http://h:1", "transfer_id": 5}):
         with pytest.raises(BadParams):
             RemoteSource.from_params(bad)
+
+
+def test_plugin_register_is_idempotent():
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvlink.vllm.plugin import register
+
+    register()
+    register()
+    assert "KVLinkConnector" in KVConnectorFactory._registry
+
+
+def test_kv_role_and_extra_config_checked_at_startup():
+    pytest.importorskip("vllm")
+    from kvlink.vllm.config import ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match="valid keys"):
+        ConnectorConfig.from_extra({"bogus": 1})
