@@ -92,6 +92,7 @@ typedef struct kvl_stats {
   uint64_t conns_rejected;   /* auth, version, protocol errors, over limit */
   uint64_t notifs_dropped;
   uint64_t events_dropped;
+  uint64_t parts_inline;     /* run by the waiting thread (no hand-off) */
   uint32_t server_conns;     /* currently open accepted connections */
   uint32_t regions;
 } kvl_stats;

@@ -211,6 +211,7 @@ int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local,
   pthread_condattr_destroy(&ca);
   b->op = op;
   b->ndesc = nd;
+  b->total_bytes = total;
   b->parts_total = np;
   b->deadline_ms = deadline;
   b->refs = 1 + (int)np;

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static int grow(void **p, size_t *cap, size_t need) {
@@ -243,6 +244,7 @@ static void run_part(kvl__stream *s, kvl__part *pt) {
 /* Take the head of the queue and claim the stream; called with s->mu held. */
 static kvl__part *claim(kvl__stream *s) {
   kvl__part *pt = s->head;
+  s->last_active_us = kvl__now_us();
   s->head = pt->next;
   if (!s->head) s->tail = NULL;
   pt->queued = 0;
@@ -263,8 +265,27 @@ static void *stream_main(void *arg) {
   for (;;) {
     pthread_mutex_lock(&s->mu);
     int closing;
-    while (!(closing = __atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) && (!s->head || s->busy))
-      pthread_cond_wait(&s->cv, &s->mu);
+    for (;;) {
+      if ((closing = __atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) != 0) break;
+      uint64_t now = kvl__now_us(), until;
+      if (s->head && !s->busy) {
+        /* A small batch's waiter usually arrives within microseconds and runs
+         * it itself (kvl__stream_steal); give it that chance first. */
+        if (s->head->grace_until_us <= now) break;
+        until = s->head->grace_until_us;
+      } else if (!s->busy && now - s->last_active_us < KVL__LINGER_US) {
+        /* Recently busy: tick instead of sleeping, so that enqueueing a small
+         * batch needs no wake-up (it costs more than the transfer). */
+        until = now + KVL__TICK_US;
+        s->lingering = 1;
+      } else {
+        pthread_cond_wait(&s->cv, &s->mu);
+        continue;
+      }
+      struct timespec ts = {(time_t)(until / 1000000u), (long)(until % 1000000u) * 1000L};
+      pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+      s->lingering = 0;
+    }
     while (closing && s->busy) pthread_cond_wait(&s->cv, &s->mu); /* a waiter is running a part */
     kvl__part *pt = s->head ? claim(s) : NULL;
     pthread_mutex_unlock(&s->mu);
@@ -296,6 +317,7 @@ void kvl__stream_steal(kvl_batch *b) {
   }
   pthread_mutex_unlock(&b->mu);
   if (!mine) return;
+  KVL__STAT_ADD(s->peer->e, parts_inline, 1);
   run_part(s, pt);
   unclaim(s);
 }
@@ -323,14 +345,15 @@ void kvl__stream_stop(kvl__stream *s) {
   s->crcs = NULL;
 }
 
-void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt) {
+void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable) {
   pt->next = NULL;
   pt->queued_on = s;
+  pt->grace_until_us = stealable ? kvl__now_us() + KVL__STEAL_GRACE_US : 0;
   pthread_mutex_lock(&s->mu);
   pt->queued = 1;
   if (s->tail) s->tail->next = pt;
   else s->head = pt;
   s->tail = pt;
-  pthread_cond_signal(&s->cv);
+  if (!stealable || !s->lingering) pthread_cond_signal(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 void kvl_config_init(kvl_config *cfg) {
@@ -210,6 +211,7 @@ void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
   out->batches_failed = __atomic_load_n(&e->stats.batches_failed, __ATOMIC_RELAXED);
   out->conns_accepted = __atomic_load_n(&e->stats.conns_accepted, __ATOMIC_RELAXED);
   out->conns_rejected = __atomic_load_n(&e->stats.conns_rejected, __ATOMIC_RELAXED);
+  out->parts_inline = __atomic_load_n(&e->stats.parts_inline, __ATOMIC_RELAXED);
   out->server_conns = kvl__server_conns(e);
   pthread_mutex_lock(&e->regions.mu);
   out->regions = e->regions.count;
@@ -267,7 +269,11 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     s->index = k;
     s->fd = -1;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
   }
   for (int k = 0; k < p->nstreams && rc == 0; k++) {
     kvl__stream *s = &p->streams[k];
@@ -324,7 +330,9 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
   if (rc) return rc;
   uint32_t base = __atomic_fetch_add(&p->rr, 1, __ATOMIC_RELAXED);
   uint32_t np = b->parts_total; /* b may finish (and drop part refs) once enqueued */
-  for (uint32_t i = 0; i < np; i++) kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i]);
+  int stealable = np == 1 && b->total_bytes <= KVL__STEAL_MAX_BYTES;
+  for (uint32_t i = 0; i < np; i++)
+    kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i], stealable);
   *out = b;
   return 0;
 }
@@ -339,7 +347,7 @@ int kvl_notify(kvl_engine *e, uint32_t peer, const void *data, size_t len, uint3
   kvl_batch *b;
   int rc = kvl__batch_notify(e, data, len, kvl__now_ms() + t, &b);
   if (rc) return rc;
-  kvl__stream_enqueue(&p->streams[0], &b->parts[0]);
+  kvl__stream_enqueue(&p->streams[0], &b->parts[0], 1);
   rc = kvl_batch_wait(b, t + 1000);
   if (rc) snprintf(last_msg, sizeof last_msg, "%s", b->msg);
   kvl_batch_release(b);

@@ -16,6 +16,7 @@ typedef struct {
 
 /* ---- time, crypto (kvl_sha256.c) --------------------------------------- */
 uint64_t kvl__now_ms(void);
+uint64_t kvl__now_us(void); /* CLOCK_MONOTONIC, like every condition variable here */
 void kvl__sha256(const void *data, size_t len, uint8_t out[32]);
 void kvl__hmac_sha256(const uint8_t *key, size_t key_len, const kvl__bytes *parts, int nparts, uint8_t out[32]);
 int kvl__ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
@@ -149,6 +150,7 @@ typedef struct kvl__part {
   kvl__stream *running_on;  /* guarded by batch->mu */
   kvl__stream *queued_on;   /* set once at enqueue */
   int queued;               /* still in the queue; guarded by the stream's mu */
+  uint64_t grace_until_us;  /* the worker leaves it to a waiter until then */
   struct kvl__part *next;   /* guarded by the stream's mu */
 } kvl__part;
 
@@ -164,6 +166,7 @@ struct kvl_batch {
   int refs;            /* mu */
   uint32_t parts_total, parts_done, parts_finished; /* mu */
   uint64_t deadline_ms;
+  uint64_t total_bytes;
   size_t ndesc;
   kvl__desc *desc;
   kvl__part *parts;
@@ -191,6 +194,8 @@ struct kvl__stream {
   pthread_cond_t cv;
   kvl__part *head, *tail; /* queue, guarded by mu */
   int busy;               /* a thread is running a part on fd; guarded by mu */
+  int lingering;          /* the worker ticks and needs no signal; mu */
+  uint64_t last_active_us; /* last claim; mu */
   int fd;                 /* worker-owned; -1 when disconnected */
   pthread_t thread;
   int started;
@@ -267,7 +272,12 @@ int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t
 /* requester streams (kvl_client.c) */
 int kvl__stream_start(kvl__stream *s);
 void kvl__stream_stop(kvl__stream *s);
-void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt);
+/* Small one-part batches a waiter may run itself (see kvl__stream_steal). */
+#define KVL__STEAL_MAX_BYTES (256u * 1024u)
+#define KVL__STEAL_GRACE_US 300u
+#define KVL__LINGER_US 50000u /* a worker busy this recently ticks ... */
+#define KVL__TICK_US 1000u    /* ... this often, instead of sleeping */
+void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable);
 /* Run a single-part batch's part in the calling thread if no worker took it yet. */
 void kvl__stream_steal(kvl_batch *b);
 /* send an ERROR-class frame (status body) */

@@ -25,6 +25,12 @@ uint64_t kvl__now_ms(void) {
   return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+uint64_t kvl__now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 static int is_loopback_addr(const struct sockaddr *sa) {
   if (sa->sa_family == AF_INET) {
     const struct sockaddr_in *in = (const struct sockaddr_in *)sa;

@@ -46,6 +46,7 @@ typedef struct kvl_stats {
   uint64_t conns_rejected;
   uint64_t notifs_dropped;
   uint64_t events_dropped;
+  uint64_t parts_inline;
   uint32_t server_conns;
   uint32_t regions;
 } kvl_stats;
