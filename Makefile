@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlink-installed
 
-.PHONY: install test test-py sanitize demo bench clean
+.PHONY: install test test-py sanitize demo bench bench-transport clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,12 @@ test-py: install
 sanitize: install
 	PY=$(VPY) bash tools/sanitize.sh
 
+# Builds the tiny local model if missing, starts prefill + decode vLLM with
+# KVLinkConnector and the proxy on loopback, checks answers against a single server.
 demo: install
+	$(VPY) -m kvlink demo
+
+bench-transport: install
 	$(VPY) -m kvlink bench --compare raw-tcp,memcpy
 
 bench: install

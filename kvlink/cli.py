@@ -21,13 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, mod in SUBCOMMANDS.items():
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue  # a subcommand whose module is not part of this build
+        m = importlib.import_module(mod)
         m.add_parser(sub)
-        # modules that expose run() without binding it get it bound here
-        if name in sub.choices and sub.choices[name].get_default("func") is None and hasattr(m, "run"):
+        if sub.choices[name].get_default("func") is None:  # modules that only expose run()
             sub.choices[name].set_defaults(func=m.run)
     return p
 

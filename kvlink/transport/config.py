@@ -54,6 +54,7 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     allow_insecure: bool = False
     max_conns: int = 256
+    same_host: str = "off"  # "off", "auto" or "require": copy same-host peers' memory directly
 
     def __post_init__(self) -> None:
         if self.listen is not None:
@@ -73,6 +74,8 @@ class EngineConfig:
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or not 0.001 <= v <= 3600:
                 raise ValueError(f"{field} must be between 0.001 and 3600 seconds, got {v!r}")
+        if self.same_host not in ("off", "auto", "require"):
+            raise ValueError(f"same_host must be 'off', 'auto' or 'require', got {self.same_host!r}")
         if not isinstance(self.max_conns, int) or not 1 <= self.max_conns <= 65536:
             raise ValueError(f"max_conns must be 1..65536, got {self.max_conns!r}")
 

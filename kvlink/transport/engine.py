@@ -11,6 +11,7 @@ import numpy as np
 
 from kvlink import _binding as B
 from kvlink.errors import Closed
+from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
 from kvlink.transport.config import EngineConfig, split_hostport
 from kvlink.transport.region import Access, Region
@@ -53,6 +54,8 @@ class Engine:
             connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
             handshake_timeout_ms=int(cfg.handshake_timeout_s * 1000), max_conns=cfg.max_conns)
         self._host = host
+        self.kind = "tcp" if cfg.same_host == "off" else "same-host"
+        self.capabilities = Capabilities(crc=True, same_host=cfg.same_host != "off")
         self._lock = threading.Lock()
         self._regions: set[Region] = set()
         self.port = B.engine_port(self._h)

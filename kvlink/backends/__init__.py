@@ -1,0 +1,1 @@
+"""Transport backends other than the native engine (see kvlink.transport.backend)."""
