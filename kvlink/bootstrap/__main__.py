@@ -9,7 +9,7 @@ from kvlink.bootstrap.cli import add_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlink")
+    parser = argparse.ArgumentParser(prog="kvlink")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bootstrap", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

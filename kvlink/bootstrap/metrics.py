@@ -52,7 +52,8 @@ class _Collector:
         yield counter("looked_up", "Request ids looked up.", stats.looked_up)
         yield counter("expired", "Requests whose lease ran out.", stats.expired)
         yield counter("conflicts", "Refused conflicting registrations and publishes.", stats.conflicts)
-        yield counter("outcomes_dropped", "Outcomes dropped because prefill never acknowledged.", stats.outcomes_dropped)
+        yield counter("outcomes_dropped", "Outcomes dropped because prefill never acknowledged.",
+                      stats.outcomes_dropped)
         yield counter("waits", "Long polls started.", c.waits)
         yield counter("wait_timeouts", "Long polls that ended without an answer.", c.wait_timeouts)
         released = CounterMetricFamily(

@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvlink.bootstrap import schema as s
@@ -93,10 +95,14 @@ class BootstrapApp:
             length = request.content_length
             if length is not None and length > self.config.max_body_bytes:
                 raise PayloadTooLarge(f"body of {length} bytes exceeds {self.config.max_body_bytes}")
+            if request.headers.get("Content-Encoding", "identity").lower() not in ("identity", ""):
+                raise InvalidField("compressed bodies are not accepted", field="Content-Encoding")
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise PayloadTooLarge(f"body exceeds {self.config.max_body_bytes} bytes") from None
+            except (RequestPayloadError, HttpProcessingError) as err:
+                raise InvalidField(f"unreadable body: {err.message}") from None
             try:
                 body = decode(raw)
             except msgspec.ValidationError as err:

@@ -414,7 +414,9 @@ class PairingTable:
         self._trim(self._transfer_tombstones, now)
         return now
 
-    def _end(self, engine: _Engine, request: _Request, status: RequestStatus, outcome: Outcome | None, now: float) -> None:
+    def _end(
+        self, engine: _Engine, request: _Request, status: RequestStatus, outcome: Outcome | None, now: float
+    ) -> None:
         """Forget a request that has already left ``engine.requests``: tombstone it, queue its outcome."""
         self._bury(self._tombstones, (request.engine_id, request.request_id), status, now)
         if request.transfer_id is not None and self._transfers.get(request.transfer_id) is request:

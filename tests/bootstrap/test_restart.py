@@ -98,3 +98,35 @@ def test_heartbeater_waits_for_a_server_that_is_not_up_yet(make_registration, to
         with BootstrapServer(BootstrapConfig(token=token, port=port)) as late:
             wait_for(beater.registered.is_set)
             assert late.table.num_engine_ranks == 1
+
+
+def test_keep_registered_helper(client, make_registration):
+    beater = client.keep_registered(make_registration("K"), lease_s=5.0, interval_s=0.05)
+    try:
+        wait_for(beater.registered.is_set)
+        assert client.get_engine("K").engine_id == "K"
+    finally:
+        beater.stop()
+
+
+def test_reregistered_callback_survives_a_failed_first_attempt(make_registration, token):
+    srv = BootstrapServer(BootstrapConfig(token=token)).start()
+    port = srv.port
+    calls: list[int] = []
+    cli = BootstrapClient(srv.url, token=token, timeout_s=0.5, retries=0)
+    with Heartbeater(cli, make_registration("P"), lease_s=3.0, interval_s=0.05,
+                     on_reregistered=lambda: calls.append(1)) as beater:
+        wait_for(beater.registered.is_set)
+        srv.stop()
+        time.sleep(0.2)  # heartbeats fail meanwhile
+        srv2 = BootstrapServer(BootstrapConfig(token=token, port=port)).start()
+        try:
+            wait_for(lambda: calls == [1])
+        finally:
+            beater.stop()
+            srv2.stop()
+
+
+def test_start_fails_loudly_when_the_port_is_taken(server, token):
+    with pytest.raises(OSError):
+        BootstrapServer(BootstrapConfig(token=token, port=server.port)).start()
