@@ -50,7 +50,7 @@ class BootstrapConfig:
     max_lease_s: float = 600.0
     max_wait_s: float = 30.0
     max_lookup_ids: int = 4096
-    max_waiters: int = 10_000
+    max_waiters: int = 100_000
     max_tombstones: int = 50_000
     tombstone_ttl_s: float = 600.0
     max_pending_outcomes: int = 200_000

@@ -132,7 +132,7 @@ class MethodNotAllowed(BootstrapError):
 
 
 class TooManyWaiters(BootstrapError):
-    """The server holds as many long polls as it allows; retry later (429)."""
+    """The server already waits on as many ids as it allows (``max_waiters``); retry later (429)."""
 
     status = 429
     code = "too_many_waiters"

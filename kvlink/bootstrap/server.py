@@ -61,6 +61,7 @@ class BootstrapApp:
         self.metrics = ServerMetrics(table, self.counters)
         self._token = config.token.encode() if config.token is not None else None
         self._waiters: dict[Hashable, set[asyncio.Event]] = {}
+        self._waited_keys = 0  # ids waited on, summed over long polls (bounded by max_waiters)
         self._closing = False
         table.on_publish = self._on_publish
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
@@ -220,8 +221,11 @@ class BootstrapApp:
         if remaining <= 0:
             self.counters.wait_timeouts += 1
             return False
-        if self.counters.waiting >= self.config.max_waiters:
-            raise TooManyWaiters(f"the server already holds {self.config.max_waiters} long polls")
+        keys = list(keys)
+        # Bound what all long polls together wait on (a grouped poll waits on each of its unknown ids).
+        if self._waited_keys + len(keys) > self.config.max_waiters:
+            raise TooManyWaiters(f"the server already waits on {self._waited_keys} ids (max_waiters "
+                                 f"{self.config.max_waiters}); retry later")
         event = asyncio.Event()
         self.counters.waits += 1
         self.counters.waiting += 1
@@ -242,9 +246,11 @@ class BootstrapApp:
         keys = list(keys)
         for key in keys:
             self._waiters.setdefault(key, set()).add(event)
+        self._waited_keys += len(keys)
         try:
             yield
         finally:
+            self._waited_keys -= len(keys)
             for key in keys:
                 events = self._waiters.get(key)
                 if events is not None:

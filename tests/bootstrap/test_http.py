@@ -195,6 +195,15 @@ def test_waiters_are_bounded(server):
     assert len(results) == 1
 
 
+@pytest.mark.parametrize("config", [BootstrapConfig(max_waiters=3)], ids=["max_waiters_3"])
+def test_a_grouped_poll_counts_each_id_it_waits_on(server, make_registration):
+    cli = BootstrapClient(server.url)
+    cli.register_engine(make_registration("P"), lease_s=60.0)
+    with pytest.raises(TooManyWaiters):
+        cli.lookup("P", ["a", "b", "c", "d"], wait_s=1.0)
+    assert cli.lookup("P", ["a", "b", "c"], wait_s=0.1)["a"] is RequestStatus.UNKNOWN
+
+
 def test_stop_ends_long_polls(make_registration):
     srv = BootstrapServer(BootstrapConfig(max_wait_s=30.0)).start()
     cli = BootstrapClient(srv.url, timeout_s=1.0, retries=1)
