@@ -38,7 +38,8 @@
   X(ETOOBIG, -18, "length exceeds limit")                                       \
   X(ENOPEER, -19, "unknown peer")                                               \
   X(EFULL, -20, "queue full")                                                   \
-  X(EREMOTE, -21, "peer reported an error")
+  X(EREMOTE, -21, "peer reported an error")                                     \
+  X(ELOCAL, -22, "same-host access not possible")
 
 enum {
 #define KVL__ERR_ENUM(name, val, msg) KVL_##name = val,
@@ -80,6 +81,7 @@ typedef struct kvl_config {
   uint32_t connect_timeout_ms;
   uint32_t handshake_timeout_ms;
   uint32_t max_conns;        /* accepted connections served at once */
+  int same_host;             /* 0 off, 1 auto (probe; TCP if refused), 2 require */
 } kvl_config;
 
 typedef struct kvl_stats {
@@ -93,6 +95,7 @@ typedef struct kvl_stats {
   uint64_t notifs_dropped;
   uint64_t events_dropped;
   uint64_t parts_inline;     /* run by the waiting thread (no hand-off) */
+  uint64_t bytes_local;      /* of bytes_read, copied same-host (process_vm_readv) */
   uint32_t server_conns;     /* currently open accepted connections */
   uint32_t regions;
 } kvl_stats;
@@ -118,6 +121,9 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
 /* Name the peer announced during the handshake. */
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
+/* 1 if READs from this peer copy its memory directly (same host), else 0;
+ * why says which, and why not. */
+int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap);
 
 /* Submit a batch. The arrays are copied; remote_regions and lengths may be
  * given one value for all (stride 0) by passing n_regions/n_lengths = 1.

@@ -18,7 +18,7 @@
 static const char LABEL_SERVER[] = "kvlink-v1 server proof";
 static const char LABEL_CLIENT[] = "kvlink-v1 client proof";
 
-static int fill_random(uint8_t *p, size_t n) {
+int kvl__random(uint8_t *p, size_t n) {
   while (n > 0) {
     ssize_t r = getrandom(p, n, 0);
     if (r < 0) return KVL_ESYS;
@@ -92,7 +92,7 @@ int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, siz
   kvl__hdr h;
   int rc;
   memset(&me, 0, sizeof me);
-  if ((rc = fill_random(me.nonce, sizeof me.nonce)) != 0) return rc;
+  if ((rc = kvl__random(me.nonce, sizeof me.nonce)) != 0) return rc;
   me.auth = e->token ? 1 : 0;
   snprintf(me.name, sizeof me.name, "%s", e->name);
   size_t n = kvl__hello_encode(body, KVL__T_HELLO, &me);
@@ -155,7 +155,7 @@ int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, siz
     snprintf(why, cap, "%s", me.auth ? "token required" : "this engine has no token configured");
     return refuse(e, fd, KVL_EAUTH, why, deadline);
   }
-  if ((rc = fill_random(me.nonce, sizeof me.nonce)) != 0) return rc;
+  if ((rc = kvl__random(me.nonce, sizeof me.nonce)) != 0) return rc;
   if (e->token) proof(e, LABEL_SERVER, them.nonce, me.nonce, me.mac);
   snprintf(me.name, sizeof me.name, "%s", e->name);
   size_t n = kvl__hello_encode(body, KVL__T_CHALLENGE, &me);

@@ -14,15 +14,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static int grow(void **p, size_t *cap, size_t need) {
-  if (need <= *cap) return 0;
-  void *n = realloc(*p, need);
-  if (!n) return KVL_ENOMEM;
-  *p = n;
-  *cap = need;
-  return 0;
-}
-
 static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
   kvl__peer *p = s->peer;
   kvl_engine *e = p->e;
@@ -45,7 +36,7 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
 
 /* Receive the status frame answering seq; data may follow it. A success
  * carries no message, so header and body usually arrive in one receive. */
-static int recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
+int kvl__recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
                        size_t cap) {
   kvl_engine *e = s->peer->e;
   enum { FIXED = KVL__STATUS_MAX - KVL_MAX_EVENT_MSG };
@@ -78,11 +69,11 @@ static int recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *
   return 0;
 }
 
-static int send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t deadline) {
+int kvl__send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t deadline) {
   kvl_batch *b = pt->batch;
   kvl_engine *e = s->peer->e;
   size_t body = 8 + (size_t)pt->count * KVL__WDESC_LEN;
-  if (grow((void **)&s->buf, &s->cap, KVL__HDR_LEN + body) != 0) return KVL_ENOMEM;
+  if (kvl__grow((void **)&s->buf, &s->cap, KVL__HDR_LEN + body) != 0) return KVL_ENOMEM;
   kvl__hdr_encode(s->buf, type, e->cfg.crc ? KVL__F_CRC : 0, ++s->seq, (uint32_t)body);
   kvl__put_u32(s->buf + KVL__HDR_LEN, pt->count);
   kvl__put_u32(s->buf + KVL__HDR_LEN + 4, 0);
@@ -94,7 +85,7 @@ static int send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t de
   return kvl__send_all(s->fd, s->buf, KVL__HDR_LEN + body, deadline, &e->closing);
 }
 
-static uint64_t part_bytes(const kvl__part *pt) {
+uint64_t kvl__part_bytes(const kvl__part *pt) {
   uint64_t t = 0;
   for (uint32_t i = 0; i < pt->count; i++) t += pt->batch->desc[pt->first + i].length;
   return t;
@@ -113,14 +104,15 @@ static int part_iov(kvl__stream *s, const kvl__part *pt, uint32_t from, uint32_t
 static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   kvl_batch *b = pt->batch;
   kvl_engine *e = s->peer->e;
-  uint64_t dl = b->deadline_ms, want = part_bytes(pt);
+  uint64_t dl = b->deadline_ms, want = kvl__part_bytes(pt);
+  if (s->peer->local_ok && want >= KVL__LOCAL_MIN_BYTES) return kvl__local_read(s, pt, why, cap);
   kvl__status st;
-  int rc = send_request(s, pt, KVL__T_READ_REQ, dl);
+  int rc = kvl__send_request(s, pt, KVL__T_READ_REQ, dl);
   if (rc) {
     snprintf(why, cap, "%s sending a READ request to %s", kvl_strerror(rc), s->peer->name);
     return rc;
   }
-  if ((rc = recv_status(s, KVL__T_READ_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
+  if ((rc = kvl__recv_status(s, KVL__T_READ_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
   if (st.total != want) {
     snprintf(why, cap, "peer announced %llu bytes, expected %llu", (unsigned long long)st.total,
              (unsigned long long)want);
@@ -142,7 +134,7 @@ static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
     }
   }
   if (e->cfg.crc) {
-    if (grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
+    if (kvl__grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
     if ((rc = kvl__recv_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing)) != 0) {
       snprintf(why, cap, "%s receiving checksums from %s", kvl_strerror(rc), s->peer->name);
       return rc;
@@ -164,16 +156,16 @@ static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
 static int run_write(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   kvl_batch *b = pt->batch;
   kvl_engine *e = s->peer->e;
-  uint64_t dl = b->deadline_ms, want = part_bytes(pt);
+  uint64_t dl = b->deadline_ms, want = kvl__part_bytes(pt);
   kvl__status st;
-  int rc = send_request(s, pt, KVL__T_WRITE_REQ, dl);
+  int rc = kvl__send_request(s, pt, KVL__T_WRITE_REQ, dl);
   for (uint32_t from = 0; rc == 0 && from < pt->count; from += KVL__IOV_MAX) {
     uint32_t n = pt->count - from < KVL__IOV_MAX ? pt->count - from : KVL__IOV_MAX;
     if (kvl_batch_poll(b) != KVL_INPROGRESS) return KVL_ECANCELED;
     rc = kvl__sendv(s->fd, s->iov, part_iov(s, pt, from, n), dl, &e->closing);
   }
   if (rc == 0 && e->cfg.crc) {
-    if (grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
+    if (kvl__grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
     for (uint32_t i = 0; i < pt->count; i++) {
       const kvl__desc *d = &b->desc[pt->first + i];
       kvl__put_u32((uint8_t *)&s->crcs[i], kvl_crc32c(0, (const void *)(uintptr_t)d->local, (size_t)d->length));
@@ -184,7 +176,7 @@ static int run_write(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
     snprintf(why, cap, "%s sending %llu bytes to %s", kvl_strerror(rc), (unsigned long long)want, s->peer->name);
     return rc;
   }
-  if ((rc = recv_status(s, KVL__T_WRITE_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
+  if ((rc = kvl__recv_status(s, KVL__T_WRITE_RESP, s->seq, &st, dl, why, cap)) != 0) return rc;
   KVL__STAT_ADD(e, bytes_written, want);
   return 0;
 }
@@ -201,7 +193,7 @@ static int run_notify(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
     snprintf(why, cap, "%s sending a notification to %s", kvl_strerror(rc), s->peer->name);
     return rc;
   }
-  return recv_status(s, KVL__T_NOTIFY_ACK, s->seq, &st, b->deadline_ms, why, cap);
+  return kvl__recv_status(s, KVL__T_NOTIFY_ACK, s->seq, &st, b->deadline_ms, why, cap);
 }
 
 static void run_part(kvl__stream *s, kvl__part *pt) {
@@ -341,8 +333,10 @@ void kvl__stream_stop(kvl__stream *s) {
   s->started = 0;
   free(s->buf);
   free(s->crcs);
+  free(s->addrs);
   s->buf = NULL;
   s->crcs = NULL;
+  s->addrs = NULL;
 }
 
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable) {

@@ -122,7 +122,7 @@ int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
       cfg->connect_timeout_ms == 0 || cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 ||
       (cfg->token && (cfg->token_len == 0 || cfg->token_len > 1024)) ||
       (cfg->name && strlen(cfg->name) > KVL_MAX_NAME) ||
-      (cfg->listen_host && strlen(cfg->listen_host) >= 256))
+      (cfg->listen_host && strlen(cfg->listen_host) >= 256) || cfg->same_host < 0 || cfg->same_host > 2)
     return KVL_EINVAL;
   for (const char *c = cfg->name; c && *c; c++)
     if (*c < 0x20 || *c > 0x7e) return KVL_EINVAL;
@@ -139,6 +139,16 @@ int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
     memcpy(e->token, cfg->token, cfg->token_len);
   }
   e->cfg.token = e->token;
+  if (kvl__random(e->cookie, sizeof e->cookie) != 0) {
+    free(e->token);
+    free(e);
+    return KVL_ESYS;
+  }
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r"); /* read once: the same-host probe */
+  if (f) {
+    if (fread(e->boot_id, 1, sizeof e->boot_id, f) != sizeof e->boot_id) memset(e->boot_id, 0, sizeof e->boot_id);
+    fclose(f);
+  }
   e->cfg.name = e->name;
   e->cfg.listen_host = NULL;
   e->listen_fd = -1;
@@ -212,6 +222,7 @@ void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
   out->conns_accepted = __atomic_load_n(&e->stats.conns_accepted, __ATOMIC_RELAXED);
   out->conns_rejected = __atomic_load_n(&e->stats.conns_rejected, __ATOMIC_RELAXED);
   out->parts_inline = __atomic_load_n(&e->stats.parts_inline, __ATOMIC_RELAXED);
+  out->bytes_local = __atomic_load_n(&e->stats.bytes_local, __ATOMIC_RELAXED);
   out->server_conns = kvl__server_conns(e);
   pthread_mutex_lock(&e->regions.mu);
   out->regions = e->regions.count;
@@ -284,6 +295,11 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     }
     rc = kvl__handshake_client(e, s->fd, p->name, last_msg, sizeof last_msg);
   }
+  if (rc == 0 && e->cfg.same_host) {
+    rc = kvl__local_probe(e, p->streams[0].fd, p);
+    if (rc == 0 && !p->local_ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
+    if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local_why);
+  }
   if (rc == 0) {
     for (int k = 0; k < p->nstreams && rc == 0; k++) rc = kvl__stream_start(&p->streams[k]);
     /* A thread that started serves until destroy; keep the peer so it is joined. */
@@ -311,6 +327,13 @@ int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap) {
   if (!p) return KVL_ENOPEER;
   snprintf(buf, cap, "%s", p->name);
   return 0;
+}
+
+int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap) {
+  kvl__peer *p = peer_get(e, peer);
+  if (!p) return KVL_ENOPEER;
+  snprintf(why, cap, "%s", e->cfg.same_host ? p->local_why : "same-host path off");
+  return p->local_ok;
 }
 
 int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs, const uint32_t *remote_regions,

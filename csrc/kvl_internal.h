@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/uio.h>
 
 typedef struct {
@@ -14,12 +15,24 @@ typedef struct {
   size_t n;
 } kvl__bytes;
 
+/* Grow a scratch buffer to at least need bytes (per batch or connection,
+ * never per descriptor). */
+static inline int kvl__grow(void **p, size_t *cap, size_t need) {
+  if (need <= *cap) return 0;
+  void *n = realloc(*p, need);
+  if (!n) return KVL_ENOMEM;
+  *p = n;
+  *cap = need;
+  return 0;
+}
+
 /* ---- time, crypto (kvl_sha256.c) --------------------------------------- */
 uint64_t kvl__now_ms(void);
 uint64_t kvl__now_us(void); /* CLOCK_MONOTONIC, like every condition variable here */
 void kvl__sha256(const void *data, size_t len, uint8_t out[32]);
 void kvl__hmac_sha256(const uint8_t *key, size_t key_len, const kvl__bytes *parts, int nparts, uint8_t out[32]);
 int kvl__ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
+int kvl__random(uint8_t *p, size_t n); /* getrandom, kvl_auth.c */
 
 /* ---- wire format (kvl_proto.c; documented in docs/protocol.md) ---------- */
 #define KVL__MAGIC 0x4B4C564Bu /* bytes 'K' 'V' 'L' 'K' */
@@ -41,7 +54,16 @@ enum {
   KVL__T_NOTIFY = 9,
   KVL__T_NOTIFY_ACK = 10,
   KVL__T_ERROR = 15,
+  KVL__T_LPROBE = 16,      /* same-host path, see kvl_local.c */
+  KVL__T_LPROBE_RESP = 17,
+  KVL__T_LREAD_REQ = 18,
+  KVL__T_LREAD_RESP = 19,
+  KVL__T_LDONE = 20,
+  KVL__T_LDONE_ACK = 21,
 };
+#define KVL__BOOT_ID_LEN 36
+#define KVL__PROBE_BODY (4 + 4 + KVL__BOOT_ID_LEN + KVL__NONCE_LEN + 8)
+#define KVL__LOCAL_MIN_BYTES (64u * 1024u) /* smaller READs stay on TCP: fewer round trips */
 
 typedef struct {
   uint8_t version, type;
@@ -204,7 +226,10 @@ struct kvl__stream {
   size_t cap;
   uint32_t *crcs;
   size_t crc_cap;
+  uint64_t *addrs;        /* same-host: the peer's addresses of a part */
+  size_t addr_cap;
   struct iovec iov[KVL__IOV_MAX];
+  struct iovec riov[KVL__IOV_MAX]; /* same-host: remote side */
 };
 
 struct kvl__peer {
@@ -214,6 +239,9 @@ struct kvl__peer {
   char name[KVL_MAX_NAME + 1];
   int nstreams;
   uint32_t rr; /* next stream for a one-part batch (atomic) */
+  int local_ok;  /* READs copy the peer's memory directly (set at connect) */
+  int local_pid;
+  char local_why[KVL_MAX_EVENT_MSG + 1];
   kvl__stream streams[KVL_MAX_STREAMS];
 };
 
@@ -238,6 +266,8 @@ struct kvl_engine {
   char listen_host[256];
   uint8_t *token;
   int closing;          /* atomic; set once by destroy */
+  uint8_t boot_id[KVL__BOOT_ID_LEN]; /* same-host probe: this kernel's boot id */
+  uint8_t cookie[KVL__NONCE_LEN];    /* same-host probe: random bytes peers read back */
   int listen_fd;
   uint16_t port;
   pthread_t listener;
@@ -280,6 +310,17 @@ void kvl__stream_stop(kvl__stream *s);
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable);
 /* Run a single-part batch's part in the calling thread if no worker took it yet. */
 void kvl__stream_steal(kvl_batch *b);
+/* requester helpers shared with the same-host path */
+int kvl__recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
+                     size_t cap);
+int kvl__send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t deadline);
+uint64_t kvl__part_bytes(const kvl__part *pt);
+/* same-host path (kvl_local.c) */
+int kvl__local_serve_probe(kvl_engine *e, int fd, uint32_t seq);
+int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_t *body, uint64_t **addrs,
+                          size_t *cap, char *why, size_t wcap);
+int kvl__local_probe(kvl_engine *e, int fd, kvl__peer *p);
+int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap);
 /* send an ERROR-class frame (status body) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);
 

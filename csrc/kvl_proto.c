@@ -44,6 +44,13 @@ static int body_bounds(uint8_t type, uint32_t *lo, uint32_t *hi) {
   case KVL__T_NOTIFY_ACK:
   case KVL__T_ERROR: *lo = KVL__STATUS_MAX - KVL_MAX_EVENT_MSG; *hi = KVL__STATUS_MAX; return 0;
   case KVL__T_NOTIFY: *lo = 1; *hi = KVL_MAX_NOTIFY; return 0;
+  case KVL__T_LPROBE:
+  case KVL__T_LDONE: *lo = *hi = 0; return 0;
+  case KVL__T_LPROBE_RESP: *lo = *hi = KVL__PROBE_BODY; return 0;
+  case KVL__T_LREAD_REQ:
+    *lo = 8 + KVL__WDESC_LEN; *hi = 8 + (uint32_t)KVL__WDESC_LEN * KVL_MAX_DESC_PER_MSG; return 0;
+  case KVL__T_LREAD_RESP:
+  case KVL__T_LDONE_ACK: *lo = KVL__STATUS_MAX - KVL_MAX_EVENT_MSG; *hi = KVL__STATUS_MAX; return 0;
   default: return -1;
   }
 }
@@ -183,13 +190,16 @@ int kvl_proto_check(const uint8_t *buf, size_t len, char *why, size_t why_cap) {
     return kvl__hello_decode(body, h.body_len, h.type, &hello, why, why_cap);
   }
   case KVL__T_READ_REQ:
-  case KVL__T_WRITE_REQ: {
+  case KVL__T_WRITE_REQ:
+  case KVL__T_LREAD_REQ: {
     uint32_t n;
     return kvl__descs_check(body, h.body_len, &n, why, why_cap);
   }
   case KVL__T_READ_RESP:
   case KVL__T_WRITE_RESP:
   case KVL__T_NOTIFY_ACK:
+  case KVL__T_LREAD_RESP:
+  case KVL__T_LDONE_ACK:
   case KVL__T_ERROR: {
     kvl__status st;
     return kvl__status_decode(body, h.body_len, &st, why, why_cap);

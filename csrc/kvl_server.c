@@ -26,17 +26,10 @@ struct kvl__conn {
   size_t cap;
   uint32_t *crcs;
   size_t crc_cap;
+  uint64_t *addrs; /* same-host reads */
+  size_t addr_cap;
   struct iovec iov[KVL__IOV_MAX + 2]; /* + response header + checksum trailer */
 };
-
-static int grow(void **p, size_t *cap, size_t need) {
-  if (need <= *cap) return 0;
-  void *n = realloc(*p, need);
-  if (!n) return KVL_ENOMEM;
-  *p = n;
-  *cap = need;
-  return 0;
-}
 
 static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t index, uint64_t total, const char *msg) {
   kvl__status st;
@@ -132,7 +125,7 @@ static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
     kvl__wdesc_get(c->body, i, &d);
     total += d.length;
   }
-  if (crc && grow((void **)&c->crcs, &c->crc_cap, (size_t)count * 4) != 0) {
+  if (crc && kvl__grow((void **)&c->crcs, &c->crc_cap, (size_t)count * 4) != 0) {
     kvl__regions_release(&e->regions, c->body, count);
     snprintf(why, cap, "no memory for %u checksums", count);
     return KVL_ENOMEM;
@@ -177,7 +170,7 @@ static void *conn_main(void *arg) {
       reply(c, KVL__T_ERROR, 0, rc, 0, 0, why);
       break;
     }
-    if (grow((void **)&c->body, &c->cap, h.body_len) != 0) {
+    if (kvl__grow((void **)&c->body, &c->cap, h.body_len) != 0) {
       rc = KVL_ENOMEM;
       snprintf(why, sizeof why, "no memory for a %u-byte body", h.body_len);
       break;
@@ -188,6 +181,10 @@ static void *conn_main(void *arg) {
     }
     if (h.type == KVL__T_READ_REQ || h.type == KVL__T_WRITE_REQ) {
       if ((rc = serve_data(c, &h, why, sizeof why)) != 0) break;
+    } else if (h.type == KVL__T_LPROBE) {
+      if ((rc = kvl__local_serve_probe(e, c->fd, h.seq)) != 0) break;
+    } else if (h.type == KVL__T_LREAD_REQ) {
+      if ((rc = kvl__local_serve_read(e, c->fd, &h, c->body, &c->addrs, &c->addr_cap, why, sizeof why)) != 0) break;
     } else if (h.type == KVL__T_NOTIFY) {
       int st = kvl__notif_push(e, c->name, c->body, h.body_len);
       if ((rc = reply(c, KVL__T_NOTIFY_ACK, h.seq, st, 0, 0, st ? "notification queue full" : NULL)) != 0) break;
@@ -267,6 +264,7 @@ void kvl__server_reap(kvl_engine *e, int all) {
     pthread_join(dead->thread, NULL);
     free(dead->body);
     free(dead->crcs);
+    free(dead->addrs);
     free(dead);
   }
 }

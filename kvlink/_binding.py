@@ -54,7 +54,7 @@ def check(code: int, what: str, detail: str | None = None) -> int:
 
 def engine_create(*, listen_host: str | None, listen_port: int, token: bytes | None, name: str, streams: int,
                   crc: bool, allow_insecure: bool, op_timeout_ms: int, connect_timeout_ms: int,
-                  handshake_timeout_ms: int, max_conns: int) -> Handle:
+                  handshake_timeout_ms: int, max_conns: int, same_host: int) -> Handle:
     cfg = ffi.new("kvl_config *")
     lib.kvl_config_init(cfg)
     keep = []
@@ -75,6 +75,7 @@ def engine_create(*, listen_host: str | None, listen_port: int, token: bytes | N
     cfg.connect_timeout_ms = connect_timeout_ms
     cfg.handshake_timeout_ms = handshake_timeout_ms
     cfg.max_conns = max_conns
+    cfg.same_host = same_host
     out = ffi.new("kvl_engine **")
     where = f"listen on {listen_host}:{listen_port}" if listen_host else "create engine"
     check(lib.kvl_engine_create(cfg, out), where, "")
@@ -130,6 +131,12 @@ def peer_connect(h: Handle, host: str, port: int) -> tuple[int, str]:
     name = ffi.new("char[]", MAX_NAME + 1)
     check(lib.kvl_peer_name(h, out[0], name, MAX_NAME + 1), "peer name")
     return int(out[0]), ffi.string(name).decode()
+
+
+def peer_local(h: Handle, peer: int) -> tuple[bool, str]:
+    why = ffi.new("char[]", _MSG)
+    on = check(lib.kvl_peer_local(h, peer, why, _MSG), "peer same-host state")
+    return bool(on), ffi.string(why).decode(errors="replace")
 
 
 def submit(h: Handle, peer: int, op: int, local_addrs: np.ndarray, regions: np.ndarray, offsets: np.ndarray,

@@ -16,7 +16,7 @@
 static const int KVL_EINVAL, KVL_ENOMEM, KVL_ESYS, KVL_ETIMEDOUT, KVL_ECANCELED,
     KVL_ECONNECT, KVL_EPEERCLOSED, KVL_EAUTH, KVL_EVERSION, KVL_EPROTO, KVL_EACCESS,
     KVL_ERANGE, KVL_ENOREGION, KVL_ECRC, KVL_EBUSY, KVL_ECLOSED, KVL_EINSECURE,
-    KVL_ETOOBIG, KVL_ENOPEER, KVL_EFULL, KVL_EREMOTE;
+    KVL_ETOOBIG, KVL_ENOPEER, KVL_EFULL, KVL_EREMOTE, KVL_ELOCAL;
 
 typedef struct kvl_engine kvl_engine;
 typedef struct kvl_batch kvl_batch;
@@ -34,6 +34,7 @@ typedef struct kvl_config {
   uint32_t connect_timeout_ms;
   uint32_t handshake_timeout_ms;
   uint32_t max_conns;
+  int same_host;
 } kvl_config;
 
 typedef struct kvl_stats {
@@ -47,6 +48,7 @@ typedef struct kvl_stats {
   uint64_t notifs_dropped;
   uint64_t events_dropped;
   uint64_t parts_inline;
+  uint64_t bytes_local;
   uint32_t server_conns;
   uint32_t regions;
 } kvl_stats;
@@ -66,6 +68,7 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
+int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap);
 
 int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs,
                const uint32_t *remote_regions, size_t n_regions, const uint64_t *remote_offsets,

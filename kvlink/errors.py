@@ -103,6 +103,10 @@ class RemoteError(KVLinkError):
     kvl_name = "KVL_EREMOTE"
 
 
+class SameHostUnavailable(KVLinkError):
+    kvl_name = "KVL_ELOCAL"
+
+
 BY_NAME: dict[str, type[KVLinkError]] = {
     cls.kvl_name: cls for cls in KVLinkError.__subclasses__()  # type: ignore[misc]
 }

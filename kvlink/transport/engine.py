@@ -26,6 +26,7 @@ class Peer:
     id: int
     address: str
     name: str
+    same_host: bool = False  # READs copy the peer's memory directly
 
 
 def _u64(a: Any, what: str, n: int | None = None) -> np.ndarray:
@@ -52,7 +53,8 @@ class Engine:
             listen_host=host, listen_port=port, token=cfg.token, name=cfg.name, streams=cfg.streams, crc=cfg.crc,
             allow_insecure=cfg.allow_insecure, op_timeout_ms=int(cfg.op_timeout_s * 1000),
             connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
-            handshake_timeout_ms=int(cfg.handshake_timeout_s * 1000), max_conns=cfg.max_conns)
+            handshake_timeout_ms=int(cfg.handshake_timeout_s * 1000), max_conns=cfg.max_conns,
+            same_host={"off": 0, "auto": 1, "require": 2}[cfg.same_host])
         self._host = host
         self.kind = "tcp" if cfg.same_host == "off" else "same-host"
         self.capabilities = Capabilities(crc=True, same_host=cfg.same_host != "off")
@@ -105,7 +107,10 @@ class Engine:
             pid, name = B.peer_connect(self._handle(), host, port)
         finally:
             self._log_events(self._h)
-        return Peer(pid, address, name)
+        local, why = B.peer_local(self._handle(), pid)
+        if self.config.same_host != "off":
+            logger.info("kvlink peer %s (%s): %s", address, name, why if local else f"TCP, because {why}")
+        return Peer(pid, address, name, local)
 
     # -- batches ---------------------------------------------------------------------
     def read(self, peer: Peer, local: Region, local_offsets: Any, remote_regions: Any, remote_offsets: Any,

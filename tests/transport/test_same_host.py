@@ -1,0 +1,171 @@
+"""The same-host path: READs copy the peer's registered memory directly
+(process_vm_readv) after the usual handshake, with the same checks and
+guarantees as TCP, and fall back to TCP where the kernel forbids it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvlink.errors import AccessDenied, Canceled, OutOfRange, SameHostUnavailable, UnknownRegion
+from kvlink.transport import Access
+
+TOKEN = b"kvlink-test-token"
+
+TARGET = """
+import ctypes, json, sys, numpy as np
+from kvlink.transport import Access, Engine, EngineConfig
+if sys.argv[1] == "undumpable":
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nobody may read our memory
+buf = np.arange(8 << 20, dtype=np.uint8) * 7
+e = Engine(EngineConfig(name="remote-target", token=b"kvlink-test-token"))
+r = e.register(buf, Access.READ)
+print(json.dumps({"address": e.address, "region": r.id}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def remote_target():
+    procs = []
+
+    def start(mode: str = "normal") -> dict:
+        p = subprocess.Popen([sys.executable, "-c", TARGET, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+        procs.append(p)
+        return json.loads(p.stdout.readline())
+
+    yield start
+    for p in procs:
+        p.stdin.close()
+        p.wait(timeout=10)
+
+
+def expected_remote(off: int, n: int) -> np.ndarray:
+    return (np.arange(off, off + n, dtype=np.uint64) * 7).astype(np.uint8)
+
+
+def local_pair(make_engine, same_host="auto", size=16 << 20):
+    target = make_engine(name="target")
+    init = make_engine(name="init", listen=None, same_host=same_host)
+    src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    rs = target.register(src, Access.READ)
+    rd = init.register(dst)
+    return target, init, init.connect(target.address), src, dst, rs, rd
+
+
+def test_same_host_reads_copy_directly_and_verify(make_engine):
+    _, init, peer, src, dst, rs, rd = local_pair(make_engine)
+    assert peer.same_host
+    rng = np.random.default_rng(5)
+    for bs in (32768, 131072, 4096):
+        slots = rng.permutation((16 << 20) // bs)[:96].astype(np.uint64) * np.uint64(bs)
+        dslots = rng.permutation((16 << 20) // bs)[:96].astype(np.uint64) * np.uint64(bs)
+        before = init.stats()["bytes_local"]
+        init.read(peer, rd, dslots, rs.id, slots, bs).wait()
+        for a, b in zip(dslots.tolist(), slots.tolist()):
+            assert np.array_equal(dst[a:a + bs], src[b:b + bs])
+        moved_locally = init.stats()["bytes_local"] - before
+        # batches under 64 KiB stay on TCP (fewer round trips); larger ones copy directly
+        assert moved_locally == (96 * bs if 96 * bs >= 65536 else 0)
+
+
+def test_same_host_across_processes(make_engine, remote_target, caplog):
+    info = remote_target()
+    init = make_engine(name="init", listen=None, same_host="require")
+    dst = np.zeros(8 << 20, dtype=np.uint8)
+    rd = init.register(dst)
+    with caplog.at_level(logging.INFO, logger="kvlink.transport.engine"):
+        peer = init.connect(info["address"])
+    assert peer.same_host
+    assert "process_vm_readv" in caplog.text
+    init.read(peer, rd, [0, 1 << 20], info["region"], [12345, 4 << 20], 1 << 20).wait()
+    assert np.array_equal(dst[:1 << 20], expected_remote(12345, 1 << 20))
+    assert np.array_equal(dst[1 << 20:2 << 20], expected_remote(4 << 20, 1 << 20))
+    assert init.stats()["bytes_local"] == 2 << 20
+
+
+REQUESTER = """
+import json, logging, sys, numpy as np
+from kvlink.errors import SameHostUnavailable
+from kvlink.transport import Engine, EngineConfig
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+address, region = sys.argv[1], int(sys.argv[2])
+out = {}
+with Engine(EngineConfig(name="init", listen=None, token=b"kvlink-test-token", same_host="auto")) as e:
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    rd = e.register(dst)
+    peer = e.connect(address)
+    e.read(peer, rd, [0], region, [99], 1 << 20).wait()
+    out = {"same_host": peer.same_host, "data": bytes(dst[:64]).hex(), "bytes_local": e.stats()["bytes_local"]}
+with Engine(EngineConfig(name="strict", listen=None, token=b"kvlink-test-token", same_host="require")) as e:
+    try:
+        e.connect(address)
+    except SameHostUnavailable as exc:
+        out["require_error"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_forbidden_by_the_kernel_falls_back_to_tcp(remote_target):
+    """A requester without the right to read the target's memory (another uid,
+    no CAP_SYS_PTRACE) is told so by the probe and stays on TCP."""
+    info = remote_target()
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                        REQUESTER, info["address"], str(info["region"])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["same_host"] is False and out["bytes_local"] == 0
+    assert bytes.fromhex(out["data"]) == expected_remote(99, 64).tobytes()
+    lines = [line for line in r.stderr.splitlines() if "TCP, because" in line]
+    assert len(lines) == 1 and "process_vm_readv of peer pid" in lines[0] and "not permitted" in lines[0]
+    assert "KVL_ELOCAL" in out["require_error"] and "refused" in out["require_error"]
+
+
+def test_same_host_checks_access_and_bounds(make_engine):
+    target, init, peer, src, dst, rs, rd = local_pair(make_engine)
+    hidden = target.register(np.ones(1 << 20, dtype=np.uint8), Access.NONE)
+    with pytest.raises(AccessDenied):
+        init.read(peer, rd, [0], hidden.id, [0], 1 << 20).wait()
+    with pytest.raises(OutOfRange, match="beyond region"):
+        init.read(peer, rd, [0], rs.id, [(16 << 20) - 65536], 1 << 20).wait()
+    with pytest.raises(UnknownRegion):
+        init.read(peer, rd, [0], 0x7777, [0], 1 << 20).wait()
+    assert not dst.any()
+    init.read(peer, rd, [0], rs.id, [0], 1 << 20).wait()  # and it keeps working
+    assert np.array_equal(dst[:1 << 20], src[:1 << 20])
+
+
+def test_same_host_cancel_leaves_destination_alone(make_engine):
+    _, init, peer, src, dst, rs, rd = local_pair(make_engine, size=256 << 20)
+    for _ in range(5):
+        b = init.read(peer, rd, [0], rs.id, [0], 256 << 20)
+        time.sleep(0.002)
+        b.cancel()
+        try:
+            b.wait()
+        except Canceled:
+            pass
+        dst[:] = 0x11
+        time.sleep(0.05)
+        assert (dst == 0x11).all()
+
+
+def test_unregister_waits_for_a_same_host_copy(make_engine):
+    _, init, peer, src, dst, rs, rd = local_pair(make_engine, size=128 << 20)
+    b = init.read(peer, rd, [0], rs.id, [0], 128 << 20)
+    rs.unregister(timeout_s=10)
+    try:
+        b.wait()
+        assert np.array_equal(dst, src)  # it was pinned until the copy was confirmed
+    except UnknownRegion:
+        pass  # or it was refused before it started
+    with pytest.raises(UnknownRegion):
+        init.read(peer, rd, [0], rs.id, [0], 1 << 20).wait()
