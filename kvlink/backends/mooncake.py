@@ -1,0 +1,575 @@
+"""MooncakeBackend: the backend contract over Mooncake's transfer engine.
+
+Wraps ``mooncake.engine.TransferEngine`` (pip ``mooncake-transfer-engine-non-cuda``,
+which needs Debian's ``libibverbs1`` and ``librdmacm1`` even for TCP) with
+peer-to-peer handshake (no metadata server). Protocol ``tcp`` by default;
+``rdma`` (and anything else Mooncake accepts) passes through
+(:class:`MooncakeSettings`, or ``KVLINK_MOONCAKE_PROTOCOL``).
+
+Addresses. Mooncake moves bytes between raw virtual addresses. Here peers
+name regions by id, as with the native engine: ``connect`` fetches the
+peer's region table over an authenticated side channel
+(:mod:`kvlink.backends.sidechannel`, HMAC challenge with the engine token)
+and every descriptor is translated and checked locally (bounds, access,
+region id) before anything is submitted. Nothing above this module sees a
+remote address. A region id unknown to the cached table triggers one
+refresh of the table before ``UnknownRegion`` is raised.
+
+What Mooncake cannot do, and how it shows:
+- No abort of a submitted batch. Batches are cut into chunks of at most
+  ``max_queued // 2`` descriptors, submitted one after another by one worker
+  thread per peer. ``cancel()`` stops submitting further chunks and waits
+  (bounded) for the chunk in flight to settle; then nothing is written into
+  the local memory again. If it cannot settle in time it raises
+  :class:`NotSettled` (the memory may still be written: keep it alive and
+  call ``cancel()`` again later). ``capabilities.cancel`` is False.
+- No CRC (``EngineConfig(crc=True)`` raises :class:`Unsupported`), no
+  same-host copy (``same_host="require"`` raises Unsupported); ``streams`` is
+  ignored (Mooncake's own knob is ``MC_TCP_LANES_PER_PEER``).
+- Access flags and bounds are enforced by the initiator from the table, not
+  by the target: Mooncake's target only checks that an address lies in some
+  registered buffer. Mooncake's RPC and data ports listen on ALL interfaces
+  whatever host is given, unauthenticated: the token protects the table and
+  the notifications, not the data plane. Use it on trusted networks.
+- ``Region.unregister`` waits for this backend's own batches on the region,
+  but cannot see a peer's one-sided accesses in flight.
+- Mooncake gives up waiting on a batch after ``MC_TRANSFER_TIMEOUT``
+  (default 30 s) and frees it while slices may still be queued; such a batch
+  is reported as :class:`NotSettled` too.
+
+Quirks handled: a per-peer queue limit (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
+default 1024; a larger batch on a cold connection fails as a whole): hence
+the chunks. Log noise: ``MC_LOG_LEVEL=WARNING`` and glog's
+``GLOG_minloglevel=2`` are set (unless already set) before Mooncake loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
+from kvlink.errors import (AccessDenied, Busy, Canceled, Closed, ConnectError, KVLinkError, OutOfRange,
+                           RemoteError, SystemError_, TimeoutError_, UnknownRegion)
+from kvlink.transport.backend import Capabilities, Unsupported
+from kvlink.transport.config import EngineConfig, split_hostport
+from kvlink.transport.region import Access, memory_of
+
+logger = logging.getLogger(__name__)
+
+MAX_NOTIFY = 4096  # the native engine's limit, kept the same for callers
+
+
+class NotSettled(Busy):
+    """Transfers of a canceled or timed-out batch are still in flight inside
+    Mooncake: its local memory may still be written. Keep it alive."""
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """protocol: Mooncake transport ('tcp', 'rdma', ...). device: RDMA device
+    filter ('' = all). host: the address Mooncake advertises to peers
+    (default: the listen host, else 127.0.0.1). max_queued: Mooncake's
+    per-peer queue limit. settle_s: how long cancel() waits at most for a
+    chunk in flight."""
+
+    protocol: str = "tcp"
+    device: str = ""
+    host: str | None = None
+    max_queued: int = 1024
+    settle_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.protocol, str) or not self.protocol.isidentifier():
+            raise ValueError(f"protocol must be a Mooncake protocol name such as 'tcp' or 'rdma', got {self.protocol!r}")
+        if not isinstance(self.max_queued, int) or self.max_queued < 2:
+            raise ValueError(f"max_queued must be an int >= 2, got {self.max_queued!r}")
+        if not 0 < self.settle_s <= 3600:
+            raise ValueError(f"settle_s must be in (0, 3600], got {self.settle_s!r}")
+
+    @classmethod
+    def from_env(cls) -> MooncakeSettings:
+        env = os.environ
+        return cls(protocol=env.get("KVLINK_MOONCAKE_PROTOCOL", "tcp"), device=env.get("KVLINK_MOONCAKE_DEVICE", ""),
+                   host=env.get("KVLINK_MOONCAKE_HOST") or None,
+                   max_queued=int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "1024")))
+
+
+def _transfer_engine_class() -> Any:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise Unsupported(f"mooncake backend: cannot import mooncake.engine ({e}); install "
+                          "mooncake-transfer-engine-non-cuda and Debian's libibverbs1 librdmacm1") from None
+    return TransferEngine
+
+
+def _u64(a: Any, what: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.kind not in "ui":
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        raise ValueError(f"{what} must not be negative")
+    return np.ascontiguousarray(arr, dtype=np.uint64).reshape(-1)
+
+
+class MooncakeRegion:
+    """A registered region; ``id`` is what peers name in their descriptors."""
+
+    def __init__(self, backend: MooncakeBackend, obj: Any, access: Access, rid: int):
+        self._backend = backend
+        try:
+            self.addr, self.length, self._keep = memory_of(obj, writable=True)
+            self.writable = True
+        except BufferError:
+            if access & Access.WRITE:
+                raise ValueError("a region peers may WRITE needs writable memory") from None
+            self.addr, self.length, self._keep = memory_of(obj, writable=False)
+            self.writable = False
+        if self.length == 0:
+            raise ValueError("cannot register an empty buffer")
+        self.access = Access(access)
+        self.id = rid
+        self.inflight = 0  # this backend's batches using it; guarded by backend._cond
+        self._live = True
+
+    @property
+    def registered(self) -> bool:
+        return self._live
+
+    def unregister(self, timeout_s: float = 30.0) -> None:
+        """Forget the region: peers no longer see it in the table; waits (bounded)
+        for this backend's own batches on it. Peers' one-sided accesses in
+        flight cannot be seen (see the module docstring)."""
+        if self._live:
+            self._backend._unregister(self, timeout_s)
+
+    def __repr__(self) -> str:
+        return f"MooncakeRegion(id=0x{self.id:x}, length={self.length}, access={self.access!r})"
+
+
+@dataclass(eq=False)
+class MooncakePeer:
+    id: int
+    address: str
+    name: str
+    session: str = field(repr=False)
+    _client: SideClient = field(repr=False)
+    _table: dict[int, tuple[int, int, int]] = field(repr=False)
+    _queue: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _worker: threading.Thread | None = field(default=None, repr=False)
+
+
+class MooncakeBatch:
+    """One READ or WRITE; poll(), wait(timeout_s), cancel() as in the native engine."""
+
+    PENDING, DONE, FAILED, CANCELED = range(4)
+
+    def __init__(self, backend: MooncakeBackend, region: MooncakeRegion, op: str, chunks: list, nbytes: int,
+                 timeout_s: float):
+        self._backend, self._region, self.op, self._chunks = backend, region, op, chunks
+        self.nbytes, self.descriptors = nbytes, sum(len(c[0]) for c in chunks)
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._cond = threading.Condition()
+        self._state = self.PENDING        # guarded by _cond
+        self._error: KVLinkError | None = None  # guarded by _cond
+        self._stop = False                # cancel requested; guarded by _cond
+        self._settled = False             # the worker is done with it; guarded by _cond
+        self._unsafe = False              # Mooncake gave up while slices may be queued
+
+    # -- worker side -------------------------------------------------------------------
+    def _finish(self, state: int, error: KVLinkError | None, unsafe: bool = False) -> None:
+        with self._cond:
+            if self._state == self.PENDING:
+                self._state, self._error = state, error
+            self._settled, self._unsafe = True, unsafe
+            self._cond.notify_all()
+        self._backend._batch_done(self._region)
+
+    def _should_stop(self) -> bool:
+        with self._cond:
+            return self._stop
+
+    # -- caller side -------------------------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """True once Mooncake no longer holds any of this batch's transfers."""
+        with self._cond:
+            return self._settled and not self._unsafe
+
+    def _raise(self) -> None:
+        if self._unsafe:
+            raise NotSettled("mooncake gave up waiting on this batch while transfers may still be queued "
+                             f"(MC_TRANSFER_TIMEOUT); its local memory may still be written: {self._error}")
+        if self._error is not None:
+            raise self._error
+
+    def poll(self) -> bool:
+        """True when finished; raises the batch's error if it failed."""
+        with self._cond:
+            if self._state == self.PENDING:
+                return False
+            self._raise()
+            return True
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until finished; raise its error if it failed. When timeout_s
+        (default: the batch's own timeout plus a second) passes first, the
+        batch is canceled and TimeoutError_ raised (NotSettled if its chunk in
+        flight does not settle within the backend's settle_s)."""
+        t = self._timeout_s + 1.0 if timeout_s is None else timeout_s
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._state != self.PENDING, timeout=max(0.0, t))
+            if done:
+                self._raise()
+                return
+        self.cancel()
+        raise TimeoutError_(f"mooncake batch not finished within {t:.3f} s; canceled")
+
+    def cancel(self, timeout_s: float | None = None) -> None:
+        """Submit no further chunk and wait (bounded by timeout_s, default the
+        backend's settle_s) until the chunk in flight settles. Once this
+        returns, nothing is written into the batch's local memory again; if
+        it cannot settle in time, NotSettled is raised."""
+        t = self._backend.settings.settle_s if timeout_s is None else timeout_s
+        with self._cond:
+            self._stop = True
+            if self._state == self.PENDING:
+                self._state, self._error = self.CANCELED, Canceled("mooncake batch canceled")
+            if not self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t)):
+                raise NotSettled(f"mooncake cannot abort submitted transfers and the chunk in flight did not "
+                                 f"settle within {t:.3f} s: its local memory may still be written; keep it alive "
+                                 "and call cancel() again")
+            if self._unsafe:
+                self._raise()
+
+    def release(self) -> None:
+        """Nothing to free (kept for parity with the native Batch)."""
+
+    def __enter__(self) -> MooncakeBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class MooncakeBackend:
+    """The backend contract over Mooncake's transfer engine (see module docstring)."""
+
+    kind = "mooncake"
+
+    def __init__(self, config: EngineConfig | None = None, settings: MooncakeSettings | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.settings = s = settings or MooncakeSettings.from_env()
+        if cfg.crc:
+            raise Unsupported("mooncake backend: no per-descriptor CRC (crc=True)")
+        if cfg.same_host == "require":
+            raise Unsupported("mooncake backend: no same-host copy (same_host='require')")
+        self.capabilities = Capabilities(read=True, write=True, notify=True, cancel=False, crc=False,
+                                         same_host=False, network=True)
+        host, port = split_hostport(cfg.listen, "listen") if cfg.listen else (None, 0)
+        self._host = host
+        mc_host = s.host or (host if host not in (None, "0.0.0.0", "::") else "127.0.0.1")
+        self._engine = _transfer_engine_class()()
+        if self._engine.initialize(mc_host, "P2PHANDSHAKE", s.protocol, s.device) != 0:
+            raise SystemError_(f"mooncake: initialize({mc_host!r}, P2PHANDSHAKE, {s.protocol!r}) failed")
+        self.session = f"{mc_host}:{self._engine.get_rpc_port()}"
+        self._chunk = max(1, s.max_queued // 2)
+        self._cond = threading.Condition()
+        self._regions: dict[int, MooncakeRegion] = {}  # guarded by _cond
+        self._peers: dict[int, MooncakePeer] = {}      # guarded by _cond
+        self._notes: list[tuple[str, bytes]] = []      # guarded by _cond
+        self._stats = dict.fromkeys(("batches", "descriptors", "bytes_read", "bytes_written", "failed",
+                                     "canceled", "notifies_sent", "notifies_received", "chunks"), 0)
+        self._rid = itertools.count(secrets.randbelow(1 << 20) << 8 | 1)  # ids never reused
+        self._pid = itertools.count(1)
+        self._closed = False
+        self._side = None
+        if host is not None:
+            self._side = SideServer(host, port, cfg.token, cfg.name, self._table_bytes, self._queue_note,
+                                    cfg.handshake_timeout_s, cfg.max_conns)
+        logger.info("kvlink mooncake backend %r: side channel %s, mooncake session %s (%s)", cfg.name,
+                    self.address, self.session, s.protocol)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def address(self) -> str | None:
+        """The side channel's 'host:port' that peers connect() to."""
+        if self._side is None:
+            return None
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._side.port}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("mooncake backend is closed")
+
+    def close(self) -> None:
+        """Stop serving, cancel queued batches, wait (bounded) for chunks in
+        flight, unregister everything and destroy the Mooncake engine."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            regions = list(self._regions.values())
+        if self._side is not None:
+            self._side.close()
+        for p in peers:
+            p._queue.put(None)
+        stuck = False
+        for p in peers:
+            if p._worker is not None:
+                p._worker.join(self.settings.settle_s)
+                stuck |= p._worker.is_alive()
+            p._client.close()
+        if stuck:  # destroying the engine under a thread still inside it would crash the process
+            logger.warning("kvlink mooncake backend: transfers still in flight at close; engine leaked")
+            return
+        for r in regions:
+            self._engine.unregister_memory(r.addr)
+            r._live = False
+        self._engine = None
+
+    def __enter__(self) -> MooncakeBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- memory ------------------------------------------------------------------------
+    def register(self, obj: Any, access: Access = Access.READ) -> MooncakeRegion:
+        """Register a buffer-protocol object, a CPU torch tensor, or (address, length)."""
+        self._check_open()
+        region = MooncakeRegion(self, obj, access, next(self._rid) & 0xFFFFFFFF)
+        if self._engine.register_memory(region.addr, region.length) != 0:
+            raise SystemError_(f"mooncake: register_memory of {region.length} bytes failed (already registered?)")
+        with self._cond:
+            self._regions[region.id] = region
+        return region
+
+    def _unregister(self, region: MooncakeRegion, timeout_s: float) -> None:
+        with self._cond:
+            self._regions.pop(region.id, None)  # out of the table at once
+            if not self._cond.wait_for(lambda: region.inflight == 0, timeout=timeout_s):
+                self._regions[region.id] = region
+                raise TimeoutError_(f"region 0x{region.id:x}: batches still in flight after {timeout_s} s")
+            region._live = False
+        if self._engine is not None:
+            self._engine.unregister_memory(region.addr)
+
+    def _table_bytes(self) -> bytes:
+        with self._cond:
+            regions = [(r.id, r.addr if r.access else 0, r.length, int(r.access)) for r in self._regions.values()]
+        return encode_table(self.session, regions)
+
+    # -- peers -------------------------------------------------------------------------
+    def connect(self, address: str) -> MooncakePeer:
+        """Authenticate to a peer's side channel at 'host:port', fetch its region
+        table and open its Mooncake segment."""
+        self._check_open()
+        host, port = split_hostport(address, "peer address")
+        cfg = self.config
+        client = SideClient(host, port, cfg.token, cfg.name, cfg.connect_timeout_s, cfg.handshake_timeout_s)
+        try:
+            session, table = decode_table(self._fetch(client)[1:])
+            if self._engine.send_probe(session) != 0:
+                raise ConnectError(f"mooncake: peer {address} (session {session}) does not answer")
+        except BaseException:
+            client.close()
+            raise
+        peer = MooncakePeer(next(self._pid), address, client.peer_name, session, client, table)
+        peer._worker = threading.Thread(target=self._work, args=(peer,), name="kvlink-mc-peer", daemon=True)
+        with self._cond:
+            self._peers[peer.id] = peer
+        peer._worker.start()
+        return peer
+
+    def _fetch(self, client: SideClient) -> bytes:
+        reply = client.request(b"T", self.config.op_timeout_s)
+        if reply[:1] != b"T":
+            raise RemoteError(f"side channel: unexpected reply {reply[:1]!r} to a table request")
+        return reply
+
+    def _lookup(self, peer: MooncakePeer, rids: np.ndarray) -> dict[int, tuple[int, int, int]]:
+        wanted = {int(r) for r in np.unique(rids)}
+        if not wanted <= peer._table.keys():
+            _, peer._table = decode_table(self._fetch(peer._client)[1:])
+            missing = wanted - peer._table.keys()
+            if missing:
+                raise UnknownRegion(f"remote region 0x{min(missing):x} is not registered at peer {peer.name}")
+        return peer._table
+
+    # -- batches -----------------------------------------------------------------------
+    def read(self, peer: MooncakePeer, local: MooncakeRegion, local_offsets: Any, remote_regions: Any,
+             remote_offsets: Any, lengths: Any, timeout_s: float | None = None) -> MooncakeBatch:
+        """Pull remote bytes into ``local`` at ``local_offsets``."""
+        if not local.writable:
+            raise ValueError("the destination region of a READ must be writable memory")
+        return self._submit("read", peer, local, local_offsets, remote_regions, remote_offsets, lengths, timeout_s)
+
+    def write(self, peer: MooncakePeer, local: MooncakeRegion, local_offsets: Any, remote_regions: Any,
+              remote_offsets: Any, lengths: Any, timeout_s: float | None = None) -> MooncakeBatch:
+        """Push bytes of ``local`` at ``local_offsets`` into the peer's regions."""
+        return self._submit("write", peer, local, local_offsets, remote_regions, remote_offsets, lengths, timeout_s)
+
+    def _submit(self, op: str, peer: MooncakePeer, local: MooncakeRegion, local_offsets: Any, remote_regions: Any,
+                remote_offsets: Any, lengths: Any, timeout_s: float | None) -> MooncakeBatch:
+        self._check_open()
+        if not isinstance(local, MooncakeRegion) or local._backend is not self or not local.registered:
+            raise ValueError("local region is not registered with this backend")
+        if not isinstance(peer, MooncakePeer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("unknown peer (connect() it with this backend)")
+        t = self.config.op_timeout_s if timeout_s is None else timeout_s
+        loff = _u64(local_offsets, "local_offsets")
+        n = len(loff)
+        if n == 0:
+            raise ValueError("a batch needs at least one descriptor")
+        roff = _u64(remote_offsets, "remote_offsets")
+        if len(roff) != n:
+            raise ValueError(f"remote_offsets has {len(roff)} entries, local_offsets {n}")
+        lens = np.broadcast_to(_u64(lengths, "lengths"), (n,)) if np.size(lengths) in (1, n) else None
+        if lens is None:
+            raise ValueError(f"lengths has {np.size(lengths)} entries, expected 1 or {n}")
+        regs = np.broadcast_to(np.asarray(remote_regions, dtype=np.int64).reshape(-1), (n,)) \
+            if np.size(remote_regions) in (1, n) else None
+        if regs is None:
+            raise ValueError(f"remote_regions has {np.size(remote_regions)} entries, expected 1 or {n}")
+        if (lens == 0).any():
+            raise ValueError("descriptor lengths must be positive")
+        size = np.uint64(local.length)
+        bad = (loff > size) | (lens > size - np.minimum(loff, size))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise OutOfRange(f"descriptor {i}: local offset {int(loff[i])} + length {int(lens[i])} beyond the "
+                             f"local region of {local.length} bytes")
+        # Remote: translate (region id, offset) through the peer's table, checking access and bounds.
+        table = self._lookup(peer, regs)
+        need = Access.READ if op == "read" else Access.WRITE
+        base = np.empty(n, dtype=np.uint64)
+        rlen = np.empty(n, dtype=np.uint64)
+        for rid in np.unique(regs):
+            addr, length, access = table[int(rid)]
+            if not access & need:
+                raise AccessDenied(f"remote region 0x{int(rid):x} at peer {peer.name} does not permit {op.upper()}")
+            sel = regs == rid
+            base[sel], rlen[sel] = addr, length
+        bad = (roff > rlen) | (lens > rlen - np.minimum(roff, rlen))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise OutOfRange(f"descriptor {i}: remote offset {int(roff[i])} + length {int(lens[i])} beyond remote "
+                             f"region 0x{int(regs[i]):x} of {int(rlen[i])} bytes")
+        laddr, raddr = loff + np.uint64(local.addr), roff + base
+        c = self._chunk
+        chunks = [(laddr[k:k + c].tolist(), raddr[k:k + c].tolist(), lens[k:k + c].tolist()) for k in range(0, n, c)]
+        batch = MooncakeBatch(self, local, op, chunks, int(lens.sum()), t)
+        with self._cond:
+            self._check_open()
+            local.inflight += 1
+            self._stats["batches"] += 1
+            self._stats["descriptors"] += n
+            self._stats["bytes_read" if op == "read" else "bytes_written"] += batch.nbytes
+        peer._queue.put(batch)
+        return batch
+
+    def _batch_done(self, region: MooncakeRegion) -> None:
+        with self._cond:
+            region.inflight -= 1
+            self._cond.notify_all()
+
+    def _work(self, peer: MooncakePeer) -> None:
+        """One thread per peer: chunks go to Mooncake one at a time (its per-peer
+        queue limit), each waited for before the next, so cancel has a
+        boundary to stop at."""
+        eng = self._engine
+        while True:
+            batch = peer._queue.get()
+            if batch is None:
+                break
+            submit = eng.batch_transfer_async_read if batch.op == "read" else eng.batch_transfer_async_write
+            error, state, unsafe = None, MooncakeBatch.DONE, False
+            for local_addrs, remote_addrs, lens in batch._chunks:
+                if batch._should_stop() or self._closed:
+                    error, state = Canceled("mooncake batch canceled"), MooncakeBatch.CANCELED
+                    break
+                if time.monotonic() > batch._deadline:
+                    error, state = TimeoutError_(f"mooncake batch timed out after {batch._timeout_s} s"), \
+                        MooncakeBatch.FAILED
+                    break
+                bid = submit(peer.session, local_addrs, remote_addrs, lens)
+                if bid == 0:
+                    error, state = ConnectError(f"mooncake: submit to {peer.name} ({peer.session}) failed"), \
+                        MooncakeBatch.FAILED
+                    break
+                t0 = time.monotonic()
+                self._stats["chunks"] += 1
+                if eng.get_batch_transfer_status([bid]) != 0:
+                    # Mooncake reports a failed slice, or gave up waiting (MC_TRANSFER_TIMEOUT): in the
+                    # latter case it freed the batch with slices possibly still queued.
+                    unsafe = time.monotonic() - t0 >= _mooncake_timeout_s()
+                    error, state = RemoteError(f"mooncake: {batch.op} from {peer.name} failed"), MooncakeBatch.FAILED
+                    break
+            with self._cond:
+                if state == MooncakeBatch.FAILED:
+                    self._stats["failed"] += 1
+                elif state == MooncakeBatch.CANCELED:
+                    self._stats["canceled"] += 1
+            batch._finish(state, error, unsafe)
+        while True:  # closing: whatever is still queued was never submitted
+            try:
+                batch = peer._queue.get_nowait()
+            except queue.Empty:
+                return
+            if batch is not None:
+                batch._finish(MooncakeBatch.CANCELED, Closed("mooncake backend closed"))
+
+    # -- notifications, stats ----------------------------------------------------------
+    def notify(self, peer: MooncakePeer, payload: bytes, timeout_s: float | None = None) -> None:
+        """Send a small opaque message (<= 4096 bytes) over the authenticated side
+        channel and wait for the peer to queue it."""
+        self._check_open()
+        if not isinstance(payload, (bytes, bytearray)) or not 1 <= len(payload) <= MAX_NOTIFY:
+            raise ValueError(f"payload must be 1..{MAX_NOTIFY} bytes")
+        t = self.config.op_timeout_s if timeout_s is None else timeout_s
+        if peer._client.request(b"N" + bytes(payload), t) != b"K":
+            raise RemoteError("side channel: notification not acknowledged")
+        with self._cond:
+            self._stats["notifies_sent"] += 1
+
+    def _queue_note(self, sender: str, payload: bytes) -> None:
+        with self._cond:
+            self._notes.append((sender, payload))
+            self._stats["notifies_received"] += 1
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Received notifications as (sender name, payload), oldest first."""
+        with self._cond:
+            notes, self._notes = self._notes, []
+        return notes
+
+    def events(self) -> list[tuple[str, str]]:
+        return []
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._stats, peers=len(self._peers), regions=len(self._regions))
+
+
+def _mooncake_timeout_s() -> float:
+    """Mooncake's own give-up time for a batch (MC_TRANSFER_TIMEOUT, at least 5 s; default 30 s)."""
+    try:
+        return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
+    except ValueError:
+        return 30.0
