@@ -204,11 +204,7 @@ int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local,
   np++;
   free(tmp);
   pthread_mutex_init(&b->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&b->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  kvl__cond_init(&b->cv);
   b->op = op;
   b->ndesc = nd;
   b->total_bytes = total;
@@ -231,11 +227,7 @@ int kvl__batch_notify(kvl_engine *e, const void *data, size_t len, uint64_t dead
   b->payload = b->parts + 1;
   b->payload_len = len;
   pthread_mutex_init(&b->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&b->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  kvl__cond_init(&b->cv);
   b->parts_total = 1;
   b->deadline_ms = deadline;
   b->refs = 2;

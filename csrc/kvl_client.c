@@ -172,6 +172,10 @@ static int run_write(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
     }
     rc = kvl__send_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing);
   }
+  if (rc == KVL_EPEERCLOSED) { /* a refusal arrives before the hang-up: prefer its reason */
+    int r2 = kvl__recv_status(s, KVL__T_WRITE_RESP, s->seq, &st, kvl__now_ms() + 1000, why, cap);
+    if (r2 != 0 && r2 != KVL_EPEERCLOSED && r2 != KVL_ETIMEDOUT) return r2;
+  }
   if (rc) {
     snprintf(why, cap, "%s sending %llu bytes to %s", kvl_strerror(rc), (unsigned long long)want, s->peer->name);
     return rc;

@@ -280,11 +280,7 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     s->index = k;
     s->fd = -1;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvl__cond_init(&s->cv);
   }
   for (int k = 0; k < p->nstreams && rc == 0; k++) {
     kvl__stream *s = &p->streams[k];

@@ -9,11 +9,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/uio.h>
+#include <time.h>
 
 typedef struct {
   const void *p;
   size_t n;
 } kvl__bytes;
+
+/* Every condition variable here waits on CLOCK_MONOTONIC. */
+static inline void kvl__cond_init(pthread_cond_t *cv) {
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(cv, &ca);
+  pthread_condattr_destroy(&ca);
+}
 
 /* Grow a scratch buffer to at least need bytes (per batch or connection,
  * never per descriptor). */
@@ -110,6 +120,7 @@ void kvl__wdesc_put(uint8_t *body, uint32_t i, const kvl__wdesc *d);
 /* ---- sockets (kvl_sock.c) ------------------------------------------------ */
 #define KVL__SLICE_MS 100 /* longest a socket call blocks before re-checking */
 #define KVL__IOV_MAX 1024
+#define KVL__DRAIN_MAX (256ull << 20) /* most bytes of a refused WRITE we swallow */
 int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, int *is_loopback);
 int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, int *fd_out);
 void kvl__sock_tune(int fd);

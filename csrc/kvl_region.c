@@ -24,11 +24,7 @@ static kvl__region *lookup(kvl__regions *t, uint32_t id) {
 void kvl__regions_init(kvl__regions *t) {
   memset(t, 0, sizeof *t);
   pthread_mutex_init(&t->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&t->drained, &ca);
-  pthread_condattr_destroy(&ca);
+  kvl__cond_init(&t->drained);
   for (uint32_t i = 0; i < KVL_MAX_REGIONS; i++) t->slot[i].gen = 1;
 }
 

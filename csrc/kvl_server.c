@@ -102,6 +102,24 @@ static int recv_write_data(kvl__conn *c, uint32_t count, int crc, uint64_t deadl
   return 0;
 }
 
+/* A refused WRITE's data is already on its way: swallow (a bounded amount
+ * of) it so the peer reads our reason instead of a reset. */
+static void drain_refused_write(kvl__conn *c, uint32_t count) {
+  uint64_t left = 0, deadline = kvl__now_ms() + c->e->cfg.op_timeout_ms;
+  for (uint32_t i = 0; i < count && left < KVL__DRAIN_MAX; i++) {
+    kvl__wdesc d;
+    kvl__wdesc_get(c->body, i, &d);
+    left += d.length < KVL__DRAIN_MAX ? d.length : KVL__DRAIN_MAX;
+  }
+  if (left > KVL__DRAIN_MAX) left = KVL__DRAIN_MAX;
+  uint8_t junk[16384];
+  while (left > 0) {
+    size_t n = left < sizeof junk ? (size_t)left : sizeof junk;
+    if (kvl__recv_all(c->fd, junk, n, deadline, &c->e->closing) != 0) return;
+    left -= n;
+  }
+}
+
 /* Returns 0 to keep serving, a negative code to hang up (with why filled). */
 static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
   kvl_engine *e = c->e;
@@ -116,6 +134,7 @@ static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
   rc = kvl__regions_acquire(&e->regions, c->body, count, is_read ? KVL_ACCESS_READ : KVL_ACCESS_WRITE, &bad, why, cap);
   if (rc) {
     reply(c, resp, h->seq, rc, bad, 0, why);
+    if (!is_read) drain_refused_write(c, count);
     return rc;
   }
   int crc = (h->flags & KVL__F_CRC) != 0;

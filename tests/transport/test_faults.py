@@ -122,10 +122,10 @@ def test_close_with_batches_in_flight_neither_hangs_nor_leaks(make_engine):
             with pytest.raises((Closed, PeerClosed, Canceled)):
                 b.wait()
         slow.close()  # and the fake's own threads end
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 5
         while threads() > base and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert threads() == base  # every engine thread was joined
+        assert threads() <= base  # every engine thread was joined (earlier tests' threads may end meanwhile)
         with pytest.raises(Closed):
             init.read(peer, rdst, [0], 1, [0], 16)
     finally:
