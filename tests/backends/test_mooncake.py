@@ -1,0 +1,338 @@
+"""The backend contract against Mooncake's transfer engine, side by side with
+the native engine where the behaviour must be the same: READ/WRITE on random
+shapes, bounds and access refused, unknown regions, notifications, timeouts,
+cancel (no late writes), close, and the side channel's authentication."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, KVLinkError, OutOfRange, ProtocolError,
+                           TimeoutError_, UnknownRegion)
+from kvlink.transport import Access, Backend, EngineConfig, Unsupported, open_backend
+
+pytest.importorskip("numpy")
+
+
+def submit_and_wait(fn, *a, **kw):
+    """Errors may come at submit (Mooncake checks locally) or at wait (native remote checks)."""
+    fn(*a, **kw).wait()
+
+
+def random_descs(rng, size: int, count: int, max_len: int):
+    """Non-overlapping destination ranges, any source ranges, inside both buffers."""
+    out, used = [], np.zeros(size, dtype=bool)
+    while len(out) < count:
+        n = int(rng.integers(1, max_len))
+        r, l = int(rng.integers(0, size - n)), int(rng.integers(0, size - n))
+        if not used[l:l + n].any():
+            used[l:l + n] = True
+            out.append((r, l, n))
+    return (np.array([d[0] for d in out], dtype=np.uint64), np.array([d[1] for d in out], dtype=np.uint64),
+            np.array([d[2] for d in out], dtype=np.uint64))
+
+
+def check_copied(dst, src, dst_offs, src_offs, lens):
+    for a, b, n in zip(dst_offs.tolist(), src_offs.tolist(), lens.tolist()):
+        assert np.array_equal(dst[a:a + n], src[b:b + n]), f"block at {a} (from {b}, {n} B) differs"
+
+
+# -- the contract -------------------------------------------------------------------------------
+def test_kind_capabilities_and_protocol(make_backend):
+    b = make_backend("mooncake")
+    assert isinstance(b, Backend)
+    assert b.kind == "mooncake"
+    caps = b.capabilities
+    assert caps.read and caps.write and caps.notify and caps.network
+    assert not caps.cancel and not caps.crc and not caps.same_host  # stated, not faked
+    assert b.address.startswith("127.0.0.1:")
+
+
+def test_what_mooncake_cannot_do_is_refused():
+    with pytest.raises(Unsupported):
+        open_backend("mooncake", EngineConfig(crc=True))
+    with pytest.raises(Unsupported):
+        open_backend("mooncake", EngineConfig(same_host="require"))
+
+
+def test_settings_validated():
+    from kvlink.backends.mooncake import MooncakeSettings
+
+    assert MooncakeSettings().protocol == "tcp"
+    assert MooncakeSettings(protocol="rdma").protocol == "rdma"  # passed through to Mooncake
+    for bad in ({"protocol": "tcp; rm"}, {"max_queued": 1}, {"settle_s": 0}):
+        with pytest.raises(ValueError):
+            MooncakeSettings(**bad)
+
+
+# -- data paths, same checks on both backends --------------------------------------------------
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_read_random_shapes(make_pair, kind, seed):
+    p = make_pair(kind)
+    rng = np.random.default_rng(seed)
+    count = [1, 700, 1500][seed - 1]  # 1500 crosses Mooncake's chunk boundary (512) twice
+    r, lo, n = random_descs(rng, p.src.nbytes, count, 9000)
+    b = p.init.read(p.peer, p.rdst, lo, p.rsrc.id, r, n)
+    b.wait()
+    assert b.poll() and b.nbytes == int(n.sum())
+    check_copied(p.dst, p.src, lo, r, n)
+    untouched = np.ones(p.dst.nbytes, dtype=bool)
+    for a, k in zip(lo.tolist(), n.tolist()):
+        untouched[a:a + k] = False
+    assert not p.dst[untouched].any(), "bytes outside the descriptors were written"
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_write_random_shapes(make_pair, kind, seed):
+    p = make_pair(kind)
+    rng = np.random.default_rng(seed)
+    p.dst[:] = rng.integers(0, 256, p.dst.nbytes, dtype=np.uint8)  # the initiator's data to push
+    before = p.src.copy()
+    r, lo, n = random_descs(rng, p.src.nbytes, 600, 20000)  # r: non-overlapping targets
+    p.init.write(p.peer, p.rdst, r, p.rsrc.id, lo, n).wait()
+    check_copied(p.src, p.dst, lo, r, n)
+    untouched = np.ones(p.src.nbytes, dtype=bool)
+    for a, k in zip(lo.tolist(), n.tolist()):
+        untouched[a:a + k] = False
+    assert np.array_equal(p.src[untouched], before[untouched])
+
+
+def test_several_remote_regions_in_one_batch(make_pair, kind):
+    p = make_pair(kind)
+    other = np.arange(1 << 16, dtype=np.uint8)
+    r2 = p.target.register(other, Access.READ)  # registered after connect: found through a table refresh
+    regs = np.array([p.rsrc.id, r2.id] * 4, dtype=np.uint32)
+    offs = np.arange(8, dtype=np.uint64) * 4096
+    p.init.read(p.peer, p.rdst, offs, regs, offs, 4096).wait()
+    for k in range(8):
+        src = p.src if k % 2 == 0 else other
+        assert np.array_equal(p.dst[k * 4096:(k + 1) * 4096], src[k * 4096:(k + 1) * 4096])
+
+
+def test_one_large_descriptor(make_pair, kind):
+    p = make_pair(kind, size=32 << 20)
+    p.init.read(p.peer, p.rdst, 0, p.rsrc.id, 0, p.src.nbytes).wait()
+    assert np.array_equal(p.dst, p.src)
+
+
+# -- refused before anything moves --------------------------------------------------------------
+def test_bounds_refused(make_pair, kind):
+    p = make_pair(kind)
+    size = p.src.nbytes
+    for lo, ro, n in ([0], [size - 10], 4096), ([0], [size], 1):
+        with pytest.raises(OutOfRange):
+            submit_and_wait(p.init.read, p.peer, p.rdst, lo, p.rsrc.id, ro, n)
+    for lo, ro, n in ([0], [2**64 - 1], 2), ([0], [0], size + 1):  # overflow: the native engine says EINVAL
+        with pytest.raises(ValueError):
+            submit_and_wait(p.init.read, p.peer, p.rdst, lo, p.rsrc.id, ro, n)
+    with pytest.raises(ValueError):  # local bounds (OutOfRange on Mooncake, a ValueError too)
+        submit_and_wait(p.init.read, p.peer, p.rdst, [size - 10], p.rsrc.id, [0], 4096)
+    assert not p.dst.any()
+
+
+def test_access_flags_refused(make_pair, make_backend, kind):
+    p = make_pair(kind)
+    ro = p.target.register(np.ones(1 << 16, dtype=np.uint8), Access.READ)
+    hidden = p.target.register(np.ones(1 << 16, dtype=np.uint8), Access.NONE)
+    with pytest.raises(AccessDenied):
+        submit_and_wait(p.init.write, p.peer, p.rdst, [0], ro.id, [0], 4096)
+    with pytest.raises(AccessDenied):
+        submit_and_wait(p.init.read, p.peer, p.rdst, [0], hidden.id, [0], 4096)
+    assert not p.dst.any()
+
+
+def test_unknown_region_refused(make_pair, kind):
+    p = make_pair(kind)
+    with pytest.raises(UnknownRegion):
+        submit_and_wait(p.init.read, p.peer, p.rdst, [0], p.rsrc.id ^ 0x5A5A, [0], 4096)
+
+
+def test_no_remote_address_leaks_above_the_backend(make_pair):
+    p = make_pair("mooncake")
+    text = repr(p.peer) + repr(p.rsrc) + repr(p.init.stats())
+    assert hex(p.rsrc.addr)[2:] not in text and str(p.rsrc.addr) not in text
+
+
+# -- notifications -----------------------------------------------------------------------------
+def test_notifications(make_pair, kind):
+    p = make_pair(kind)
+    for k in range(5):
+        p.init.notify(p.peer, b"req-%d done" % k)
+    deadline = time.monotonic() + 5
+    got = []
+    while len(got) < 5 and time.monotonic() < deadline:
+        got += p.target.drain_notifications()
+        time.sleep(0.01)
+    assert got == [("initiator", b"req-%d done" % k) for k in range(5)]
+    for bad in (b"", b"x" * 4097):
+        with pytest.raises(ValueError):
+            p.init.notify(p.peer, bad)
+
+
+def test_notify_after_write_sees_the_data(make_pair):
+    p = make_pair("mooncake")
+    p.dst[:4096] = 0xAB
+    p.init.write(p.peer, p.rdst, [0], p.rsrc.id, [8192], 4096).wait()
+    p.init.notify(p.peer, b"written")
+    assert p.target.drain_notifications() == [("initiator", b"written")]
+    assert (p.src[8192:12288] == 0xAB).all()
+
+
+# -- authentication of the side channel --------------------------------------------------------
+def test_wrong_token_refused(make_pair, make_backend):
+    p = make_pair("mooncake")
+    intruder = make_backend("mooncake", name="intruder", listen=None, token=b"not-the-token")
+    with pytest.raises(AuthError):
+        intruder.connect(p.target.address)
+
+
+def test_not_a_kvlink_peer_refused(make_backend):
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve():
+        c, _ = srv.accept()
+        c.sendall(b"\x00\x00\x00\x05HELLO")
+        time.sleep(0.5)
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    init = make_backend("mooncake", name="i", listen=None)
+    with pytest.raises(ProtocolError):
+        init.connect(f"127.0.0.1:{port}")
+    t.join()
+    srv.close()
+
+
+def test_side_channel_frames_are_tagged():
+    from kvlink.backends.sidechannel import Tagger, decode_table, encode_table
+
+    a, b = Tagger(b"k" * 32), Tagger(b"k" * 32)
+    f1, f2 = a.seal(b"T"), a.seal(b"Nhello")
+    with pytest.raises(AuthError):  # replay of frame 1 where frame 2... is expected after it
+        b.open(f1), b.open(f1)
+    c = Tagger(b"k" * 32)
+    with pytest.raises(AuthError):  # tampered
+        c.open(f1[:-1] + b"X")
+    assert Tagger(b"k" * 32).open(f1) == b"T"
+    assert f2 != f1
+    session, table = decode_table(encode_table("127.0.0.1:1234", [(7, 4096, 100, 1)]))
+    assert session == "127.0.0.1:1234" and table == {7: (4096, 100, 1)}
+    for bad in (b"{", b'{"session": "x", "regions": []}', b'{"session": "h:1", "regions": [[1, 2, 0, 1]]}',
+                b'{"session": "h:1", "regions": [[1, -2, 5, 1]]}', b'{"session": "h:1", "regions": [[1, 2, 3]]}'):
+        with pytest.raises(ProtocolError):
+            decode_table(bad)
+
+
+# -- timeouts and cancel -----------------------------------------------------------------------
+def test_cancel_stops_and_nothing_lands_afterwards(make_pair):
+    p = make_pair("mooncake", size=64 << 20)
+    n = 16384
+    offs = np.arange(n, dtype=np.uint64) * 4096
+    b = p.init.read(p.peer, p.rdst, offs, p.rsrc.id, offs, 4096)
+    b.cancel()
+    assert b.settled
+    snap = p.dst.copy()
+    time.sleep(0.3)
+    assert np.array_equal(snap, p.dst), "bytes landed after cancel returned"
+    with pytest.raises(Canceled):
+        b.poll()
+    copied = sum(np.array_equal(p.dst[o:o + 4096], p.src[o:o + 4096]) for o in range(0, 64 << 20, 4096 * 64))
+    assert copied < (64 << 20) // (4096 * 64), "cancel did not stop the batch early"
+    assert p.init.stats()["canceled"] == 1
+
+
+def test_wait_timeout_cancels_and_settles(make_pair):
+    p = make_pair("mooncake", size=64 << 20)
+    offs = np.arange(16384, dtype=np.uint64) * 4096
+    b = p.init.read(p.peer, p.rdst, offs, p.rsrc.id, offs, 4096)
+    with pytest.raises(TimeoutError_):
+        b.wait(0.001)
+    snap = p.dst.copy()
+    time.sleep(0.3)
+    assert np.array_equal(snap, p.dst)
+    # the backend stays usable
+    p.dst[:] = 0
+    p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096).wait()
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
+
+
+def test_stopped_peer_reports_not_settled_then_settles(make_backend, mc_target):
+    from kvlink.backends.mooncake import MooncakeSettings, NotSettled
+    from kvlink.bench.workloads import expected, gather
+
+    t = mc_target()
+    init = make_backend("mooncake", settings=MooncakeSettings(settle_s=0.3), name="i", listen=None)
+    dst = np.zeros(64 << 20, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(t.address)
+    offs = np.arange(2048, dtype=np.uint64) * 32768
+    t.stop()
+    try:
+        b = init.read(peer, rdst, offs, t.region, offs, 32768)
+        with pytest.raises(NotSettled):  # Mooncake cannot abort: the caller is told its memory is still in use
+            b.wait(0.3)
+        assert not b.settled
+    finally:
+        t.cont()
+    b.cancel(timeout_s=20)  # now the chunk in flight settles
+    assert b.settled
+    snap = dst.copy()
+    time.sleep(0.3)
+    assert np.array_equal(snap, dst)
+    init.read(peer, rdst, offs[:8], t.region, offs[:8], 32768).wait()
+    assert np.array_equal(gather(dst, offs[:8], 32768), expected(offs[:8], 32768, t.seed))
+
+
+def test_killed_peer_fails_within_bounded_time(make_backend, mc_target):
+    t = mc_target()
+    init = make_backend("mooncake", name="i", listen=None)
+    dst = np.zeros(64 << 20, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(t.address)
+    offs = np.arange(2048, dtype=np.uint64) * 32768
+    init.read(peer, rdst, offs, t.region, offs, 32768).wait()
+    t.kill()
+    t0 = time.monotonic()
+    with pytest.raises(KVLinkError):
+        init.read(peer, rdst, offs, t.region, offs, 32768).wait(25)
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(KVLinkError):
+        init.notify(peer, b"anyone?", timeout_s=2)
+
+
+# -- regions and close -------------------------------------------------------------------------
+def test_unregister_refuses_new_batches(make_pair):
+    p = make_pair("mooncake")
+    p.rdst.unregister()
+    assert not p.rdst.registered
+    with pytest.raises(ValueError):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096)
+
+
+def test_close(make_pair, kind):
+    p = make_pair(kind)
+    p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096).wait()
+    p.init.close()
+    p.init.close()  # idempotent
+    with pytest.raises(Closed):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096)
+
+
+def test_close_with_batches_queued_does_not_hang(make_pair):
+    p = make_pair("mooncake", size=64 << 20)
+    offs = np.arange(16384, dtype=np.uint64) * 4096
+    batches = [p.init.read(p.peer, p.rdst, offs, p.rsrc.id, offs, 4096) for _ in range(3)]
+    t0 = time.monotonic()
+    p.init.close()
+    assert time.monotonic() - t0 < 30
+    for b in batches:
+        assert b.settled
+        with pytest.raises(KVLinkError):
+            b.wait(1)
