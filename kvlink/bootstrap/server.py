@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 import socket
 import threading
@@ -90,7 +91,7 @@ class BootstrapApp:
 
     def _post(self, path: str, body_type: type, fn: Callable[[Any], Any]) -> None:
         decode = msgspec.json.Decoder(body_type).decode
-        is_async = asyncio.iscoroutinefunction(fn)
+        is_async = inspect.iscoroutinefunction(fn)
 
         async def handler(request: web.Request) -> web.Response:
             length = request.content_length
