@@ -168,17 +168,23 @@ def batch_release(b: Handle) -> None:
     ffi.release(b)
 
 
+def _batch_failed(b: Handle, rc: int) -> None:
+    check(rc, "batch", ffi.string(lib.kvl_batch_message(b)).decode(errors="replace"))
+
+
 def batch_poll(b: Handle) -> bool:
     rc = lib.kvl_batch_poll(b)
     if rc == INPROGRESS:
         return False
-    check(rc, "batch", ffi.string(lib.kvl_batch_message(b)).decode(errors="replace"))
+    if rc:
+        _batch_failed(b, rc)
     return True
 
 
 def batch_wait(b: Handle, timeout_ms: int) -> None:
     rc = lib.kvl_batch_wait(b, timeout_ms)
-    check(rc, "batch", ffi.string(lib.kvl_batch_message(b)).decode(errors="replace"))
+    if rc:
+        _batch_failed(b, rc)
 
 
 def batch_cancel(b: Handle) -> None:
