@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from kvlink.bench.initiator import SYSTEMS, Initiator, TargetInfo
+from kvlink.bench.peers import PEER_SYSTEMS
 from kvlink.bench.stats import table
 from kvlink.bench.workloads import STANDARD, custom
 from kvlink.transport import EngineConfig
@@ -28,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw-port", type=int, help="initiator: the target's raw TCP yardstick port (default PORT+1)")
     p.add_argument("--token-file", help="file holding the pre-shared token")
     p.add_argument("--allow-insecure", action="store_true", help="target: listen off loopback without a token")
-    p.add_argument("--compare", default="", help="comma list of yardsticks: raw-tcp,memcpy")
+    p.add_argument("--compare", default="",
+                   help="comma list of yardsticks (raw-tcp,memcpy) and peers (mooncake,nixl-tcp,nixl)")
+    p.add_argument("--peers", default="", help="target: also serve the buffer through these peers (mooncake,nixl)")
     p.add_argument("--workloads", default="", help="comma list of workload names (default: all standard)")
     p.add_argument("--blocks", type=int, help="custom paged READ: number of blocks")
     p.add_argument("--block-size", type=int, help="custom paged READ: bytes per block")
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "target":
         from kvlink.bench.target import run_target
 
-        return run_target(args.listen, _token(args), args.buffer_mb, args.streams, args.crc, args.allow_insecure)
+        return run_target(args.listen, _token(args), args.buffer_mb, args.streams, args.crc, args.allow_insecure,
+                          [s for s in args.peers.split(",") if s])
     systems = ["kvlink"] + [s for s in args.compare.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -83,13 +87,16 @@ def run(args: argparse.Namespace) -> int:
                "--token-file", tf.name, "--buffer-mb", str(args.buffer_mb), "--streams", str(args.streams)]
         if args.crc:
             cmd.append("--crc")
+        hosted = sorted({"nixl" if s.startswith("nixl") else s for s in systems if s in PEER_SYSTEMS})
+        if hosted:
+            cmd += ["--peers", ",".join(hosted)]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line:
                 raise SystemExit("bench target failed to start")
             d = json.loads(line)
-            info = TargetInfo(d["address"], d["region"], d["buffer_bytes"], d["seed"], d["raw_port"])
+            info = TargetInfo(d["address"], d["region"], d["buffer_bytes"], d["seed"], d["raw_port"], d.get("peers", {}))
             return _initiate(args, info, token, systems, workloads)
         finally:
             if proc.stdin:

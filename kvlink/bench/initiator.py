@@ -7,17 +7,18 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvlink import _binding as B
+from kvlink.bench.peers import PEER_SYSTEMS, run_peer
 from kvlink.bench.stats import Result
 from kvlink.bench.workloads import MiB, Workload, expected, fill_pattern, gather, random_slots
 from kvlink.transport import Engine, EngineConfig
 from kvlink.transport.config import split_hostport
 
-SYSTEMS = ("kvlink", "raw-tcp", "memcpy")
+SYSTEMS = ("kvlink", "raw-tcp", "memcpy") + PEER_SYSTEMS
 
 
 @dataclass
@@ -27,6 +28,7 @@ class TargetInfo:
     buffer_bytes: int
     seed: int
     raw_port: int
+    peers: dict = field(default_factory=dict)  # what the target's peer engines publish (kvlink.bench.peers)
 
     @classmethod
     def fetch(cls, address: str, raw_port: int) -> TargetInfo:
@@ -38,7 +40,8 @@ class TargetInfo:
         finally:
             B.rawtcp_close(fd)
         info = json.loads(bytes(buf[:n]))
-        return cls(info["address"], info["region"], info["buffer_bytes"], info["seed"], raw_port)
+        return cls(info["address"], info["region"], info["buffer_bytes"], info["seed"], raw_port,
+                   info.get("peers", {}))
 
 
 class Progress:
@@ -89,8 +92,11 @@ class Initiator:
         self.region = self.engine.register(self.dst)
         self.peer = self.engine.connect(info.address)
         self.rng = np.random.default_rng(1234)
+        self.peer_clients = None  # kvlink.bench.peers.PeerClients, created on first use
 
     def close(self) -> None:
+        if self.peer_clients is not None:
+            self.peer_clients.close()
         self.engine.close()
 
     # -- timing ------------------------------------------------------------------------
@@ -166,6 +172,8 @@ class Initiator:
                     out.append(self.run_kvlink(w, r_offs, l_offs, prog))
                 elif s == "raw-tcp":
                     out.append(self.run_raw(w, prog))
+                elif s in PEER_SYSTEMS:
+                    out.append(run_peer(self, s, w, r_offs, l_offs, prog))
                 else:
                     out.append(self.run_memcpy(w, r_offs, l_offs, prog))
                 prog.step()

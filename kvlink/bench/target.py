@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from kvlink import _binding as B
+from kvlink.bench.peers import PeerTargets
 from kvlink.bench.workloads import MiB, fill_pattern
 from kvlink.transport import Access, Engine, EngineConfig
 from kvlink.transport.config import split_hostport
@@ -20,7 +21,7 @@ SEED = 0x5EED_0F_CAFE
 
 
 def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, crc: bool,
-               allow_insecure: bool = False) -> int:
+               allow_insecure: bool = False, peers: list[str] | None = None) -> int:
     host, port = split_hostport(listen, "--listen")
     buf = np.empty(buffer_mb * MiB, dtype=np.uint8)
     fill_pattern(buf, SEED)
@@ -30,6 +31,9 @@ def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, c
                              allow_insecure=allow_insecure)) as eng:
         region = eng.register(buf, Access.READ | Access.WRITE)
         info = {"address": eng.address, "region": region.id, "buffer_bytes": buf.nbytes, "seed": SEED}
+        hosted = PeerTargets(peers, host, buf) if peers else None  # only when compared
+        if hosted:
+            info["peers"] = hosted.info
         raw, raw_port = B.rawtcp_serve(host, port + 1 if port else 0, region.addr, buf.nbytes, json.dumps(info))
         info["raw_port"] = raw_port
         print(json.dumps(info), flush=True)
@@ -42,4 +46,6 @@ def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, c
             pass
         finally:
             B.rawtcp_stop(raw)
+            if hosted:
+                hosted.close()
     return 0
