@@ -193,3 +193,134 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def open_backend(kind: str, config: EngineConfig) -> Engine:
+    """Same signature as kvlink.transport.open_backend; every kind is the in-process fake."""
+    return Engine(config)
+
+
+# ----- network fakes for the real-vLLM tests ------------------------------------------------------------
+
+
+class ThrottledRelay:
+    """A TCP relay in front of a real transport engine (advertised to decode via ``transport_advertise``).
+
+    ``rate`` (bytes/s, None = unthrottled) limits the engine-to-client direction, where READ data flows,
+    so a pull can be held slow on purpose. ``first_byte`` is set when throttled data starts to flow;
+    ``first_at`` / ``last_at`` bracket the throttled bytes.
+    """
+
+    CHUNK = 8192
+
+    def __init__(self, upstream: str):
+        import socket
+
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host, int(port))
+        self.rate: float | None = None
+        self.first_byte = threading.Event()
+        self.first_at = self.last_at = 0.0
+        self.throttled_bytes = 0
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def throttle(self, rate: float | None) -> None:
+        """Limit READ data to ``rate`` bytes/s from now on (None: full speed, counters kept)."""
+        with self._lock:
+            self.rate = rate
+            if rate is not None:
+                self.first_byte.clear()
+                self.first_at = self.last_at = 0.0
+                self.throttled_bytes = 0
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            try:
+                u = socket.create_connection(self.upstream, timeout=5)
+                u.settimeout(None)
+            except OSError:
+                c.close()
+                continue
+            with self._lock:
+                self._socks += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, downstream: bool) -> None:
+        import socket
+
+        try:
+            while True:
+                rate = self.rate if downstream else None
+                data = src.recv(self.CHUNK if rate else 1 << 16)
+                if not data:
+                    break
+                if rate:
+                    with self._lock:
+                        now = time.monotonic()
+                        if not self.first_byte.is_set():
+                            self.first_at = now
+                            self.first_byte.set()
+                        self.throttled_bytes += len(data)
+                    time.sleep(len(data) / rate)  # the throttle itself, not synchronization
+                    self.last_at = time.monotonic()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class StalledPeer:
+    """Accepts TCP connections and never answers (a hung prefill: bootstrap or transport)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = f"http://{self.address}"
+        self.accepted = threading.Event()
+        self._conns: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self._conns.append(c)  # kept open, never read from or written to
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass

@@ -16,11 +16,12 @@ REQUIRED_VLLM_API = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorStats"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorPromMetrics"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
 )
-REQUIRED_BASE_METHODS = ("request_finished", "get_finished", "get_block_ids_with_load_errors",
+REQUIRED_BASE_METHODS = ("request_finished", "get_transfer_results", "get_block_ids_with_load_errors",
                          "update_connector_output", "register_kv_caches", "build_kv_connector_stats")
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+TRANSPORT_BACKENDS = ("auto", "tcp", "same-host")
 
 
 class ConnectorConfigError(ValueError):
@@ -25,9 +26,12 @@ class ConnectorConfig:
     bootstrap_port: int = 0
     bootstrap_token: str | None = None
     bootstrap_timeout_s: float = 5.0
-    # Transport engine of each worker.
+    # Transport engine of each worker. "auto": same-host peers are copied directly (process_vm_readv)
+    # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
+    transport_backend: str = "auto"
     transport_host: str = "127.0.0.1"
     transport_port: int = 0
+    transport_advertise: str | None = None  # host:port published to decode instead of the listen address
     transport_token: str | None = None
     transport_streams: int = 2
     crc: bool = False
@@ -38,6 +42,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = 30.0  # one batched READ, end to end
     connect_timeout_s: float = 5.0
     lookup_wait_s: float = 30.0  # concurrent pairing: longest wait for prefill to publish
+    pull_timeout_s: float = 60.0  # decode: longest wait of one request for its KV, lookup to last byte
     release_poll_s: float = 0.02  # prefill: how often it asks the bootstrap for released requests
     # Testing aid: flip bits in pulled KV (negative control). Never set in production.
     debug_corrupt_kv: bool = False
@@ -60,7 +65,7 @@ class ConnectorConfig:
         for key in ("crc", "allow_insecure", "debug_corrupt_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
-        for key in ("bootstrap_url", "bootstrap_token", "transport_token"):
+        for key in ("bootstrap_url", "bootstrap_token", "transport_token", "transport_advertise"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty "
@@ -68,6 +73,12 @@ class ConnectorConfig:
         if self.bootstrap_url is not None and not self.bootstrap_url.startswith(("http://", "https://")):
             raise ConnectorConfigError("kv_connector_extra_config['bootstrap_url'] must start with "
                                        f"http:// or https://, got {self.bootstrap_url!r}")
+        if self.transport_backend not in TRANSPORT_BACKENDS:
+            raise ConnectorConfigError("kv_connector_extra_config['transport_backend'] must be one of "
+                                       f"{TRANSPORT_BACKENDS}, got {self.transport_backend!r}")
+        if self.transport_advertise is not None and not _is_hostport(self.transport_advertise):
+            raise ConnectorConfigError("kv_connector_extra_config['transport_advertise'] must be host:port, "
+                                       f"got {self.transport_advertise!r}")
         if self.release_poll_s > 5:
             raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 
@@ -90,3 +101,8 @@ class ConnectorConfig:
     @property
     def transport_token_bytes(self) -> bytes | None:
         return self.transport_token.encode() if self.transport_token else None
+
+
+def _is_hostport(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

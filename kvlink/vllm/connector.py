@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
@@ -34,11 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-try:  # vLLM >= 0.32: failures reported per request
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover - older vLLM: block-level load errors only
-    KVConnectorTransferResults = None
 
 
 def engine_id_of(vllm_config: "VllmConfig") -> str:
@@ -92,11 +88,19 @@ class KVLinkConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return
 
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM >= 0.32: finished sends/receives plus failed receives per request (``failed_recving``)."""
+        sending, recving, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished()
+        """Older vLLM: failures reach it through get_block_ids_with_load_errors() only."""
+        sending, recving, _ = self._worker.transfer_results()
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failures()[1] if self._worker is not None else set()
+        return self._worker.take_load_error_blocks() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVLinkStats | None:
         side = self._worker if self._worker is not None else self._sched

@@ -25,6 +25,7 @@ class RemoteSource:
     block_ids: tuple[int, ...] | None = None
     num_tokens: int | None = None
     transfer_id: str | None = None
+    lease_s: float | None = None  # prefill's lease; decode renews it while pulling
 
     @classmethod
     def from_params(cls, p: dict) -> "RemoteSource":
@@ -59,10 +60,16 @@ class RemoteSource:
                                        or num_tokens < 0):
             raise BadParams(f"kv_transfer_params['remote_num_tokens'] must be a non-negative integer, "
                             f"got {num_tokens!r:.40}")
+        lease_s = p.get("remote_lease_s")
+        if lease_s is not None and (not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool)
+                                    or not 0 < lease_s <= 3600):
+            raise BadParams(f"kv_transfer_params['remote_lease_s'] must be a number of seconds in (0, 3600], "
+                            f"got {lease_s!r:.40}")
         if transfer_id is None and (engine_id is None or request_id is None or blocks is None):
             raise BadParams("kv_transfer_params need either transfer_id (concurrent pairing) or "
                             "remote_engine_id, remote_request_id and remote_block_ids (sequential)")
-        return cls(url, engine_id, request_id, blocks, num_tokens, transfer_id)
+        return cls(url, engine_id, request_id, blocks, num_tokens, transfer_id,
+                   float(lease_s) if lease_s is not None else None)
 
     @property
     def key(self) -> str:

@@ -2,8 +2,9 @@
 
 Prefill (kv_producer): keeps the blocks of finished ``do_remote_decode`` requests, publishes them to the
 bootstrap server (an embedded one by default) and frees each exactly once: when decode reports it pulled
-or abandoned, or when its lease expires (reported by the bootstrap server, or noticed locally if the
-bootstrap server is unreachable).
+or abandoned, or when its lease expires (reported by the bootstrap server; decode renews the lease while
+it pulls). Its own deadline frees them only while the bootstrap server cannot be reached. An aborted
+request with a transfer id publishes an empty, released record, so a decode waiting for it fails at once.
 
 Decode (kv_consumer): for ``do_remote_prefill`` requests announces the prompt tokens as an asynchronous
 external hit, hands the worker one PullSpec per request, sends cancels for aborted ones and, once the
@@ -60,6 +61,8 @@ class KVLinkScheduler:
         self.is_producer = role in ("kv_producer", "kv_both")
         self.clients = _Clients(cfg)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
+        # Reports that first wait for prefill to publish (long polls) get their own threads.
+        self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-sched-wait")
         self._stats = KVLinkStats()
         self._stats_lock = threading.Lock()
         self.totals = KVLinkStats()  # since start, never reset (tests, demo)
@@ -69,6 +72,7 @@ class KVLinkScheduler:
         self.bootstrap_url: str | None = cfg.bootstrap_url
         self._held: dict[str, tuple[float, int]] = {}  # request id -> (local deadline, number of blocks)
         self._released: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, outcome)
+        self._bootstrap_ok_at = time.monotonic()  # last successful poll (written by the watcher thread)
         self._gauges_sent: tuple[int, int] | None = None
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
@@ -98,6 +102,7 @@ class KVLinkScheduler:
     def shutdown(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._wait_pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
         if self._server is not None:
             self._server.stop()
@@ -114,6 +119,7 @@ class KVLinkScheduler:
             try:
                 for rid, outcome in self.clients.get(self.bootstrap_url).poll_released(self.engine_id):
                     self._released.put((rid, str(getattr(outcome, "value", outcome))))
+                self._bootstrap_ok_at = time.monotonic()
                 warned = False
             except Exception as e:  # noqa: BLE001 - the local lease deadline still frees blocks
                 if not warned:
@@ -127,11 +133,13 @@ class KVLinkScheduler:
 
         if not self.is_producer:
             return self._refuse(request, "do_remote_decode sent to an engine that is not kv_producer")
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted or failed: nothing to keep
         transfer_id = params.get("transfer_id")
         if transfer_id is not None and (not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= 256):
             return self._refuse(request, "kv_transfer_params['transfer_id'] must be a non-empty string")
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if transfer_id is not None:
+                self._publish_gone(request.request_id, transfer_id)
+            return False, None  # aborted or failed: nothing to keep
         if not block_ids:
             return False, None
         rid = request.request_id
@@ -144,15 +152,31 @@ class KVLinkScheduler:
                            self.bootstrap_url, e)
             self._count("publish_failures")
             return False, {"do_remote_prefill": False, "kvlink_error": f"publish failed: {e}"}
-        # The bootstrap server reports expiry; the local deadline (with slack) covers an unreachable one.
+        # The bootstrap server reports expiry (decode renewals push it back); the local deadline (with
+        # slack) only applies while the bootstrap server cannot be reached.
         self._held[rid] = (time.monotonic() + self.cfg.lease_s * 1.5 + 5.0, len(block_ids))
         self._count("published")
         out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_request_id": rid,
                "remote_bootstrap_addr": self.bootstrap_url, "remote_block_ids": list(block_ids),
-               "remote_num_tokens": num_tokens}
+               "remote_num_tokens": num_tokens, "remote_lease_s": self.cfg.lease_s}
         if transfer_id is not None:
             out["transfer_id"] = transfer_id
         return True, out
+
+    def _publish_gone(self, rid: str, transfer_id: str) -> None:
+        """Aborted before publishing: publish an empty record under the transfer id and release it, so a
+        decode long-polling for it gets 'released' now instead of waiting lookup_wait_s."""
+        def work():
+            try:
+                cli = self.clients.get(self.bootstrap_url)
+                cli.publish(self.engine_id, rid, [[]], 0, self.cfg.lease_s, transfer_id=transfer_id)
+                cli.release(self.engine_id, rid, "abandoned")
+            except Exception as e:  # noqa: BLE001 - decode's bounded wait still ends it
+                logger.info("kvlink: could not mark transfer %s abandoned: %s", transfer_id, e)
+
+        self._count("aborted_transfers")
+        if not self._closed.is_set():
+            self._pool.submit(work)
 
     def _take_frees(self) -> list[str]:
         frees = []
@@ -165,8 +189,8 @@ class KVLinkScheduler:
                 frees.append(rid)
                 self._count({"pulled": "released_pulled", "abandoned": "released_abandoned"}.get(
                     outcome, "leases_expired"))
-        if self._held:
-            now = time.monotonic()
+        now = time.monotonic()
+        if self._held and now - self._bootstrap_ok_at > self.cfg.lease_s:
             for rid in [r for r, (deadline, _) in self._held.items() if deadline < now]:
                 del self._held[rid]
                 frees.append(rid)
@@ -252,7 +276,8 @@ class KVLinkScheduler:
                 logger.info("kvlink: could not report %s for %s: %s", outcome, src.key, e)
 
         if not self._closed.is_set():
-            self._pool.submit(work)
+            waits = outcome == "abandoned" and (src.request_id is None or src.engine_id is None)
+            (self._wait_pool if waits else self._pool).submit(work)
 
     def update_connector_output(self, output: Any) -> None:
         failed = set(getattr(output, "failed_recving", None) or ())

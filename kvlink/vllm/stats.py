@@ -14,9 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 COUNTERS = (
     "bytes_pulled", "blocks_pulled", "batches", "descriptors", "pulls_ok", "pulls_failed",
     "pulls_cancelled", "published", "publish_failures", "released_pulled", "released_abandoned",
-    "leases_expired", "bad_params",
+    "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
 )
-GAUGES = ("held_requests", "held_blocks")  # prefill: blocks kept for decode right now
+GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode right now
+          "pulls_in_progress")  # decode: requests waiting for their KV right now
 SERIES = ("transfer_s",)  # one sample per batched READ
 
 

@@ -7,7 +7,9 @@ remote engine go in one batched READ.
 
 Pulls never block the forward pass: start_load_kv() only hands PullSpecs to the Puller thread, which
 resolves them (bootstrap lookups, first-contact checks), groups the ready ones by remote engine, posts one
-READ per engine and polls it. get_finished() / get_transfer_results() just collect what is done.
+READ per engine and polls it. get_transfer_results() just collects what is done (failed pulls listed
+per request as well as by block). Every pull has one deadline (``pull_timeout_s``) covering lookup,
+connect and READ; a LeaseRenewer keeps prefill's lease alive while a pull runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
+from kvlink.vllm.lease import LeaseRenewer, LeaseTerm
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan
 from kvlink.vllm.stats import KVLinkStats
@@ -68,6 +71,7 @@ class _Pull:
     remote: _Remote | None = None
     pairs: list[tuple[int, int]] = field(default_factory=list)
     remote_request_id: str | None = None
+    term: LeaseTerm | None = None  # set once prefill's request is known; read by the LeaseRenewer
     cancelled: bool = False
     reported: bool = False  # set once, under the worker lock, when the outcome is handed to vLLM
 
@@ -113,6 +117,8 @@ class KVLinkWorker:
         self._closed = False
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve")
         self._thread: threading.Thread | None = None
+        self._renewer: LeaseRenewer | None = None
+        self._running_sent: int | None = None  # last pulls_in_progress gauge handed out
 
     # ----- start-up ----------------------------------------------------------------------------------
 
@@ -139,7 +145,7 @@ class KVLinkWorker:
         self.compat_hash = compat_hash(self.compat)
 
         tp = self.tp
-        self.engine = tp.Engine(tp.EngineConfig(
+        self.engine = tp.open_backend(self.cfg.transport_backend, tp.EngineConfig(
             listen=f"{self.cfg.transport_host}:{self.cfg.transport_port}",
             token=self.cfg.transport_token_bytes,
             name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
@@ -152,6 +158,8 @@ class KVLinkWorker:
             self._register_destination(kv_caches)
             self._thread = threading.Thread(target=self._run, name="kvlink-puller", daemon=True)
             self._thread.start()
+            self._renewer = LeaseRenewer(self._clients_for, self._leased_pulls, self._abort,
+                                         self._count_renewals).start()
         logger.info("kvlink: %s worker tp%d/%d transport %s, %d layers, %d blocks of %d B/layer, compat %s",
                     self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address, len(kv_caches),
                     num_blocks, self.block_bytes, self.compat_hash)
@@ -199,7 +207,8 @@ class KVLinkWorker:
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
-                                 tp_size=self.rank.tp_size, transport_addr=self.engine.address,
+                                 tp_size=self.rank.tp_size,
+                                 transport_addr=self.cfg.transport_advertise or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
                                  compat_hash=self.compat_hash)
         cli = self._clients_for(url)
@@ -228,25 +237,40 @@ class KVLinkWorker:
         for rid in meta.cancels:
             self._cancel(rid)
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call.
+
+        A failed pull is in both receiving sets (vLLM releases it from its wait and recomputes it) and its
+        blocks are in take_load_error_blocks() no later than this call's step.
+        """
         with self._lock:
             sending, self._frees = self._frees, set()
-            recving = self._done | set(self._failed)
+            failed = set(self._failed)
+            recving = self._done | failed
             self._done = set()
             self._failed = {}
-        return sending or None, recving or None
+        return sending, recving, failed
 
-    def take_failures(self) -> tuple[set[str], set[int]]:
-        """Request ids whose pull failed since the last call, and their local block ids."""
+    def take_load_error_blocks(self) -> set[int]:
+        """Local block ids of pulls that failed since the last call."""
         with self._lock:
             blocks, self._load_error_blocks = self._load_error_blocks, set()
-        return set(), blocks
+        return blocks
 
     def get_stats(self) -> KVLinkStats | None:
         with self._lock:
             stats, self._stats = self._stats, KVLinkStats()
+            if self.role in ("kv_consumer", "kv_both"):
+                running = len(self._resolving) + len(self._ready) + sum(len(f.pulls) for f in self._inflight)
+                if running != self._running_sent:
+                    self._running_sent = running
+                    stats.set_gauge("pulls_in_progress", running)
             self.totals.aggregate(stats)
         return None if stats.is_empty() else stats
+
+    def _count_renewals(self, n: int) -> None:
+        with self._lock:
+            self._stats.add("lease_renewals", n)
 
     def snapshot(self) -> dict:
         """Totals since start including what get_stats() has not handed out yet."""
@@ -257,8 +281,7 @@ class KVLinkWorker:
     # ----- pulls -------------------------------------------------------------------------------------
 
     def _submit(self, spec: PullSpec) -> None:
-        pull = _Pull(spec, time.monotonic() + self.cfg.lookup_wait_s + self.cfg.transfer_timeout_s
-                     + self.cfg.connect_timeout_s)
+        pull = _Pull(spec, time.monotonic() + self.cfg.pull_timeout_s)
         if not spec.local_block_ids:
             self._finish(pull, ok=True)
             return
@@ -272,10 +295,17 @@ class KVLinkWorker:
         try:
             cli = self._clients_for(src.bootstrap_url)
             engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
+            lease_s = src.lease_s or self.cfg.lease_s
+            first_renewal = lease_s
             if src.transfer_id is not None and (blocks is None or engine_id is None):
-                rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s, engine_id=engine_id)
+                wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - time.monotonic()))
+                rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(rec.block_ids[0])
+                first_renewal = min(lease_s, rec.lease_remaining_s)
             pull.remote_request_id = remote_rid
+            with self._lock:
+                pull.term = LeaseTerm(src.bootstrap_url, engine_id, remote_rid, lease_s,
+                                      time.monotonic() + first_renewal / 3)
             remote = self._remote(cli, src.bootstrap_url, engine_id)
             skip = pull.spec.skip_remote_blocks
             wanted = blocks[skip:skip + len(pull.spec.local_block_ids)]
@@ -325,7 +355,35 @@ class KVLinkWorker:
                     reg.transport_addr)
         return remote
 
+    def _leased_pulls(self) -> list[tuple[_Pull, LeaseTerm]]:
+        """LeaseRenewer: the pulls still running whose prefill request is known."""
+        with self._lock:
+            pulls = [*self._resolving.values(), *self._ready, *(p for f in self._inflight for p in f.pulls)]
+            return [(p, p.term) for p in pulls if p.term is not None and not p.reported]
+
+    def _abort(self, pull: _Pull, why: str) -> None:
+        """Fail a running pull now (deadline passed, lease lost): stop its READ, recompute it."""
+        self._detach(pull.spec.request_id)
+        self._finish(pull, ok=False, why=why)
+
     def _cancel(self, rid: str) -> None:
+        pull = self._detach(rid)
+        if pull is None:
+            return  # already reported
+        with self._lock:
+            pull.cancelled = True
+            if pull.reported:
+                return
+            pull.reported = True
+            self._stats.add("pulls_cancelled")
+            self._done.add(rid)
+
+    def _detach(self, rid: str) -> _Pull | None:
+        """Take a request out of wherever it is (resolving, ready, in flight); None if it is not there.
+
+        An in-flight batch carrying it is cancelled (nothing lands in our blocks after cancel returns) and
+        the other requests of that batch are posted again.
+        """
         with self._lock:
             pull = self._resolving.pop(rid, None)
             if pull is None:
@@ -338,22 +396,12 @@ class KVLinkWorker:
                 if fl is not None:
                     self._inflight.remove(fl)
         if fl is not None:
-            # Cancel the whole batch (nothing lands in our blocks after cancel returns) and post the
-            # other requests again.
             fl.batch.cancel()
             pull = next(p for p in fl.pulls if p.spec.request_id == rid)
             with self._wake:
-                self._ready.extend(p for p in fl.pulls if p is not pull)
+                self._ready.extend(p for p in fl.pulls if p is not pull and not p.reported)
                 self._wake.notify()
-        if pull is None:
-            return  # already reported
-        with self._lock:
-            pull.cancelled = True
-            if pull.reported:
-                return
-            pull.reported = True
-            self._stats.add("pulls_cancelled")
-            self._done.add(rid)
+        return pull
 
     def _finish(self, pull: _Pull, ok: bool, why: str = "") -> None:
         rid = pull.spec.request_id
@@ -377,25 +425,33 @@ class KVLinkWorker:
     def _run(self) -> None:
         """Puller thread: post ready pulls (one READ per remote engine), poll batches, enforce deadlines."""
         while True:
-            with self._wake:
-                while not self._closed and not self._ready and not self._inflight:
-                    self._wake.wait(0.5)
-                    self._expire_resolving()
-                if self._closed:
-                    return
-                ready, self._ready = self._ready, []
-            if ready:
-                self._post(ready)
-            self._poll()
-            self._expire_resolving()
-            if not ready:
+            ready, busy = [], False
+            try:
+                with self._wake:
+                    if not self._closed and not self._ready and not self._inflight:
+                        self._wake.wait(0.5)  # idle: wake for new pulls, else check deadlines twice a second
+                    if self._closed:
+                        return
+                    ready, self._ready = self._ready, []
+                    busy = bool(ready or self._inflight)
+                if ready:
+                    self._post(ready)
+                self._poll()
+                self._expire()
+            except Exception:  # noqa: BLE001 - a dead puller would leave every decode request waiting
+                logger.exception("kvlink: puller round failed")
+            if busy and not ready:
                 time.sleep(0.0005)
 
-    def _expire_resolving(self) -> None:
+    def _expire(self) -> None:
+        """Fail every pull past its deadline, wherever it is (lookup, connect, queued, READ)."""
         now = time.monotonic()
-        late = [p for p in list(self._resolving.values()) if p.deadline < now]
+        with self._lock:
+            late = [p for p in (*self._resolving.values(), *self._ready,
+                                *(p for f in self._inflight for p in f.pulls))
+                    if p.deadline < now and not p.reported]
         for p in late:
-            self._finish(p, ok=False, why="no answer from bootstrap/prefill within the deadline")
+            self._abort(p, f"no KV within pull_timeout_s={self.cfg.pull_timeout_s:g} s")
 
     def _post(self, ready: list[_Pull]) -> None:
         by_remote: dict[tuple[str, str], list[_Pull]] = {}
@@ -485,6 +541,8 @@ class KVLinkWorker:
             except Exception:  # noqa: BLE001
                 pass
         self._resolver.shutdown(wait=False, cancel_futures=True)
+        if self._renewer is not None:
+            self._renewer.stop()
         if self._heartbeater is not None:
             self._heartbeater.stop()
         if self._clients is not None:

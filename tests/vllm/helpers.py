@@ -118,3 +118,25 @@ class Server:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
         return total
+
+
+def complete(url, prompt, params=None, max_tokens=10, timeout=60.0, stream=False):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    if stream:
+        import json
+
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            chunks = [ln[6:] for ln in r.read().decode().split("\n") if ln.startswith("data: ")]
+        return "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]")
+    status, out = http_json(url + "/v1/completions", body, timeout=timeout)
+    assert status == 200, out
+    return out
+
+
+def text(out):
+    return out["choices"][0]["text"]

@@ -164,3 +164,68 @@ def test_expired_lease_frees_blocks(engines):
     assert side.held_requests == {}
     side.get_kv_connector_stats()
     assert side.totals.data["leases_expired"] >= 1
+
+
+def test_failed_pull_reported_per_request(engines, monkeypatch):
+    """vLLM >= 0.32: a failed pull reaches the scheduler as failed_recving (per request) as well as
+    invalid blocks, and the request is recomputed."""
+    prompts = token_prompts([100], seed=8)
+    want = [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+    agent = engines.agents["dec"]
+    seen = []
+    real = agent.get_transfer_results
+
+    def spy(finished_req_ids):
+        res = real(finished_req_ids)
+        seen.append(res)
+        return res
+
+    monkeypatch.setattr(agent, "get_transfer_results", spy)
+    from tests.vllm.helpers import free_port
+
+    dead = {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{free_port()}",
+            "remote_block_ids": [1, 2, 3, 4], "remote_engine_id": "gone", "remote_request_id": "r"}
+    assert decode(engines, "dec", prompts, [dead]) == want
+    failed = set().union(*(r.failed_recving for r in seen))
+    assert len(failed) == 1
+    assert failed <= set().union(*(r.finished_recving for r in seen))
+
+
+def test_plugin_entry_point_alone_loads_the_connector(tiny_model, tmp_path):
+    """In a fresh process, "kv_connector": "KVLinkConnector" without kv_connector_module_path works only
+    through the vllm.general_plugins entry point declared in pyproject.toml."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.vllm.helpers import BASE_ENV
+
+    script = tmp_path / "plugin_probe.py"
+    script.write_text(f'''
+import importlib.metadata as md, json, sys
+eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+assert "kvlink.vllm.plugin:register" in eps, eps
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    kv = KVTransferConfig(kv_connector="KVLinkConnector", kv_role="kv_producer")
+    assert kv.kv_connector_module_path is None
+    llm = LLM(model={tiny_model!r}, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+              block_size=32, max_model_len=512, kv_transfer_config=kv)
+    sp = SamplingParams(max_tokens=1, extra_args={{"kv_transfer_params": {{"do_remote_decode": True}}}})
+    out = llm.generate([{{"prompt_token_ids": list(range(10, 80))}}], sp, use_tqdm=False)
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    print("RESULT " + json.dumps({{"cls": type(conn).__module__ + "." + type(conn).__name__,
+                                   "params": out[0].kv_transfer_params}}))
+    llm.llm_engine.engine_core.shutdown()
+''')
+    env = dict(BASE_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0", PATH="/usr/bin:/bin")
+    env["HOME"] = str(tmp_path)  # nothing from the caller's environment: no PYTHONPATH, cwd elsewhere;
+    # kvlink comes from the editable install
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+    res = json.loads(line[len("RESULT "):])
+    assert res["cls"] == "kvlink.vllm.connector.KVLinkConnector"
+    assert res["params"]["do_remote_prefill"] is True and res["params"]["remote_num_tokens"] == 70

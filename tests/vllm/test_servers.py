@@ -16,9 +16,7 @@ import urllib.request
 import pytest
 
 from tests.proxy.conftest import AppThread
-from tests.vllm.helpers import Server, free_port, http_json, kv_config, token_prompts
-
-MAX_TOKENS = 10
+from tests.vllm.helpers import Server, complete, free_port, http_json, kv_config, text, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +48,10 @@ def pd(tiny_model, tmp_path_factory):
         dec.stop()
 
 
-def complete(url, prompt, params=None, max_tokens=MAX_TOKENS, timeout=60.0, stream=False):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    if params is not None:
-        body["kv_transfer_params"] = params
-    if stream:
-        import json
-
-        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            chunks = [ln[6:] for ln in r.read().decode().split("\n") if ln.startswith("data: ")]
-        return "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]")
-    status, out = http_json(url + "/v1/completions", body, timeout=timeout)
-    assert status == 200, out
-    return out
-
-
-def text(out):
-    return out["choices"][0]["text"]
-
-
 def baseline(pd, prompts):
-    return [text(complete(pd["dec"].url, p)) for p in prompts]
+    """Computed on prefill without params: on decode it would fill decode's prefix cache, and the PD
+    request would then pull almost nothing."""
+    return [text(complete(pd["pre"].url, p)) for p in prompts]
 
 
 def held_blocks(pd) -> float | None:

@@ -79,3 +79,85 @@ def test_kv_role_and_extra_config_checked_at_startup():
 
     with pytest.raises(ConnectorConfigError, match="valid keys"):
         ConnectorConfig.from_extra({"bogus": 1})
+
+
+# ----- lease renewal (pure: fake bootstrap client) --------------------------------------------------------
+
+
+class _RenewClient:
+    def __init__(self, failed=None, error=None):
+        self.calls, self.failed, self.error = [], failed or {}, error
+
+    def renew(self, engine_id, request_ids, lease_s):
+        self.calls.append((engine_id, list(request_ids), lease_s))
+        if self.error is not None:
+            raise self.error
+        return {rid: st for rid, st in self.failed.items() if rid in request_ids}
+
+
+def _renewer(cli, terms):
+    from kvlink.vllm.lease import LeaseRenewer
+
+    lost = []
+    renewed = []
+    r = LeaseRenewer(lambda url: cli, lambda: list(terms.items()), lambda p, why: lost.append((p, why)),
+                     renewed.append)
+    return r, lost, renewed
+
+
+def test_renewer_renews_due_pulls_grouped_per_engine():
+    from kvlink.vllm.lease import LeaseTerm
+
+    cli = _RenewClient()
+    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, next_renew=0.0),
+             "b": LeaseTerm("http://b", "e1", "r2", 3.0, next_renew=0.0),
+             "c": LeaseTerm("http://b", "e2", "r3", 3.0, next_renew=1e12)}
+    r, lost, renewed = _renewer(cli, terms)
+    r.renew_due(now=100.0)
+    assert cli.calls == [("e1", ["r1", "r2"], 3.0)]
+    assert renewed == [2] and lost == []
+    assert terms["a"].next_renew > 100.0 and terms["c"].next_renew == 1e12
+
+
+def test_renewer_reports_lost_leases_and_retries_unreachable():
+    from kvlink.bootstrap import RequestStatus
+    from kvlink.vllm.lease import LeaseTerm
+
+    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0), "b": LeaseTerm("http://b", "e1", "r2", 3.0, 0.0)}
+    r, lost, _ = _renewer(_RenewClient(failed={"r2": RequestStatus.EXPIRED}), terms)
+    r.renew_due(now=100.0)
+    assert [p for p, _ in lost] == ["b"] and "expired" in lost[0][1]
+    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0)}
+    r, lost, _ = _renewer(_RenewClient(error=ConnectionError("down")), terms)
+    wait = r.renew_due(now=100.0)
+    assert lost == [] and wait <= 0.5  # retried soon; the pull's own deadline bounds it
+
+
+# ----- tensor parallelism -----------------------------------------------------------------------------------
+
+
+def test_unequal_tp_is_refused_with_a_clear_message():
+    """vLLM CPU here has 2 cores, so TP > 1 runs are not tested; the refusal of unequal TP is."""
+    pytest.importorskip("vllm")
+    from kvlink.bootstrap import EngineRegistration
+    from kvlink.vllm.worker import KVLinkWorker, PullFailed, RankInfo
+
+    class Cli:
+        def get_engine(self, engine_id, tp_rank=0, dp_rank=0):
+            return EngineRegistration(engine_id=engine_id, tp_rank=tp_rank, tp_size=2,
+                                      transport_addr="127.0.0.1:9", layers=[], protocol_version=1,
+                                      compat_hash="x")
+
+    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        with pytest.raises(PullFailed, match=r"prefill engine pre runs TP=2, this decode TP=1: kvlink "
+                                             r"supports equal TP only"):
+            w._remote(Cli(), "http://b", "pre")
+    finally:
+        w.shutdown()
+
+
+def test_transport_advertise_must_be_host_port():
+    with pytest.raises(ConnectorConfigError, match="transport_advertise"):
+        ConnectorConfig.from_extra({"transport_advertise": "nohost"})
+    assert ConnectorConfig.from_extra({"transport_advertise": "127.0.0.1:5"}).transport_advertise

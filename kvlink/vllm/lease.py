@@ -1,0 +1,96 @@
+"""Decode side: keep prefill's leases alive while a pull is still running.
+
+Prefill keeps a finished request's blocks for ``lease_s`` (the bootstrap server expires them after that).
+A pull that outlives a lease would otherwise read blocks that prefill already freed and reused. The
+LeaseRenewer thread renews (bootstrap ``renew``) every pull that has been running for a third of its lease,
+one grouped call per (bootstrap server, prefill engine), and reports pulls whose lease is already gone so
+the worker fails them (recompute) instead of trusting the bytes.
+
+It never touches the transport or vLLM: ``active()`` lists the pulls to keep alive, ``lost(pull, why)``
+is called for each one that cannot be renewed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LeaseTerm:
+    """What the renewer needs of one pull. ``next_renew`` is owned by the renewer thread."""
+
+    bootstrap_url: str
+    engine_id: str
+    request_id: str  # prefill's id
+    lease_s: float  # renew for this long each time
+    next_renew: float  # monotonic time of the next renewal
+
+
+class LeaseRenewer:
+    """Thread that renews the leases of running pulls. ``clients(url)`` gives a BootstrapClient."""
+
+    MAX_IDLE_S = 1.0  # how often it looks for new pulls when none is due
+
+    def __init__(self, clients: Callable[[str], Any], active: Callable[[], Iterable[tuple[Any, LeaseTerm]]],
+                 lost: Callable[[Any, str], None], renewed: Callable[[int], None] = lambda n: None):
+        self._clients, self._active, self._lost, self._renewed = clients, active, lost, renewed
+        self._stop = threading.Event()
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="kvlink-lease-renew", daemon=True)
+
+    def start(self) -> "LeaseRenewer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wait = self.renew_due(time.monotonic())
+            except Exception:  # noqa: BLE001 - never let the renewer die; the pull deadline still bounds
+                logger.exception("kvlink: lease renewal round failed")
+                wait = self.MAX_IDLE_S
+            self._stop.wait(wait)
+
+    def renew_due(self, now: float) -> float:
+        """Renew every pull that is due; return how long to sleep until the next one is."""
+        groups: dict[tuple[str, str], list[tuple[Any, LeaseTerm]]] = {}
+        next_due = now + self.MAX_IDLE_S
+        for pull, term in self._active():
+            if term.next_renew <= now:
+                groups.setdefault((term.bootstrap_url, term.engine_id), []).append((pull, term))
+            else:
+                next_due = min(next_due, term.next_renew)
+        for (url, engine_id), items in groups.items():
+            lease_s = max(term.lease_s for _, term in items)
+            try:
+                failed = self._clients(url).renew(engine_id, [term.request_id for _, term in items], lease_s)
+            except Exception as e:  # noqa: BLE001 - try again soon; the pull's own deadline bounds it
+                if url not in self._warned:
+                    self._warned.add(url)
+                    logger.warning("kvlink: cannot renew leases at %s: %s (retrying)", url, e)
+                retry = now + min(0.5, lease_s / 6)
+                for _, term in items:
+                    term.next_renew = retry
+                next_due = min(next_due, retry)
+                continue
+            self._warned.discard(url)
+            self._renewed(len(items) - len(failed))
+            for pull, term in items:
+                status = failed.get(term.request_id)
+                if status is not None:
+                    self._lost(pull, f"prefill lease of {engine_id}/{term.request_id} is "
+                                     f"{getattr(status, 'value', status)}; its blocks may be reused")
+                    continue
+                term.next_renew = time.monotonic() + term.lease_s / 3
+                next_due = min(next_due, term.next_renew)
+        return max(0.01, next_due - time.monotonic())

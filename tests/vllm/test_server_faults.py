@@ -1,0 +1,203 @@
+"""Fault tests against real servers: slow pulls vs short leases, hung prefill peers, concurrent pairing
+faults. One prefill + one decode server for the module; the prefill's transport is reached through a
+ThrottledRelay (advertised with ``transport_advertise``) so a pull can be held slow on purpose.
+
+Prefill leases are short (LEASE_S) and decode's pull timeout is PULL_TIMEOUT_S; decode's bootstrap and
+connect timeouts are far longer, so only the pull timeout can end a hung pull in time. The last test
+kills the prefill server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.fakes_transport import StalledPeer, ThrottledRelay
+from tests.proxy.conftest import AppThread
+from tests.vllm.helpers import Server, complete, free_port, kv_config, text, token_prompts
+
+LEASE_S = 2.0
+PULL_TIMEOUT_S = 10.0
+SLOW_RATE = 160 << 10  # bytes/s through the relay while throttled: ~600 KiB of KV takes ~4 s
+ENGINE = "prefill-f"
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fault-servers")
+    bport, tport = free_port(), free_port()
+    relay = ThrottledRelay(f"127.0.0.1:{tport}")
+    pre_kv = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=LEASE_S, transport_port=tport,
+                            transport_advertise=relay.address), engine_id=ENGINE)
+    dec_kv = dict(kv_config("kv_consumer", pull_timeout_s=PULL_TIMEOUT_S, lease_s=60.0, transport_backend="tcp",
+                            bootstrap_timeout_s=30.0, connect_timeout_s=30.0, transfer_timeout_s=30.0),
+                  kv_load_failure_policy="recompute")
+    pre = Server(tiny_model, pre_kv, cpu=0, log=logs / "prefill.log")
+    dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log")
+    proxies = []
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        from kvlink.proxy.config import ProxyConfig
+        from kvlink.proxy.router import build_app
+
+        burl = f"http://127.0.0.1:{bport}"
+        seq = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), timeout_s=60)))
+        conc = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), mode="concurrent",
+                                               timeout_s=60, prefill_bootstrap=(burl,),
+                                               prefill_engine_ids=(ENGINE,))))
+        proxies += [seq, conc]
+        yield {"pre": pre, "dec": dec, "seq": seq.url, "conc": conc.url, "relay": relay, "bootstrap": burl}
+    finally:
+        for p in proxies:
+            p.stop()
+        pre.stop()
+        dec.stop()
+        relay.close()
+
+
+def metric(server, name) -> float:
+    return server.metric(name) or 0.0
+
+
+def baseline(f, prompt, max_tokens=10):
+    """Computed on prefill without params: computing it on decode would fill decode's prefix cache and
+    leave nothing to pull."""
+    return text(complete(f["pre"].url, prompt, max_tokens=max_tokens))
+
+
+def wait_metric(server, name, want, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric(name) == want:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def assert_nothing_held(f):
+    assert wait_metric(f["pre"], "kvlink_held_blocks", 0.0), "prefill still holds blocks"
+    assert wait_metric(f["dec"], "kvlink_pulls_in_progress", 0.0), "decode still has pulls in progress"
+
+
+def test_slow_pull_outlives_lease_thanks_to_renewals(faulty):
+    f = faulty
+    prompt = token_prompts([600], seed=30)[0]
+    want = baseline(f, prompt)
+    expired0 = metric(f["pre"], "kvlink_leases_expired_total")
+    renewals0 = metric(f["dec"], "kvlink_lease_renewals_total")
+    f["relay"].throttle(SLOW_RATE)
+    try:
+        got = text(complete(f["seq"], prompt, timeout=60))
+    finally:
+        f["relay"].throttle(None)
+    relay = f["relay"]
+    assert relay.first_byte.is_set(), "the pull did not go through the relay"
+    assert relay.last_at - relay.first_at > LEASE_S * 1.2, "the pull was not slower than the lease"
+    assert got == want
+    assert metric(f["dec"], "kvlink_lease_renewals_total") > renewals0
+    assert metric(f["pre"], "kvlink_leases_expired_total") == expired0, "prefill freed blocks under a pull"
+    assert metric(f["dec"], "kvlink_pulls_failed_total") == 0
+    assert_nothing_held(f)
+
+
+@pytest.mark.parametrize("where", ["bootstrap", "transport"])
+def test_hung_prefill_peer_recomputes_within_pull_timeout(faulty, where):
+    """The prefill peer accepts TCP and never answers: decode recomputes once pull_timeout_s passes,
+    long before its bootstrap/connect timeouts (30 s each) would end the wait."""
+    from kvlink.bootstrap import BootstrapClient
+    import msgspec
+
+    f = faulty
+    prompt = token_prompts([200], seed=31)[0]
+    want = baseline(f, prompt)
+    stalled = StalledPeer()
+    try:
+        params = {"do_remote_prefill": True, "remote_request_id": "never-answered",
+                  "remote_block_ids": list(range(1, 8)), "remote_num_tokens": len(prompt)}
+        if where == "bootstrap":
+            params |= {"remote_bootstrap_addr": stalled.url, "remote_engine_id": ENGINE}
+        else:
+            # A registered engine with the right layout whose transport address hangs.
+            with BootstrapClient(f["bootstrap"]) as cli:
+                reg = cli.get_engine(ENGINE)
+                cli.register_engine(msgspec.structs.replace(reg, engine_id="stalled",
+                                                            transport_addr=stalled.address), 120.0)
+            params |= {"remote_bootstrap_addr": f["bootstrap"], "remote_engine_id": "stalled"}
+        failed0 = metric(f["dec"], "kvlink_pulls_failed_total")
+        t0 = time.monotonic()
+        got = text(complete(f["dec"].url, prompt, params, timeout=120))
+        elapsed = time.monotonic() - t0
+        assert stalled.accepted.is_set(), "decode never contacted the hung peer"
+    finally:
+        stalled.close()
+    assert got == want
+    assert elapsed < PULL_TIMEOUT_S + 8, f"decode waited {elapsed:.1f} s"
+    assert metric(f["dec"], "kvlink_pulls_failed_total") == failed0 + 1
+    assert_nothing_held(f)
+
+
+def test_concurrent_never_published_recomputes_and_holds_nothing(faulty):
+    f = faulty
+    prompt = token_prompts([150], seed=32)[0]
+    want = baseline(f, prompt)
+    params = {"do_remote_prefill": True, "transfer_id": "never-" + uuid.uuid4().hex,
+              "remote_bootstrap_addr": f["bootstrap"], "remote_engine_id": ENGINE}
+    t0 = time.monotonic()
+    got = text(complete(f["dec"].url, prompt, params, timeout=120))
+    elapsed = time.monotonic() - t0
+    assert got == want
+    assert elapsed < PULL_TIMEOUT_S + 8, f"decode waited {elapsed:.1f} s"
+    assert_nothing_held(f)
+
+
+def test_concurrent_prefill_abort_releases_waiting_decode(faulty):
+    """Prefill's request is aborted before it publishes: prefill marks the transfer id abandoned, so the
+    decode long-polling for it stops waiting at once and recomputes; nothing stays held."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.errors import RequestReleased
+
+    f = faulty
+    prompt = token_prompts([300], seed=33)[0]
+    want = baseline(f, prompt)
+    tid = "aborted-" + uuid.uuid4().hex
+    aborted0 = metric(f["pre"], "kvlink_aborted_transfers_total")
+    with cf.ThreadPoolExecutor(1) as ex:
+        dec = ex.submit(complete, f["dec"].url, prompt,
+                        {"do_remote_prefill": True, "transfer_id": tid, "remote_bootstrap_addr": f["bootstrap"],
+                         "remote_engine_id": ENGINE}, 10, 120.0)
+        # A long streamed prefill that the client walks away from after its first token: vLLM aborts it.
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                "stream": True, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+        req = urllib.request.Request(f["pre"].url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.readline().startswith(b"data: ")
+        assert wait_metric(f["pre"], "kvlink_aborted_transfers_total", aborted0 + 1)
+        with BootstrapClient(f["bootstrap"]) as cli, pytest.raises(RequestReleased):
+            cli.lookup_transfer(tid)
+        assert text(dec.result(timeout=120)) == want
+    assert_nothing_held(f)
+
+
+def test_concurrent_prefill_killed_mid_pull_recomputes(faulty):
+    """Last: kills the prefill server while decode is reading its blocks (pull held slow)."""
+    f = faulty
+    prompt = token_prompts([600], seed=34)[0]
+    want = baseline(f, prompt)
+    f["relay"].throttle(SLOW_RATE / 4)
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: text(complete(f["conc"], prompt, timeout=120)))
+        assert f["relay"].first_byte.wait(60), "the pull never started"
+        f["pre"].kill()
+        got = fut.result(timeout=120)
+    assert got == want
+    assert metric(f["dec"], "kvlink_pulls_failed_total") >= 1
+    assert wait_metric(f["dec"], "kvlink_pulls_in_progress", 0.0)
+    with urllib.request.urlopen(f["dec"].url + "/health", timeout=5) as r:
+        assert r.status == 200
