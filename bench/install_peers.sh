@@ -14,13 +14,12 @@ NIXL_VERSION=1.5.1
 MOONCAKE_VERSION=0.3.13.post1
 mkdir -p "$PEERS"
 
-if [ -f bench/install_nixl.sh ] && [ ! -f "$PEERS/nixl/.stamp-$NIXL_VERSION" ]; then
-    bash bench/install_nixl.sh   # another component's installer for the same thing: reuse it
-fi
-if [ ! -f "$PEERS/nixl/.stamp-$NIXL_VERSION" ]; then
+if [ -f bench/install_nixl.sh ]; then
+    PYTHON="$PY" bash bench/install_nixl.sh "$PEERS/nixl"   # the connector bench's installer: one way to do it
+elif [ ! -f "$PEERS/nixl/.kvlink-nixl-$NIXL_VERSION" ]; then
     rm -rf "$PEERS/nixl"
     "$PY" -m pip install -q --no-deps --target "$PEERS/nixl" "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
-    touch "$PEERS/nixl/.stamp-$NIXL_VERSION"
+    touch "$PEERS/nixl/.kvlink-nixl-$NIXL_VERSION"
 fi
 
 if ! "$PY" -c "import ctypes.util, sys; sys.exit(not (ctypes.util.find_library('ibverbs') and ctypes.util.find_library('rdmacm')))"; then

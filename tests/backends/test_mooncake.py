@@ -16,8 +16,6 @@ from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, KVLinkErro
                            TimeoutError_, UnknownRegion)
 from kvlink.transport import Access, Backend, EngineConfig, Unsupported, open_backend
 
-pytest.importorskip("numpy")
-
 
 def submit_and_wait(fn, *a, **kw):
     """Errors may come at submit (Mooncake checks locally) or at wait (native remote checks)."""
