@@ -95,6 +95,7 @@ def chart(rows: list[dict], meta: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     workloads, systems = order(rows)
     by = {(r["workload"], r["system"]): r for r in rows}
@@ -117,6 +118,8 @@ def chart(rows: list[dict], meta: dict, path: str) -> None:
         ax.margins(y=0.15)
         if key == "gbps_median" and any(by[(w, s)][key] > 0 for w in names for s in systems if (w, s) in by):
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0][0].legend(fontsize=8, ncols=min(len(systems), 6), loc="upper left")
     fig.suptitle(f"kvlink bench, {meta['when']} ({meta['cpus']} CPUs, load {meta['load']})", fontsize=10)
     fig.tight_layout()
