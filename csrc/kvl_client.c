@@ -269,7 +269,7 @@ static void *stream_main(void *arg) {
          * it itself (kvl__stream_steal); give it that chance first. */
         if (s->head->grace_until_us <= now) break;
         until = s->head->grace_until_us;
-      } else if (!s->busy && now - s->last_active_us < KVL__LINGER_US) {
+      } else if (now - s->last_active_us < KVL__LINGER_US) {
         /* Recently busy: tick instead of sleeping, so that enqueueing a small
          * batch needs no wake-up (it costs more than the transfer). */
         until = now + KVL__TICK_US;
