@@ -112,7 +112,7 @@ def chart(rows: list[dict], meta: dict, path: str) -> None:
             xs = [k + i * width for k, w in enumerate(names) if (w, s) in by]
             ys = [by[(w, s)][key] for w in names if (w, s) in by]
             bars = ax.bar(xs, ys, width, label=s)
-            ax.bar_label(bars, fmt="%.2f" if key == "gbps_median" else "%.3f", fontsize=6, rotation=90, padding=2)
+            ax.bar_label(bars, fmt="%.3g", fontsize=6, rotation=90, padding=2)
         ax.set_xticks([k + width * (len(systems) - 1) / 2 for k in range(len(names))], names)
         ax.set_ylabel(label)
         ax.margins(y=0.15)
