@@ -51,7 +51,7 @@ def markdown(rows: list[dict], memory: dict | None, meta: dict) -> str:
     workloads, systems = order(rows)
     by = {(r["workload"], r["system"]): r for r in rows}
     out = [f"# kvlink bench: {meta['when']}", "",
-           f"Host `{meta['host']}`, {meta['cpus']} CPUs, load average at start {meta['load']}. {meta['note']}".rstrip(),
+           f"Host `{meta['host']}`, {meta['cpus']} CPUs, load average (1 min) {meta['load']}. {meta['note']}".rstrip(),
            "", "Medians over the timed runs; every run's data verified (`ok`). GB/s = 1e9 bytes/s. "
            "Latency workloads: p50 of single READs.", "",
            "| workload | system | GB/s median | min | max | p50 ms | p99 ms | us/desc | runs | ok |",
