@@ -105,7 +105,8 @@ static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   kvl_batch *b = pt->batch;
   kvl_engine *e = s->peer->e;
   uint64_t dl = b->deadline_ms, want = kvl__part_bytes(pt);
-  if (s->peer->local_ok && want >= KVL__LOCAL_MIN_BYTES) return kvl__local_read(s, pt, why, cap);
+  if (s->peer->local_ok && want >= KVL__LOCAL_MIN_BYTES && want / pt->count >= KVL__LOCAL_MIN_AVG)
+    return kvl__local_read(s, pt, why, cap);
   kvl__status st;
   int rc = kvl__send_request(s, pt, KVL__T_READ_REQ, dl);
   if (rc) {

@@ -74,6 +74,7 @@ enum {
 #define KVL__BOOT_ID_LEN 36
 #define KVL__PROBE_BODY (4 + 4 + KVL__BOOT_ID_LEN + KVL__NONCE_LEN + 8)
 #define KVL__LOCAL_MIN_BYTES (64u * 1024u) /* smaller READs stay on TCP: fewer round trips */
+#define KVL__LOCAL_MIN_AVG 4096u           /* so do tiny descriptors: the kernel walks pages per iovec */
 
 typedef struct {
   uint8_t version, type;

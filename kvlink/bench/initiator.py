@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlink import _binding as B
-from kvlink.bench.peers import PEER_SYSTEMS, run_peer
+from kvlink.bench.peers import PEER_SYSTEMS, peer_runner
 from kvlink.bench.stats import Result
 from kvlink.bench.workloads import MiB, Workload, expected, fill_pattern, gather, random_slots
 from kvlink.transport import Engine, EngineConfig
 from kvlink.transport.config import split_hostport
 
-SYSTEMS = ("kvlink", "raw-tcp", "memcpy") + PEER_SYSTEMS
+SYSTEMS = ("kvlink", "kvlink-same-host", "raw-tcp", "memcpy") + PEER_SYSTEMS
 
 
 @dataclass
@@ -80,6 +80,18 @@ def target_rss(info: TargetInfo, host: str) -> int:
         B.rawtcp_close(fd)
 
 
+@dataclass
+class Runner:
+    """One system ready to run one workload: ``op`` is the timed operation,
+    ``verify`` clears the destinations, runs once more and checks the bytes."""
+
+    system: str
+    op: Callable[[], None]
+    verify: Callable[[], bool]
+    close: Callable[[], None] = lambda: None
+    descriptors: Callable[[], int | None] = lambda: None
+
+
 class Initiator:
     def __init__(self, info: TargetInfo, token: bytes | None, streams: int, crc: bool, iters: int, warmup: int,
                  lat_iters: int, quiet: bool = False):
@@ -91,26 +103,16 @@ class Initiator:
         self.engine = Engine(EngineConfig(listen=None, token=token, name="bench-initiator", streams=streams, crc=crc))
         self.region = self.engine.register(self.dst)
         self.peer = self.engine.connect(info.address)
+        self.local = None  # (engine, region, peer) with same_host="require", for kvlink-same-host
         self.rng = np.random.default_rng(1234)
         self.peer_clients = None  # kvlink.bench.peers.PeerClients, created on first use
 
     def close(self) -> None:
         if self.peer_clients is not None:
             self.peer_clients.close()
+        if self.local is not None:
+            self.local[0].close()
         self.engine.close()
-
-    # -- timing ------------------------------------------------------------------------
-    def _timed(self, label: str, w: Workload, op: Callable[[], None], prog: Progress) -> list[float]:
-        n = self.lat_iters if w.latency else self.iters
-        for _ in range(self.warmup):
-            op()
-        times = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            op()
-            times.append(time.perf_counter() - t0)
-            prog.show(label, i + 1, n)
-        return times
 
     def _verify(self, dst_offs: np.ndarray, src_offs: np.ndarray, w: Workload) -> bool:
         got = gather(self.dst, dst_offs, w.block_size)
@@ -120,63 +122,95 @@ class Initiator:
         gather_idx = (dst_offs // 8)[:, None].astype(np.int64) + np.arange(w.block_size // 8)[None, :]
         self.dst.view(np.uint64)[gather_idx] = 0
 
-    # -- systems -------------------------------------------------------------------------
-    def run_kvlink(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray, prog: Progress) -> Result:
-        descs = []
+    def _checked(self, op: Callable[[], None], dst_offs: np.ndarray, src_offs: np.ndarray,
+                 w: Workload) -> Callable[[], bool]:
+        def verify() -> bool:
+            self._clear(dst_offs, w)
+            op()
+            return self._verify(dst_offs, src_offs, w)
+
+        return verify
+
+    # -- systems ---------------------------------------------------------------------------
+    def _kvlink(self, system: str, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
+        if system == "kvlink-same-host" and self.local is None:
+            eng = Engine(EngineConfig(listen=None, token=self.token, name="bench-initiator-local",
+                                      streams=self.streams, same_host="require"))
+            self.local = (eng, eng.register(self.dst), eng.connect(self.info.address))
+        eng, region, peer = self.local if system == "kvlink-same-host" else (self.engine, self.region, self.peer)
+        descs: list[int] = []
+        one = w.blocks == 1  # the single-descriptor path takes plain ints
+        lo, ro = (int(l_offs[0]), int(r_offs[0])) if one else (l_offs, r_offs)
 
         def op() -> None:
-            b = self.engine.read(self.peer, self.region, l_offs, self.info.region, r_offs, w.block_size)
+            b = eng.read(peer, region, lo, self.info.region, ro, w.block_size)
             b.wait()
-            descs.append(b.descriptors)
+            if not descs:
+                descs.append(b.descriptors)
             b.release()
 
-        times = self._timed(f"{w.name} kvlink", w, op, prog)
-        self._clear(l_offs, w)
-        op()
-        return Result.of("kvlink", w.name, w.blocks, w.block_size, times, self._verify(l_offs, r_offs, w), descs[-1])
+        return Runner(system, op, self._checked(op, l_offs, r_offs, w), descriptors=lambda: descs[0])
 
-    def run_raw(self, w: Workload, prog: Progress) -> Result:
+    def _raw(self, w: Workload) -> Runner:
         fd = B.rawtcp_connect(self.host, self.info.raw_port)
-        try:
-            def op() -> None:
-                B.rawtcp_fetch(fd, w.nbytes, self.dst.ctypes.data, self.dst.nbytes)
+        zero = np.zeros(1, dtype=np.uint64)
+        whole = Workload(w.name, 1, w.nbytes)
 
-            times = self._timed(f"{w.name} raw-tcp", w, op, prog)
-            self.dst[: w.nbytes] = 0
-            op()
-        finally:
-            B.rawtcp_close(fd)
-        whole = Workload(w.name, 1, w.nbytes) if w.nbytes % 8 == 0 else w
-        ok = self._verify(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), whole)
-        return Result.of("raw-tcp", w.name, w.blocks, w.block_size, times, ok)
+        def op() -> None:
+            B.rawtcp_fetch(fd, w.nbytes, self.dst.ctypes.data, self.dst.nbytes)
 
-    def run_memcpy(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray, prog: Progress) -> Result:
+        return Runner("raw-tcp", op, self._checked(op, zero, zero, whole), close=lambda: B.rawtcp_close(fd))
+
+    def _memcpy(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
         if self.src is None:
             self.src = np.empty(self.info.buffer_bytes, dtype=np.uint8)
             fill_pattern(self.src, self.info.seed)
         dst_a = l_offs + np.uint64(self.dst.ctypes.data)
         src_a = r_offs + np.uint64(self.src.ctypes.data)
-        times = self._timed(f"{w.name} memcpy", w, lambda: B.memcpy_blocks(dst_a, src_a, w.block_size), prog)
-        self._clear(l_offs, w)
-        B.memcpy_blocks(dst_a, src_a, w.block_size)
-        return Result.of("memcpy", w.name, w.blocks, w.block_size, times, self._verify(l_offs, r_offs, w))
 
+        def op() -> None:
+            B.memcpy_blocks(dst_a, src_a, w.block_size)
+
+        return Runner("memcpy", op, self._checked(op, l_offs, r_offs, w))
+
+    def runner(self, system: str, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
+        if system in ("kvlink", "kvlink-same-host"):
+            return self._kvlink(system, w, r_offs, l_offs)
+        if system == "raw-tcp":
+            return self._raw(w)
+        if system == "memcpy":
+            return self._memcpy(w, r_offs, l_offs)
+        return peer_runner(self, system, w, r_offs, l_offs)
+
+    # -- measuring ---------------------------------------------------------------------------
     def run(self, workloads: list[Workload], systems: list[str]) -> list[Result]:
-        prog = Progress(len(workloads) * len(systems), self.quiet)
+        """Per workload, every system's runs are interleaved round-robin, so the
+        noise of a shared machine falls on all of them alike."""
+        prog = Progress(len(workloads), self.quiet)
         out = []
         for w in workloads:
             r_offs = random_slots(self.rng, self.info.buffer_bytes, w)
             l_offs = random_slots(self.rng, self.dst.nbytes, w)
-            for s in systems:
-                if s == "kvlink":
-                    out.append(self.run_kvlink(w, r_offs, l_offs, prog))
-                elif s == "raw-tcp":
-                    out.append(self.run_raw(w, prog))
-                elif s in PEER_SYSTEMS:
-                    out.append(run_peer(self, s, w, r_offs, l_offs, prog))
-                else:
-                    out.append(self.run_memcpy(w, r_offs, l_offs, prog))
-                prog.step()
+            runners = [self.runner(s, w, r_offs, l_offs) for s in systems]
+            try:
+                n = self.lat_iters if w.latency else self.iters
+                for r in runners:
+                    for _ in range(self.warmup):
+                        r.op()
+                times: dict[str, list[float]] = {r.system: [] for r in runners}
+                for i in range(n):
+                    for r in runners:
+                        t0 = time.perf_counter()
+                        r.op()
+                        times[r.system].append(time.perf_counter() - t0)
+                    prog.show(f"{w.name} ({', '.join(systems)})", i + 1, n)
+                for r in runners:
+                    out.append(Result.of(r.system, w.name, w.blocks, w.block_size, times[r.system], r.verify(),
+                                         r.descriptors()))
+            finally:
+                for r in runners:
+                    r.close()
+            prog.step()
         return out
 
     def memory_with_peers(self, peers: int) -> dict[str, float]:

@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvlink.bench.stats import Result
 from kvlink.bench.workloads import Workload
 
 if TYPE_CHECKING:
-    from kvlink.bench.initiator import Initiator, Progress
+    from kvlink.bench.initiator import Initiator, Runner
 
 PEER_SYSTEMS = ("mooncake", "nixl-tcp", "nixl")
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -177,13 +176,15 @@ def _descs(base: int, offs: np.ndarray, size: int) -> np.ndarray:
     return np.stack([offs + np.uint64(base), np.full(n, size, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], 1)
 
 
-def run_peer(ini: Initiator, system: str, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray,
-             prog: Progress) -> Result:
-    """One peer system on one workload: timed runs, then a verified run."""
+def peer_runner(ini: Initiator, system: str, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
+    """One peer system ready for one workload (see Initiator.run)."""
+    from kvlink.bench.initiator import Runner
+
     if ini.peer_clients is None:
         ini.peer_clients = PeerClients(ini)
     pc = ini.peer_clients
     bs = w.block_size
+    close = lambda: None  # noqa: E731
     if system == "mooncake":
         eng, session = pc.mooncake(), pc.info["mooncake_session"]
         la = (l_offs + np.uint64(ini.dst.ctypes.data)).tolist()
@@ -213,13 +214,8 @@ def run_peer(ini: Initiator, system: str, w: Workload, r_offs: np.ndarray, l_off
             finally:
                 agent.release_xfer_handle(h)
 
-    try:
-        times = ini._timed(f"{w.name} {system}", w, op, prog)
-        ini._clear(l_offs, w)
-        op()
-        ok = ini._verify(l_offs, r_offs, w)
-    finally:
-        if system != "mooncake":
+        def close() -> None:
             agent.release_dlist_handle(local_side)
             agent.release_dlist_handle(remote_side)
-    return Result.of(system, w.name, w.blocks, w.block_size, times, ok, len(l_offs))
+
+    return Runner(system, op, ini._checked(op, l_offs, r_offs, w), close=close, descriptors=lambda: len(l_offs))

@@ -39,22 +39,23 @@ class Result:
         return json.dumps(asdict(self))
 
 
-def ratios(results: list[Result]) -> list[tuple[str, str, float, str]]:
-    """kvlink's ratio to each other system per workload: throughput for batch
-    workloads, p50 latency (kvlink / other: lower is better) for latency ones."""
+def ratios(results: list[Result]) -> list[tuple[str, str, str, float, str]]:
+    """Each kvlink system's ratio to each other system per workload: throughput
+    for batch workloads, p50 latency (kvlink / other: lower is better) for
+    latency ones."""
     out = []
-    by = {(r.workload, r.system): r for r in results}
-    for (wl, sysname), r in by.items():
-        if sysname == "kvlink":
+    for k in results:
+        if not k.system.startswith("kvlink"):
             continue
-        k = by.get((wl, "kvlink"))
-        if not k:
-            continue
-        if wl.startswith("lat-"):
-            out.append((wl, sysname, k.p50_ms / r.p50_ms if r.p50_ms else float("nan"), "p50 latency x"))
-        else:
-            out.append((wl, sysname, k.gbps_median / r.gbps_median if r.gbps_median else float("nan"),
-                        "throughput x"))
+        for r in results:
+            if r.workload != k.workload or r.system.startswith("kvlink"):
+                continue
+            if k.workload.startswith("lat-"):
+                out.append((k.workload, k.system, r.system, k.p50_ms / r.p50_ms if r.p50_ms else float("nan"),
+                            "p50 latency x"))
+            else:
+                out.append((k.workload, k.system, r.system,
+                            k.gbps_median / r.gbps_median if r.gbps_median else float("nan"), "throughput x"))
     return out
 
 
@@ -72,6 +73,6 @@ def table(results: list[Result]) -> str:
     if rs:
         lines.append("")
         lines.append("kvlink relative to the yardsticks (same run):")
-        for wl, sysname, v, what in rs:
-            lines.append(f"  {wl:<12} vs {sysname:<8} {what} {v:.2f}")
+        for wl, mine, other, v, what in rs:
+            lines.append(f"  {wl:<12} {mine:<16} vs {other:<8} {what} {v:.2f}")
     return "\n".join(lines)
