@@ -33,9 +33,11 @@ def test_bench_compare_json():
 
 
 def test_bench_table_and_custom_blocks():
-    r = kvlink("bench", *SMALL, "--mem-peers", "0", "--blocks", "300", "--block-size", "4096", "--compare", "raw-tcp")
+    r = kvlink("bench", *SMALL, "--mem-peers", "0", "--blocks", "300", "--block-size", "4096", "--compare",
+               "raw-tcp,kvlink-same-host")
     assert r.returncode == 0, r.stderr
     assert "paged-300x4096" in r.stdout and "vs raw-tcp" in r.stdout
+    assert "kvlink-same-host vs raw-tcp" in r.stdout
 
 
 def test_bench_two_roles_with_token_file(tmp_path):
