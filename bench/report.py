@@ -137,7 +137,7 @@ def main() -> int:
     args = ap.parse_args()
     rows, memory = load("/dev/stdin" if args.jsonl == "-" else args.jsonl)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-            "cpus": os.cpu_count(), "load": args.load or " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "cpus": os.cpu_count(), "load": args.load or f"{os.getloadavg()[0]:.2f}",
             "note": args.note}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
