@@ -46,7 +46,7 @@ bench-transport: install
 # markdown table and a chart in bench/results/.
 bench: install
 	bash bench/install_peers.sh $(VPY)
-	$(VPY) -m kvlink bench --compare raw-tcp,memcpy,mooncake,nixl-tcp,nixl --json > bench/results/latest.jsonl.tmp
+	$(VPY) -m kvlink bench --compare kvlink-same-host,raw-tcp,memcpy,mooncake,nixl-tcp,nixl --json > bench/results/latest.jsonl.tmp
 	bench/.peers/venv/bin/python bench/report.py bench/results/latest.jsonl.tmp --out bench/results/latest \
 	    --note "make bench"
 	mv bench/results/latest.jsonl.tmp bench/results/latest.jsonl
