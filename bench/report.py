@@ -65,13 +65,14 @@ def markdown(rows: list[dict], memory: dict | None, meta: dict) -> str:
             out.append(f"| {w} | {s} | {r['gbps_median']:.3f} | {r['gbps_min']:.3f} | {r['gbps_max']:.3f} | "
                        f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {per} | {r['iters']} | "
                        f"{'yes' if r['verified'] else 'NO'} |")
-    others = [s for s in systems if s != "kvlink"]
-    if "kvlink" in systems and others:
-        out += ["", "kvlink relative to each system in the same run (throughput: kvlink / other, higher is better; "
-                "latency workloads: other p50 / kvlink p50, higher is better):", "",
+    mine = [s for s in systems if s.startswith("kvlink")]
+    others = [s for s in systems if not s.startswith("kvlink")]
+    for k_sys in mine if others else []:
+        out += ["", f"{k_sys} relative to each system in the same run (throughput: {k_sys} / other, higher is "
+                f"better; latency workloads: other p50 / {k_sys} p50, higher is better):", "",
                 "| workload | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
         for w in workloads:
-            k = by.get((w, "kvlink"))
+            k = by.get((w, k_sys))
             if not k:
                 continue
             cells = []
