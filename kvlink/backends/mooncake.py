@@ -61,8 +61,8 @@ from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, en
 from kvlink.errors import (AccessDenied, Busy, Canceled, Closed, ConnectError, KVLinkError, OutOfRange,
                            RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
-from kvlink.transport.config import EngineConfig, split_hostport
-from kvlink.transport.region import Access, memory_of
+from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
+from kvlink.transport.region import Access, memory_for
 
 logger = logging.getLogger(__name__)
 
@@ -129,16 +129,7 @@ class MooncakeRegion:
 
     def __init__(self, backend: MooncakeBackend, obj: Any, access: Access, rid: int):
         self._backend = backend
-        try:
-            self.addr, self.length, self._keep = memory_of(obj, writable=True)
-            self.writable = True
-        except BufferError:
-            if access & Access.WRITE:
-                raise ValueError("a region peers may WRITE needs writable memory") from None
-            self.addr, self.length, self._keep = memory_of(obj, writable=False)
-            self.writable = False
-        if self.length == 0:
-            raise ValueError("cannot register an empty buffer")
+        self.addr, self.length, self._keep, self.writable = memory_for(obj, access)
         self.access = Access(access)
         self.id = rid
         self.inflight = 0  # this backend's batches using it; guarded by backend._cond
@@ -307,10 +298,7 @@ class MooncakeBackend:
     @property
     def address(self) -> str | None:
         """The side channel's 'host:port' that peers connect() to."""
-        if self._side is None:
-            return None
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._side.port}"
+        return None if self._side is None else join_hostport(self._host, self._side.port)
 
     def _check_open(self) -> None:
         if self._closed:

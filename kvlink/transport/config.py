@@ -23,6 +23,11 @@ def split_hostport(addr: str, what: str = "address") -> tuple[str, int]:
     return host, port
 
 
+def join_hostport(host: str, port: int) -> str:
+    """The inverse of split_hostport: brackets an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -13,7 +13,7 @@ from kvlink import _binding as B
 from kvlink.errors import Closed
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
-from kvlink.transport.config import EngineConfig, split_hostport
+from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
 from kvlink.transport.region import Access, Region
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,7 @@ class Engine:
 
     @property
     def address(self) -> str | None:
-        if self._host is None:
-            return None
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self.port}"
+        return None if self._host is None else join_hostport(self._host, self.port)
 
     def close(self) -> None:
         """Fail every batch in flight, close every connection, join every thread."""

@@ -35,21 +35,28 @@ def memory_of(obj: Any, writable: bool) -> tuple[int, int, Any]:
     return B.buffer_address(obj, writable)
 
 
+def memory_for(obj: Any, access: Access) -> tuple[int, int, Any, bool]:
+    """(address, length, keep-alive, writable) of the memory a region with
+    this access would cover; read-only memory is fine unless peers may WRITE."""
+    try:
+        addr, length, keep = memory_of(obj, writable=True)
+        writable = True
+    except BufferError:
+        if access & Access.WRITE:
+            raise ValueError("a region peers may WRITE needs writable memory") from None
+        addr, length, keep = memory_of(obj, writable=False)
+        writable = False
+    if length == 0:
+        raise ValueError("cannot register an empty buffer")
+    return addr, length, keep, writable
+
+
 class Region:
     """A registered region. ``id`` is what peers name in their descriptors."""
 
     def __init__(self, engine: Engine, obj: Any, access: Access):
         self._engine = engine
-        try:
-            self.addr, self.length, self._keep = memory_of(obj, writable=True)
-            self.writable = True
-        except BufferError:
-            if access & Access.WRITE:
-                raise ValueError("a region peers may WRITE needs writable memory") from None
-            self.addr, self.length, self._keep = memory_of(obj, writable=False)
-            self.writable = False
-        if self.length == 0:
-            raise ValueError("cannot register an empty buffer")
+        self.addr, self.length, self._keep, self.writable = memory_for(obj, access)
         self.access = Access(access)
         self.id = B.region_register(engine._handle(), self.addr, self.length, int(self.access))
         self._live = True
