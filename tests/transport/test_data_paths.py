@@ -180,3 +180,23 @@ def test_bad_local_arguments_are_refused_before_anything_moves(pair):
 
         B.region_register(p.init._h, 0, 10, 1)
     assert not p.dst.any()
+
+
+def test_torch_tensors_and_raw_address_regions(make_engine):
+    import torch
+
+    from kvlink.transport import Access
+
+    target = make_engine(name="target")
+    init = make_engine(name="init", listen=None)
+    kv = torch.arange(4096, dtype=torch.bfloat16).reshape(8, 512)  # what vLLM hands a connector, in small
+    rsrc = target.register(kv, Access.READ)
+    assert rsrc.length == kv.numel() * kv.element_size()
+    dst = torch.zeros_like(kv)
+    rdst = init.register((dst.data_ptr(), dst.numel() * dst.element_size()))  # (address, length)
+    peer = init.connect(target.address)
+    row = kv.shape[1] * kv.element_size()
+    init.read(peer, rdst, [0, 7 * row], rsrc.id, [7 * row, 0], row).wait()
+    assert torch.equal(dst[0], kv[7]) and torch.equal(dst[7], kv[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        target.register(kv.t(), Access.READ)
