@@ -228,6 +228,12 @@ class BootstrapClient:
         body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome)
         return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
 
+    def abandon_transfer(self, engine_id: str, transfer_id: str) -> bool:
+        """Give up a transfer id (prefill's request was aborted): waiting and later lookups of it answer
+        RequestReleased at once. Idempotent (True if it had already ended)."""
+        body = s.checked(s.AbandonTransferBody, engine_id=engine_id, transfer_id=transfer_id)
+        return self._call("/v1/transfer/abandon", body, s.ReleaseAnswer).already_released
+
     def poll_released(self, engine_id: str) -> list[tuple[str, Outcome]]:
         """Outcomes (request id, pulled/abandoned/expired) of the engine's requests since the last poll.
 

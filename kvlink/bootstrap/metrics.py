@@ -51,6 +51,8 @@ class _Collector:
         yield counter("published", "Requests published.", stats.published)
         yield counter("looked_up", "Request ids looked up.", stats.looked_up)
         yield counter("expired", "Requests whose lease ran out.", stats.expired)
+        yield counter("transfers_abandoned", "Transfer ids abandoned by prefill (aborted requests).",
+                      stats.transfers_abandoned)
         yield counter("conflicts", "Refused conflicting registrations and publishes.", stats.conflicts)
         yield counter("outcomes_dropped", "Outcomes dropped because prefill never acknowledged.",
                       stats.outcomes_dropped)

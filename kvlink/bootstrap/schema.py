@@ -192,6 +192,11 @@ class ReleaseBody(_Strict, kw_only=True):
     outcome: Literal["pulled", "abandoned"]
 
 
+class AbandonTransferBody(_Strict, kw_only=True):
+    engine_id: EngineId
+    transfer_id: RequestId
+
+
 class PollReleasedBody(_Strict, kw_only=True):
     engine_id: EngineId
     server_id: Annotated[str, Meta(max_length=64)] | None = None

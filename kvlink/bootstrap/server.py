@@ -65,6 +65,7 @@ class BootstrapApp:
         self._waited_keys = 0  # ids waited on, summed over long polls (bounded by max_waiters)
         self._closing = False
         table.on_publish = self._on_publish
+        table.on_transfer_end = self._on_transfer_end
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
@@ -84,6 +85,8 @@ class BootstrapApp:
         self._post("/v1/request/renew", s.RenewBody, self._renew)
         self._post("/v1/request/release", s.ReleaseBody, lambda b: s.ReleaseAnswer(
             already_released=t.release(b.engine_id, b.request_id, b.outcome)))
+        self._post("/v1/transfer/abandon", s.AbandonTransferBody, lambda b: s.ReleaseAnswer(
+            already_released=t.abandon_transfer(b.engine_id, b.transfer_id)))
         self._post("/v1/request/poll_released", s.PollReleasedBody, lambda b: t.poll_released(
             b.engine_id, b.server_id, b.ack))
 
@@ -268,6 +271,10 @@ class BootstrapApp:
         for key in keys:
             for event in self._waiters.get(key, ()):
                 event.set()
+
+    def _on_transfer_end(self, transfer_id: str) -> None:
+        for event in self._waiters.get(("t", transfer_id), ()):
+            event.set()  # the woken lookup finds the tombstone and answers 410 released
 
     def close(self) -> None:
         """Wake every long poll; they answer 503 so clients retry elsewhere or later."""

@@ -90,6 +90,7 @@ class TableStats:
     expired: int = 0
     released_pulled: int = 0
     released_abandoned: int = 0
+    transfers_abandoned: int = 0
     outcomes_dropped: int = 0
     conflicts: int = 0
 
@@ -113,6 +114,8 @@ class PairingTable:
         self.stats = TableStats()
         self.on_publish: Callable[[RequestRecord], None] | None = None
         """Called after each new publish; the HTTP adapter wakes its long polls with it."""
+        self.on_transfer_end: Callable[[str], None] | None = None
+        """Called with a transfer id that was abandoned before anything was published under it."""
         self._engines: dict[str, _Engine] = {}
         self._transfers: dict[str, _Request] = {}
         self._rank_heap: list[tuple[float, int, _Rank]] = []
@@ -329,6 +332,34 @@ class PairingTable:
             self.stats.released_pulled += 1
         else:
             self.stats.released_abandoned += 1
+        return False
+
+    def abandon_transfer(self, engine_id: str, transfer_id: str) -> bool:
+        """Prefill gives up a transfer id (its request was aborted, maybe before it published anything).
+
+        Leaves a "released" transfer tombstone, so a decode waiting for the id, or asking later, hears 410
+        ``released`` at once instead of waiting for its own deadline. A live request of this engine bound
+        to the id is released as abandoned (its outcome queued like any release); one of another engine
+        is left alone (409 Conflict). Idempotent: returns True when the id had already ended.
+        """
+        now = self._sweep()
+        engine = self._engine(engine_id)
+        request = self._transfers.get(transfer_id)
+        if request is not None:
+            if request.engine_id != engine_id:
+                self.stats.conflicts += 1
+                raise Conflict(f"transfer id {transfer_id!r} is bound to a request of engine "
+                               f"{request.engine_id!r}", field="transfer_id")
+            del engine.requests[request.request_id]
+            self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+            self.stats.released_abandoned += 1
+        elif transfer_id in self._transfer_tombstones:
+            return True
+        else:
+            self._bury(self._transfer_tombstones, transfer_id, RequestStatus.RELEASED, now)
+        self.stats.transfers_abandoned += 1
+        if self.on_transfer_end is not None:
+            self.on_transfer_end(transfer_id)
         return False
 
     def poll_released(self, engine_id: str, server_id: str | None = None, ack: int = 0) -> PollReleasedAnswer:

@@ -145,6 +145,49 @@ def test_long_poll_answered_by_a_publish_from_another_thread(client, server, eng
     assert (record.request_id, record.block_ids) == ("r1", [[9]])
 
 
+def test_abandon_wakes_a_long_poll_with_released(client, server, engine, token):
+    """A decode waiting for a transfer id hears 'released' as soon as prefill abandons it."""
+    from kvlink.bootstrap.errors import RequestReleased
+
+    abandoned = threading.Event()
+
+    def abandon_later() -> None:
+        with BootstrapClient(server.url, token=token) as other:
+            while server_waiting(server.url, token) == 0:  # abandon only once the long poll waits
+                time.sleep(0.01)
+            assert other.abandon_transfer(engine, "router-43") is False
+            abandoned.set()
+
+    thread = threading.Thread(target=abandon_later)
+    thread.start()
+    with pytest.raises(RequestReleased) as err:  # within one server-side wait (max_wait_s is 5 s)
+        client.lookup_transfer("router-43", wait_s=4.0)
+    thread.join()
+    assert abandoned.is_set() and err.value.field == "transfer_id"
+    assert client.abandon_transfer(engine, "router-43") is True  # idempotent
+    with pytest.raises(RequestReleased):
+        client.lookup_transfer("router-43", wait_s=5.0)  # the tombstone answers later lookups at once
+
+
+def test_abandon_route_validates_and_needs_the_engine(raw, token):
+    status, body = raw.post("/v1/transfer/abandon", {"engine_id": "P", "transfer_id": "t", "x": 1}, token=token)
+    assert status == 400
+    status, body = raw.post("/v1/transfer/abandon", {"engine_id": "nobody", "transfer_id": "t"}, token=token)
+    assert status == 404 and body["code"] == "unknown_engine"
+
+
+def server_waiting(url: str, token: str) -> float:
+    """Long polls in progress at the server (its /metrics gauge)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvlink_bootstrap_waiting "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def test_grouped_long_poll_waits_for_every_id(client, server, engine, token):
     def publish_later() -> None:
         with BootstrapClient(server.url, token=token) as other:

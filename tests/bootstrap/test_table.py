@@ -181,6 +181,34 @@ def test_lookup_transfer_statuses(table, clock, engine):
     assert table.lookup_transfer("u") is RequestStatus.RELEASED
 
 
+def test_abandon_transfer_leaves_a_released_tombstone(table, clock, engine):
+    """Prefill's request was aborted before publishing: the id answers released, idempotently."""
+    assert table.abandon_transfer(engine, "t") is False
+    assert table.lookup_transfer("t") is RequestStatus.RELEASED
+    assert table.abandon_transfer(engine, "t") is True
+    assert table.num_requests == 0 and outcomes(table, engine) == []  # no fake request, no outcome
+    assert table.stats.transfers_abandoned == 1
+
+
+def test_abandon_transfer_of_a_published_request_releases_it(table, engine, make_registration):
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t")
+    table.register_engine(make_registration("F"), lease_s=600.0)
+    with pytest.raises(Conflict) as err:
+        table.abandon_transfer("F", "t")  # another engine's transfer: left alone
+    assert err.value.field == "transfer_id" and table.lookup_transfer("t").request_id == "r1"
+    assert table.abandon_transfer(engine, "t") is False
+    assert table.lookup_transfer("t") is RequestStatus.RELEASED
+    assert outcomes(table, engine) == [("r1", Outcome.ABANDONED)]
+    with pytest.raises(UnknownEngine):
+        table.abandon_transfer("nobody", "u")
+
+
+def test_abandoned_transfer_tombstone_is_forgotten(table, clock, engine, limits):
+    table.abandon_transfer(engine, "t")
+    clock.advance(limits.tombstone_ttl_s + 1)
+    assert table.lookup_transfer("t") is RequestStatus.UNKNOWN
+
+
 def test_default_request_lease(table, clock, engine):
     table.publish(engine, "r1", [[1]], 16)
     clock.advance(29.9)
