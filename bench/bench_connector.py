@@ -5,13 +5,21 @@
 Uses the kvheavy model (32 KiB of KV per token) and prompts of 1,000-2,000 tokens, sent one at a time
 (streaming, TTFT = first token at the client). Each mode runs its own servers (at most two at once) on
 loopback; NIXL runs only when ``--nixl-path`` points at a ``pip install --target`` of nixl (see
-docs/connector.md). The VM is noisy: compare modes from the same run only.
+docs/connector.md). The VM is noisy: compare modes from the same run only; ``--runs 3`` repeats the
+whole set and prints the median of the per-run medians.
+
+KV transfer time, the same definition for both connectors: from the decode worker issuing the pull to
+the connector seeing the data in place. kvlink: ``kvlink_pull_seconds`` (the worker receives the pull in
+start_load_kv; it ends when the READ completes). NIXL: ``vllm:nixl_xfer_time_seconds`` (NIXL's own
+telemetry: the READ is posted in start_load_kv; it ends when the worker's completion check sees it done).
+NIXL runs over UCX TCP on loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -45,7 +53,8 @@ def ttft(url: str, prompt: list[int], max_tokens: int = 8) -> float:
     return first if first is not None else float("nan")
 
 
-def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: str | None) -> dict:
+def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: str | None,
+             nixl_threads: int | None = None, kvlink_extra: dict | None = None) -> dict:
     with Stack() as stack:
         if mode == "single":
             srv = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30))
@@ -54,14 +63,17 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
         else:
             if mode == "kvlink":
                 bport = free_port()
-                pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport)
-                dec_kv = kvlink_config("kv_consumer")
+                pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, **(kvlink_extra or {}))
+                dec_kv = kvlink_config("kv_consumer", **(kvlink_extra or {}))
                 env_p = env_d = None
             else:
                 pre_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
                 dec_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+                if nixl_threads is not None:
+                    for c in (pre_kv, dec_kv):
+                        c["kv_connector_extra_config"] = {"num_threads": nixl_threads}
                 base = {"PYTHONPATH": nixl_path, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                        "UCX_NET_DEVICES": "lo", "UCX_TLS": "self,sm,tcp"}
+                        "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
                 env_p = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
                 env_d = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
             pre = stack.add(VLLMServer(f"{mode}-prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=1 << 30,
@@ -74,20 +86,25 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
             proxy.wait_ready()
             url = proxy.url
         ttft(url, ps[0][:200])  # warm-up
-        ttfts, xfers, nbytes = [], [], []
+        ttfts, xfers, posts, nbytes, local = [], [], [], [], []
+        load = [os.getloadavg()[0]]
         for p in ps:
             m0 = dec.metrics() if dec else {}
             ttfts.append(ttft(url, p))
             if dec:
                 time.sleep(0.3)
                 m1 = dec.metrics()
-                key_t = next((k for k in m1 if k.endswith("transfer_seconds_sum") or
-                              (k.startswith("vllm:nixl_xfer_time") and k.endswith("_sum"))), None)
-                key_b = next((k for k in m1 if k in ("kvlink_bytes_pulled_total", "vllm:nixl_bytes_transferred_sum")), None)
-                xfers.append(m1.get(key_t, 0) - m0.get(key_t, 0) if key_t else float("nan"))
-                nbytes.append(m1.get(key_b, 0) - m0.get(key_b, 0) if key_b else float("nan"))
+                d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
+                # Issue to data in place (see the module docstring); kvlink's post-to-done READ time too.
+                xfers.append(d.get("kvlink_pull_seconds_sum", d.get("vllm:nixl_xfer_time_seconds_sum",
+                                                                    float("nan"))))
+                posts.append(d.get("kvlink_transfer_seconds_sum", float("nan")))
+                nbytes.append(d.get("kvlink_bytes_pulled_total", d.get("vllm:nixl_bytes_transferred_sum",
+                                                                       float("nan"))))
+                local.append(d.get("kvlink_bytes_local_total", float("nan")))
+        load.append(os.getloadavg()[0])
         return {"mode": mode, "ttft_ms": [t * 1e3 for t in ttfts], "xfer_ms": [x * 1e3 for x in xfers],
-                "bytes": nbytes}
+                "read_ms": [x * 1e3 for x in posts], "bytes": nbytes, "bytes_local": local, "load1": load}
 
 
 def main() -> int:
@@ -95,6 +112,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--modes", default="single,kvlink,nixl")
     ap.add_argument("--nixl-path", default=None, help="directory holding nixl (pip install --target)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat every mode this many times")
+    ap.add_argument("--nixl-threads", type=int, default=None,
+                    help="NixlConnector num_threads (UCX worker threads per agent; vLLM's default 4)")
+    ap.add_argument("--kvlink-extra", default="{}", type=json.loads,
+                    help='JSON merged into both kvlink configs, e.g. \'{"transport_backend": "tcp"}\'')
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args()
     model = str(ensure_model("kvheavy"))
@@ -102,23 +124,40 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-"))
     print(f"kvheavy model, {len(ps)} prompts of {min(map(len, ps))}-{max(map(len, ps))} tokens; logs {logs}")
     results = []
-    for mode in args.modes.split(","):
-        if mode == "nixl" and not args.nixl_path:
-            print("nixl: skipped (no --nixl-path)")
-            continue
-        t0 = time.monotonic()
-        try:
-            r = run_mode(mode, model, ps, logs, args.nixl_path)
-        except Exception as e:  # noqa: BLE001
-            print(f"{mode}: failed: {e}")
-            continue
-        results.append(r)
-        med = statistics.median
-        line = f"{mode:7s} TTFT median {med(r['ttft_ms']):8.1f} ms  p90 {sorted(r['ttft_ms'])[int(.9 * (len(ps) - 1))]:8.1f} ms"
-        if r["xfer_ms"]:
-            mib = med(r["bytes"]) / 2**20
-            line += f"  KV transfer median {med(r['xfer_ms']):7.2f} ms for {mib:.1f} MiB"
-        print(line + f"  ({time.monotonic() - t0:.0f} s)", flush=True)
+    med = statistics.median
+    for run in range(1, args.runs + 1):
+        for mode in args.modes.split(","):
+            if mode == "nixl" and not args.nixl_path:
+                print("nixl: skipped (no --nixl-path)")
+                continue
+            t0 = time.monotonic()
+            try:
+                r = run_mode(mode, model, ps, logs, args.nixl_path, args.nixl_threads, args.kvlink_extra)
+            except Exception as e:  # noqa: BLE001
+                print(f"run {run} {mode}: failed: {e}")
+                continue
+            r["run"] = run
+            results.append(r)
+            line = (f"run {run} {mode:7s} TTFT median {med(r['ttft_ms']):8.1f} ms  "
+                    f"p90 {sorted(r['ttft_ms'])[int(.9 * (len(ps) - 1))]:8.1f} ms")
+            if r["xfer_ms"]:
+                mib = med(r["bytes"]) / 2**20
+                line += (f"  KV transfer median {med(r['xfer_ms']):7.2f} ms "
+                         f"({min(r['xfer_ms']):.1f}-{max(r['xfer_ms']):.1f}) for {mib:.1f} MiB")
+                if mode == "kvlink":
+                    line += (f"  [READ post-to-done {med(r['read_ms']):.2f} ms, same-host "
+                             f"{med(r['bytes_local']) / 2**20:.1f} MiB]")
+            print(line + f"  load1 {r['load1'][0]:.2f}->{r['load1'][1]:.2f} "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+    if args.runs > 1:
+        print("median of the per-run medians:")
+        for mode in args.modes.split(","):
+            rs = [r for r in results if r["mode"] == mode]
+            if rs:
+                line = f"  {mode:7s} TTFT {med([med(r['ttft_ms']) for r in rs]):8.1f} ms"
+                if rs[0]["xfer_ms"]:
+                    line += f"  KV transfer {med([med(r['xfer_ms']) for r in rs]):7.2f} ms"
+                print(line + f"  ({len(rs)} runs)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -286,9 +286,15 @@ class ThrottledRelay:
 
     def close(self) -> None:
         self.sock.close()
+        import socket
+
         with self._lock:
             socks, self._socks = self._socks, []
-        for s in socks:
+        for s in socks:  # shutdown first: a pump thread blocked in recv would keep a bare close() from
+            try:         # sending anything, and the peers would not see the connection drop
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:

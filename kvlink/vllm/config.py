@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvlink.bootstrap.config import is_loopback
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSPORT_BACKENDS = ("auto", "tcp", "same-host")
 
@@ -35,7 +37,14 @@ class ConnectorConfig:
     transport_token: str | None = None
     transport_streams: int = 2
     crc: bool = False
-    allow_insecure: bool = True
+    # Without transport_token the transport is unauthenticated: allowed on loopback only (the engine
+    # refuses peers from elsewhere) unless allow_insecure is set; a non-loopback transport_host without a
+    # token stops start-up.
+    allow_insecure: bool = False
+    # Let the connector's threads (and the transport threads they start) run on any CPU instead of
+    # inheriting vLLM's OMP pinning (VLLM_CPU_OMP_THREADS_BIND). Off by default: on the 2-core benchmark
+    # machine spreading made same-host copies slower and their tail longer (bench/results/connector.md).
+    spread_threads: bool = False
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
@@ -62,7 +71,7 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..64, got {self.transport_streams!r}")
-        for key in ("crc", "allow_insecure", "debug_corrupt_kv"):
+        for key in ("crc", "allow_insecure", "spread_threads", "debug_corrupt_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
         for key in ("bootstrap_url", "bootstrap_token", "transport_token", "transport_advertise"):
@@ -79,6 +88,12 @@ class ConnectorConfig:
         if self.transport_advertise is not None and not _is_hostport(self.transport_advertise):
             raise ConnectorConfigError("kv_connector_extra_config['transport_advertise'] must be host:port, "
                                        f"got {self.transport_advertise!r}")
+        if not self.transport_token and not self.allow_insecure and not is_loopback(self.transport_host):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config['transport_host'] is {self.transport_host!r}, not loopback, and no "
+                "'transport_token' is set: anyone who can reach that address could read this engine's KV "
+                "cache. Set 'transport_token' (the same secret on prefill and decode), or listen on "
+                "127.0.0.1, or set 'allow_insecure': true to accept an unauthenticated transport")
         if self.release_poll_s > 5:
             raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 

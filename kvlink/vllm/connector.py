@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
 from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
+from kvlink.vllm.plugin import attach_vllm_log_handlers  # noqa: E402
 from kvlink.vllm.scheduler import KVLinkScheduler  # noqa: E402
 from kvlink.vllm.stats import KVLinkPromMetrics, KVLinkStats  # noqa: E402
 from kvlink.vllm.worker import KVLinkWorker, RankInfo  # noqa: E402
@@ -47,6 +48,7 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
 class KVLinkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        attach_vllm_log_handlers()  # before the first line below: kvlink's log goes where vLLM's goes
         kv = vllm_config.kv_transfer_config
         if kv.kv_role not in ROLES:
             raise ConnectorConfigError(f"KVLinkConnector: kv_role must be one of {ROLES}, got {kv.kv_role!r}")
@@ -60,8 +62,12 @@ class KVLinkConnector(KVConnectorBase_V1):
             if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
                 raise RuntimeError("KVLinkConnector supports models with one KV cache group only")
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size)
-            logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s)",
-                        kv.kv_role, self.engine_id, block_size, self.config.lease_s)
+            logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s, bootstrap %s, "
+                        "transport backend %s on %s)", kv.kv_role, self.engine_id, block_size,
+                        self.config.lease_s, self.config.bootstrap_url or (
+                            f"embedded on {self.config.bootstrap_host}:{self.config.bootstrap_port or 'any port'}"
+                            if kv.kv_role != "kv_consumer" else "from each request's params"),
+                        self.config.transport_backend, self.config.transport_host)
         else:
             pc = vllm_config.parallel_config
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

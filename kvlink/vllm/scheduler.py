@@ -4,7 +4,8 @@ Prefill (kv_producer): keeps the blocks of finished ``do_remote_decode`` request
 bootstrap server (an embedded one by default) and frees each exactly once: when decode reports it pulled
 or abandoned, or when its lease expires (reported by the bootstrap server; decode renews the lease while
 it pulls). Its own deadline frees them only while the bootstrap server cannot be reached. An aborted
-request with a transfer id publishes an empty, released record, so a decode waiting for it fails at once.
+request with a transfer id is marked abandoned at the bootstrap server (`/v1/transfer/abandon`), so a
+decode waiting for it fails at once.
 
 Decode (kv_consumer): for ``do_remote_prefill`` requests announces the prompt tokens as an asynchronous
 external hit, hands the worker one PullSpec per request, sends cancels for aborted ones and, once the
@@ -138,7 +139,7 @@ class KVLinkScheduler:
             return self._refuse(request, "kv_transfer_params['transfer_id'] must be a non-empty string")
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             if transfer_id is not None:
-                self._publish_gone(request.request_id, transfer_id)
+                self._abandon_transfer(request.request_id, transfer_id)
             return False, None  # aborted or failed: nothing to keep
         if not block_ids:
             return False, None
@@ -163,16 +164,15 @@ class KVLinkScheduler:
             out["transfer_id"] = transfer_id
         return True, out
 
-    def _publish_gone(self, rid: str, transfer_id: str) -> None:
-        """Aborted before publishing: publish an empty record under the transfer id and release it, so a
-        decode long-polling for it gets 'released' now instead of waiting lookup_wait_s."""
+    def _abandon_transfer(self, rid: str, transfer_id: str) -> None:
+        """Aborted before publishing: mark the transfer id abandoned at the bootstrap server, so a decode
+        long-polling for it gets 'released' now instead of waiting lookup_wait_s."""
         def work():
             try:
-                cli = self.clients.get(self.bootstrap_url)
-                cli.publish(self.engine_id, rid, [[]], 0, self.cfg.lease_s, transfer_id=transfer_id)
-                cli.release(self.engine_id, rid, "abandoned")
+                self.clients.get(self.bootstrap_url).abandon_transfer(self.engine_id, transfer_id)
             except Exception as e:  # noqa: BLE001 - decode's bounded wait still ends it
-                logger.info("kvlink: could not mark transfer %s abandoned: %s", transfer_id, e)
+                logger.warning("kvlink: could not mark transfer %s (request %s) abandoned: %s", transfer_id,
+                               rid, e)
 
         self._count("aborted_transfers")
         if not self._closed.is_set():

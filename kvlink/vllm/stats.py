@@ -15,10 +15,13 @@ COUNTERS = (
     "bytes_pulled", "blocks_pulled", "batches", "descriptors", "pulls_ok", "pulls_failed",
     "pulls_cancelled", "published", "publish_failures", "released_pulled", "released_abandoned",
     "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
+    "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
 )
 GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode right now
           "pulls_in_progress")  # decode: requests waiting for their KV right now
-SERIES = ("transfer_s",)  # one sample per batched READ
+# transfer_s: one sample per batched READ, post to completion; pull_s: one per request, from the worker
+# receiving the pull (start_load_kv) to its KV in place (lookup, connect and queueing included).
+SERIES = ("transfer_s", "pull_s")
 
 
 @dataclass
@@ -59,6 +62,9 @@ class KVLinkStats(KVConnectorStats):
         if ts:
             out["transfer_ms_avg"] = round(1e3 * sum(ts) / len(ts), 3)
             out["transfer_ms_p90"] = round(1e3 * ts[int(0.9 * (len(ts) - 1))], 3)
+        ps = sorted(self.data.get("pull_s", []))
+        if ps:
+            out["pull_ms_avg"] = round(1e3 * sum(ps) / len(ps), 3)
         return out
 
 
@@ -82,6 +88,12 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                                 buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                          0.5, 1, 2.5, 5, 10], labelnames=labelnames)
         self._hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
+        hp = self._histogram_cls(name="kvlink_pull_seconds",
+                                 documentation="kvlink: one request's pull, from the decode worker receiving "
+                                               "it to its KV in place",
+                                 buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                          0.5, 1, 2.5, 5, 10, 30, 60], labelnames=labelnames)
+        self._hist_pull = {i: hp.labels(*v) for i, v in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
@@ -91,3 +103,5 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 self._gauges[k][engine_idx].set(v)
         for t in transfer_stats_data.get("transfer_s", ()):
             self._hist[engine_idx].observe(t)
+        for t in transfer_stats_data.get("pull_s", ()):
+            self._hist_pull[engine_idx].observe(t)

@@ -5,16 +5,25 @@ one READ region per layer to the bootstrap server (with a lease kept by a Heartb
 registers the whole cache allocation as one WRITE region, so that all layers of all requests from one
 remote engine go in one batched READ.
 
-Pulls never block the forward pass: start_load_kv() only hands PullSpecs to the Puller thread, which
-resolves them (bootstrap lookups, first-contact checks), groups the ready ones by remote engine, posts one
-READ per engine and polls it. get_transfer_results() just collects what is done (failed pulls listed
-per request as well as by block). Every pull has one deadline (``pull_timeout_s``) covering lookup,
-connect and READ; a LeaseRenewer keeps prefill's lease alive while a pull runs.
+Pulls never block the forward pass: start_load_kv() only hands PullSpecs to a resolver thread, which
+resolves them (bootstrap lookups only where the params lack the blocks, first-contact checks once per
+remote engine) and posts what is ready at once, grouped by remote engine (one READ per engine). A waiter
+thread blocks on each batch (no polling), so a pull completes, or fails (PeerClosed when prefill dies),
+the moment the transport says so. The Puller thread re-posts batches split by a cancel and enforces the
+deadlines. get_transfer_results() just collects what is done (failed pulls listed per request as well as
+by block). Every pull has one deadline (``pull_timeout_s``) covering lookup, connect and READ; a
+LeaseRenewer keeps prefill's lease alive while a pull runs.
+
+vLLM pins a CPU worker's threads to its OMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit
+that. With ``spread_threads`` the connector's threads, and the transport threads they start (stream
+threads are created at connect, on a resolver thread), may run on any CPU instead. Off by default: the
+worker's idle loop yields (sched_yield) to them on its own core, and on 2 cores spreading measured slower.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +82,7 @@ class _Pull:
     remote_request_id: str | None = None
     term: LeaseTerm | None = None  # set once prefill's request is known; read by the LeaseRenewer
     cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
     reported: bool = False  # set once, under the worker lock, when the outcome is handed to vLLM
 
 
@@ -115,10 +125,23 @@ class KVLinkWorker:
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._closed = False
-        self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve")
+        self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve",
+                                            initializer=self._place_thread)
+        self._waiter = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-wait",
+                                          initializer=self._place_thread)
+        self._bytes_local_seen = 0
         self._thread: threading.Thread | None = None
         self._renewer: LeaseRenewer | None = None
         self._running_sent: int | None = None  # last pulls_in_progress gauge handed out
+
+    def _place_thread(self) -> None:
+        """Let the calling thread (and threads it starts) run on any CPU rather than vLLM's OMP core."""
+        if not self.cfg.spread_threads or not hasattr(os, "sched_setaffinity"):
+            return
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError as e:  # a cpuset may forbid it: stay where vLLM put us
+            logger.debug("kvlink: cannot widen thread affinity: %s", e)
 
     # ----- start-up ----------------------------------------------------------------------------------
 
@@ -160,9 +183,13 @@ class KVLinkWorker:
             self._thread.start()
             self._renewer = LeaseRenewer(self._clients_for, self._leased_pulls, self._abort,
                                          self._count_renewals).start()
-        logger.info("kvlink: %s worker tp%d/%d transport %s, %d layers, %d blocks of %d B/layer, compat %s",
-                    self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address, len(kv_caches),
-                    num_blocks, self.block_bytes, self.compat_hash)
+        logger.info("kvlink: %s worker tp%d/%d transport %s (backend %s, streams %d, auth %s, crc %s), "
+                    "%d layers, %d blocks of %d B/layer, compat %s, threads %s",
+                    self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address,
+                    self.cfg.transport_backend, self.cfg.transport_streams,
+                    "token" if self.cfg.transport_token else "none (loopback only)"
+                    if not self.cfg.allow_insecure else "none", self.cfg.crc, len(kv_caches), num_blocks,
+                    self.block_bytes, self.compat_hash, "any CPU" if self.cfg.spread_threads else "pinned with the worker")
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
         tensors = list(kv_caches.values())
@@ -265,8 +292,20 @@ class KVLinkWorker:
                 if running != self._running_sent:
                     self._running_sent = running
                     stats.set_gauge("pulls_in_progress", running)
+                local = self._bytes_local()
+                if local > self._bytes_local_seen:
+                    stats.add("bytes_local", local - self._bytes_local_seen)
+                    self._bytes_local_seen = local
             self.totals.aggregate(stats)
         return None if stats.is_empty() else stats
+
+    def _bytes_local(self) -> int:
+        """Bytes the transport copied same-host (process_vm_readv) since start; 0 if it cannot say."""
+        stats = getattr(self.engine, "stats", None)
+        try:
+            return int(stats().get("bytes_local", 0)) if stats is not None else 0
+        except Exception:  # noqa: BLE001 - statistics only
+            return 0
 
     def _count_renewals(self, n: int) -> None:
         with self._lock:
@@ -321,7 +360,7 @@ class KVLinkWorker:
             if self._resolving.pop(pull.spec.request_id, None) is None or pull.cancelled:
                 return  # cancelled meanwhile (already reported)
             self._ready.append(pull)
-            self._wake.notify()
+        self._post_ready()  # on this thread: no hand-off to the puller before the READ is posted
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
         key = (url, engine_id)
@@ -423,25 +462,28 @@ class KVLinkWorker:
             logger.warning("kvlink: pull for request %s failed: %s; kv_load_failure_policy applies", rid, why)
 
     def _run(self) -> None:
-        """Puller thread: post ready pulls (one READ per remote engine), poll batches, enforce deadlines."""
+        """Puller thread: post pulls put back by a cancel, enforce deadlines. Never polls a batch."""
+        self._place_thread()
         while True:
-            ready, busy = [], False
             try:
                 with self._wake:
-                    if not self._closed and not self._ready and not self._inflight:
-                        self._wake.wait(0.5)  # idle: wake for new pulls, else check deadlines twice a second
                     if self._closed:
                         return
-                    ready, self._ready = self._ready, []
-                    busy = bool(ready or self._inflight)
-                if ready:
-                    self._post(ready)
-                self._poll()
+                    if not self._ready:
+                        running = self._resolving or self._inflight
+                        self._wake.wait(0.1 if running else 0.5)  # deadlines are checked this often
+                    if self._closed:
+                        return
+                self._post_ready()
                 self._expire()
             except Exception:  # noqa: BLE001 - a dead puller would leave every decode request waiting
                 logger.exception("kvlink: puller round failed")
-            if busy and not ready:
-                time.sleep(0.0005)
+
+    def _post_ready(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        if ready:
+            self._post(ready)
 
     def _expire(self) -> None:
         """Fail every pull past its deadline, wherever it is (lookup, connect, queued, READ)."""
@@ -472,53 +514,63 @@ class KVLinkWorker:
                         self._finish(p, ok=False, why=_why(e))
                     break
                 nblocks = sum(len(p.pairs) for p in pulls) * len(layers)
+                fl = _InFlight(batch, pulls, time.monotonic(), plan.nbytes, nblocks, len(plan))
                 with self._lock:
-                    self._inflight.append(_InFlight(batch, pulls, time.monotonic(), plan.nbytes, nblocks,
-                                                    len(plan)))
+                    self._inflight.append(fl)
+                self._waiter.submit(self._await, fl)
 
-    def _poll(self) -> None:
-        with self._lock:
-            inflight = list(self._inflight)
+    def _await(self, fl: _InFlight) -> None:
+        """Waiter thread: block on one batch (the GIL is released meanwhile), then settle its pulls.
+
+        A batch that is cancelled (abort, shutdown) returns here with an error and is ignored below; one
+        that outlives transfer_timeout_s is cancelled by wait() itself; a dropped connection (prefill died)
+        fails it at once.
+        """
+        err = None
+        try:
+            fl.batch.wait(self.cfg.transfer_timeout_s + 1.0)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        try:
+            self._complete(fl, err)
+        except Exception:  # noqa: BLE001 - never lose a pull silently
+            logger.exception("kvlink: settling a batch failed")
+            for p in fl.pulls:
+                self._finish(p, ok=False, why="internal error settling the batch")
+
+    def _complete(self, fl: _InFlight, err: BaseException | None) -> None:
         now = time.monotonic()
-        for fl in inflight:
-            err = None
-            try:
-                done = fl.batch.poll()
-            except Exception as e:  # noqa: BLE001
-                done, err = True, e
-            if not done and now - fl.started > self.cfg.transfer_timeout_s + 1.0:
-                fl.batch.cancel()
-                done, err = True, TimeoutError(f"READ took longer than {self.cfg.transfer_timeout_s} s")
-            if not done:
-                continue
+        with self._lock:
+            if fl not in self._inflight:
+                return  # cancelled meanwhile: its pulls were reported or posted again
+            self._inflight.remove(fl)
+            # A request counts as done only when every batch carrying it is done.
+            others = {p.spec.request_id for f in self._inflight for p in f.pulls}
+        if err is None:
             with self._lock:
-                if fl not in self._inflight:
-                    continue  # cancelled meanwhile
-                self._inflight.remove(fl)
-                # A request counts as done only when every batch carrying it is done.
-                others = {p.spec.request_id for f in self._inflight for p in f.pulls}
-            if err is None:
-                with self._lock:
-                    self._stats.add("batches")
-                    self._stats.add("bytes_pulled", fl.nbytes)
-                    self._stats.add("blocks_pulled", fl.nblocks)
-                    self._stats.add("descriptors", fl.ndesc)
-                    self._stats.sample("transfer_s", now - fl.started)
+                self._stats.add("batches")
+                self._stats.add("bytes_pulled", fl.nbytes)
+                self._stats.add("blocks_pulled", fl.nblocks)
+                self._stats.add("descriptors", fl.ndesc)
+                self._stats.sample("transfer_s", now - fl.started)
                 for p in fl.pulls:
                     if p.spec.request_id not in others:
-                        if self.cfg.debug_corrupt_kv:
-                            self._corrupt(p)
-                        self._finish(p, ok=True)
-            else:
-                for p in fl.pulls:
-                    self._finish(p, ok=False, why=_why(err))
-                with self._lock:  # drop sibling batches of failed requests
-                    failed = {p.spec.request_id for p in fl.pulls}
-                    siblings = [f for f in self._inflight if any(p.spec.request_id in failed for p in f.pulls)]
-                    for f in siblings:
-                        self._inflight.remove(f)
+                        self._stats.sample("pull_s", now - p.submitted)
+            for p in fl.pulls:
+                if p.spec.request_id not in others:
+                    if self.cfg.debug_corrupt_kv:
+                        self._corrupt(p)
+                    self._finish(p, ok=True)
+        else:
+            for p in fl.pulls:
+                self._finish(p, ok=False, why=_why(err))
+            with self._lock:  # drop sibling batches of failed requests
+                failed = {p.spec.request_id for p in fl.pulls}
+                siblings = [f for f in self._inflight if any(p.spec.request_id in failed for p in f.pulls)]
                 for f in siblings:
-                    f.batch.cancel()
+                    self._inflight.remove(f)
+            for f in siblings:
+                f.batch.cancel()
 
     def _corrupt(self, pull: _Pull) -> None:
         import torch
@@ -541,6 +593,7 @@ class KVLinkWorker:
             except Exception:  # noqa: BLE001
                 pass
         self._resolver.shutdown(wait=False, cancel_futures=True)
+        self._waiter.shutdown(wait=False, cancel_futures=True)  # cancel above (or close below) ends waits
         if self._renewer is not None:
             self._renewer.stop()
         if self._heartbeater is not None:

@@ -38,7 +38,8 @@ def faulty(tiny_model, tmp_path_factory):
                             bootstrap_timeout_s=30.0, connect_timeout_s=30.0, transfer_timeout_s=30.0),
                   kv_load_failure_policy="recompute")
     pre = Server(tiny_model, pre_kv, cpu=0, log=logs / "prefill.log")
-    dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log")
+    # INFO: the test of kvlink's lines in vLLM's log needs the start-up line.
+    dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log", env={"VLLM_LOGGING_LEVEL": "INFO"})
     proxies = []
     try:
         pre.wait_ready()
@@ -83,6 +84,14 @@ def wait_metric(server, name, want, timeout=30.0) -> bool:
 def assert_nothing_held(f):
     assert wait_metric(f["pre"], "kvlink_held_blocks", 0.0), "prefill still holds blocks"
     assert wait_metric(f["dec"], "kvlink_pulls_in_progress", 0.0), "decode still has pulls in progress"
+
+
+def test_kvlink_lines_reach_the_server_log(faulty):
+    """kvlink logs through its own loggers; the plugin/connector hands them vLLM's handlers."""
+    log = faulty["dec"].log.read_text(errors="replace")
+    assert "kvlink: KVLinkConnector kv_consumer engine" in log
+    assert "kvlink: kv_consumer worker tp0/1 transport 127.0.0.1:" in log
+    assert "backend tcp" in log and "auth none (loopback only)" in log
 
 
 def test_slow_pull_outlives_lease_thanks_to_renewals(faulty):
@@ -191,13 +200,25 @@ def test_concurrent_prefill_killed_mid_pull_recomputes(faulty):
     prompt = token_prompts([600], seed=34)[0]
     want = baseline(f, prompt)
     f["relay"].throttle(SLOW_RATE / 4)
+    log_at = f["dec"].log.stat().st_size
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(lambda: text(complete(f["conc"], prompt, timeout=120)))
         assert f["relay"].first_byte.wait(60), "the pull never started"
         f["pre"].kill()
+        # A dead process's connections drop; the relay would otherwise keep feeding decode the bytes the
+        # kernel had buffered, at the throttled rate, for longer than the pull timeout.
+        f["relay"].close()
+        t0 = time.monotonic()
         got = fut.result(timeout=120)
+        elapsed = time.monotonic() - t0
     assert got == want
     assert metric(f["dec"], "kvlink_pulls_failed_total") >= 1
+    # The dropped connection fails the READ at once (the transport's PeerClosed), not the pull timeout.
+    with open(f["dec"].log, "rb") as fh:
+        fh.seek(log_at)
+        failures = [ln for ln in fh.read().decode(errors="replace").splitlines() if "kvlink: pull for request" in ln]
+    assert failures and not any("pull_timeout_s" in ln for ln in failures), failures
+    assert elapsed < PULL_TIMEOUT_S, f"decode waited {elapsed:.1f} s after prefill died"
     assert wait_metric(f["dec"], "kvlink_pulls_in_progress", 0.0)
     with urllib.request.urlopen(f["dec"].url + "/health", timeout=5) as r:
         assert r.status == 200

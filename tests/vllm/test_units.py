@@ -161,3 +161,42 @@ def test_transport_advertise_must_be_host_port():
     with pytest.raises(ConnectorConfigError, match="transport_advertise"):
         ConnectorConfig.from_extra({"transport_advertise": "nohost"})
     assert ConnectorConfig.from_extra({"transport_advertise": "127.0.0.1:5"}).transport_advertise
+
+
+# ----- security defaults, logging -------------------------------------------------------------------------
+
+
+def test_unauthenticated_transport_is_loopback_only_by_default():
+    assert ConnectorConfig().allow_insecure is False
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert ConnectorConfig.from_extra({"transport_host": host}).transport_host == host
+    with pytest.raises(ConnectorConfigError, match=r"\['transport_host'\] is '0.0.0.0', not loopback, and no "
+                                                   r"'transport_token' is set.*allow_insecure"):
+        ConnectorConfig.from_extra({"transport_host": "0.0.0.0"})
+    assert ConnectorConfig.from_extra({"transport_host": "0.0.0.0", "transport_token": "s"}).transport_token
+    assert ConnectorConfig.from_extra({"transport_host": "10.1.2.3", "allow_insecure": True}).allow_insecure
+
+
+def test_kvlink_logger_borrows_vllms_handlers_once():
+    import logging
+
+    from kvlink.vllm.plugin import attach_vllm_log_handlers
+
+    ours, theirs = logging.getLogger("kvlink"), logging.getLogger("vllm")
+    saved = (ours.handlers[:], ours.level, ours.propagate, theirs.handlers[:], theirs.level)
+    handler = logging.StreamHandler()
+    try:
+        ours.handlers[:] = []
+        ours.setLevel(logging.NOTSET)
+        theirs.handlers[:] = []
+        assert attach_vllm_log_handlers() is False  # vLLM's logging is off: nothing to borrow
+        theirs.handlers[:] = [handler]
+        theirs.setLevel(logging.INFO)
+        assert attach_vllm_log_handlers() is True
+        assert ours.handlers == [handler] and ours.level == logging.INFO and ours.propagate is False
+        assert attach_vllm_log_handlers() is False and ours.handlers == [handler]  # idempotent
+    finally:
+        ours.handlers[:], theirs.handlers[:] = saved[0], saved[3]
+        ours.setLevel(saved[1])
+        ours.propagate = saved[2]
+        theirs.setLevel(saved[4])

@@ -1,0 +1,116 @@
+"""KVLinkWorker pulls against the in-process fake transport and a real (embedded) bootstrap server.
+
+A producer worker and a consumer worker, each over a small CPU "KV cache" (two layers, views of one
+allocation as vLLM lays them out). Covers what the real-server tests cannot pin down cheaply: a pull is
+settled by the batch's own completion (no polling), and a dropped connection ends it at once rather
+than at ``pull_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests import fakes_transport
+
+torch = pytest.importorskip("torch")
+
+BLOCKS, HEADS, BLOCK, HEAD2 = 6, 2, 32, 128
+
+
+def _cache(fill: float) -> dict:
+    buf = torch.full((2, BLOCKS, HEADS, BLOCK, HEAD2), fill, dtype=torch.bfloat16)
+    for layer in range(2):
+        for b in range(BLOCKS):
+            buf[layer, b] = fill + layer * 10 + b
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    monkeypatch.setattr(W, "transport_module", lambda: fakes_transport)
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0)
+    pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        pre.register_kv_caches(_cache(1.0))
+        dec.register_kv_caches(_cache(0.0))
+        pre._ensure_registered(srv.url)
+        yield pre, dec, srv.url
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()
+
+
+def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]]):
+    from kvlink.vllm.metadata import PullSpec, RemoteSource
+
+    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-" + rid,
+                       block_ids=tuple(r for _, r in pairs), lease_s=30.0)
+    dec._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), skip_remote_blocks=0,
+                         source=src))
+
+
+def _outcome(dec, rid: str, wait_s: float = 20.0) -> str:
+    """'ok' or 'failed' once the worker reports the request (well inside pull_timeout_s = 60 s)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        _, recving, failed = dec.transfer_results()
+        if rid in failed:
+            return "failed"
+        if rid in recving:
+            return "ok"
+        time.sleep(0.01)
+    return "still waiting"
+
+
+def test_pull_copies_the_blocks_and_times_the_request(pair):
+    pre, dec, url = pair
+    _pull(dec, url, "r1", [(1, 3), (2, 4)])
+    assert _outcome(dec, "r1") == "ok"
+    for name, t in dec.kv_caches.items():
+        src = pre.kv_caches[name]
+        assert torch.equal(t[1], src[3]) and torch.equal(t[2], src[4])
+        assert not torch.equal(t[3], src[3])  # only the requested blocks moved
+    stats = dec.get_stats().data
+    assert stats["pulls_ok"] == 1 and stats["bytes_pulled"] == 2 * 2 * dec.block_bytes
+    assert len(stats["pull_s"]) == 1 and len(stats["transfer_s"]) == 1
+    assert stats["pull_s"][0] >= stats["transfer_s"][0]  # the request's time includes its READ
+
+
+def test_dropped_connection_fails_the_pull_at_once(pair, monkeypatch):
+    """Prefill dies mid-READ: the transport fails the batch (peer gone) and the pull is reported failed
+    then, not when pull_timeout_s (60 s here) runs out; its blocks are reported for recompute."""
+    pre, dec, url = pair
+    monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.3)
+    monkeypatch.setattr(fakes_transport.Engine, "fail_with", fakes_transport.PeerGone("connection reset by peer"))
+    _pull(dec, url, "r2", [(1, 1), (2, 2), (3, 3)])
+    assert _outcome(dec, "r2") == "failed"
+    assert dec.take_load_error_blocks() == {1, 2, 3}
+    assert dec.get_stats().data["pulls_failed"] == 1
+    monkeypatch.setattr(fakes_transport.Engine, "fail_with", None)
+    _pull(dec, url, "r3", [(4, 4)])  # reconnects after the failure
+    assert _outcome(dec, "r3") == "ok"
+
+
+def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
+    pre, dec, url = pair
+    monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
+    _pull(dec, url, "r4", [(1, 1)])
+    deadline = time.monotonic() + 10
+    while not dec._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dec._inflight, "the READ was never posted"
+    dec._cancel("r4")
+    assert _outcome(dec, "r4") == "ok"  # a cancelled request is released as finished, exactly once
+    time.sleep(0.8)  # the cancelled batch's waiter returns; nothing may be reported again
+    _, recving, failed = dec.transfer_results()
+    assert "r4" not in recving and "r4" not in failed
+    assert dec.get_stats().data["pulls_cancelled"] == 1
