@@ -11,7 +11,7 @@ from typing import Any
 from kvlink.bootstrap.config import is_loopback
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-TRANSPORT_BACKENDS = ("auto", "tcp", "same-host")
+TRANSPORT_BACKENDS = ("auto", "tcp", "same-host", "mooncake")
 
 
 class ConnectorConfigError(ValueError):
