@@ -54,7 +54,8 @@ def ttft(url: str, prompt: list[int], max_tokens: int = 8) -> float:
 
 
 def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: str | None,
-             nixl_threads: int | None = None, kvlink_extra: dict | None = None) -> dict:
+             nixl_threads: int | None = None, kvlink_extra: dict | None = None,
+             proxy_mode: str = "sequential") -> dict:
     with Stack() as stack:
         if mode == "single":
             srv = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30))
@@ -82,7 +83,9 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
                                        env=env_d))
             pre.wait_ready()
             dec.wait_ready()
-            proxy = stack.add(ProxyProc(pre.url, dec.url, logs))
+            conc = proxy_mode == "concurrent" and mode == "kvlink"  # NIXL pairs sequentially only
+            proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent" if conc else "sequential",
+                                        bootstrap=f"http://127.0.0.1:{bport}" if conc else None))
             proxy.wait_ready()
             url = proxy.url
         ttft(url, ps[0][:200])  # warm-up
@@ -117,6 +120,8 @@ def main() -> int:
                     help="NixlConnector num_threads (UCX worker threads per agent; vLLM's default 4)")
     ap.add_argument("--kvlink-extra", default="{}", type=json.loads,
                     help='JSON merged into both kvlink configs, e.g. \'{"transport_backend": "tcp"}\'')
+    ap.add_argument("--proxy-mode", default="sequential", choices=("sequential", "concurrent"),
+                    help="kvlink pairing through the proxy (NIXL always runs sequential)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args()
     model = str(ensure_model("kvheavy"))
@@ -132,7 +137,8 @@ def main() -> int:
                 continue
             t0 = time.monotonic()
             try:
-                r = run_mode(mode, model, ps, logs, args.nixl_path, args.nixl_threads, args.kvlink_extra)
+                r = run_mode(mode, model, ps, logs, args.nixl_path, args.nixl_threads, args.kvlink_extra,
+                             args.proxy_mode)
             except Exception as e:  # noqa: BLE001
                 print(f"run {run} {mode}: failed: {e}")
                 continue

@@ -114,3 +114,15 @@ def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
     _, recving, failed = dec.transfer_results()
     assert "r4" not in recving and "r4" not in failed
     assert dec.get_stats().data["pulls_cancelled"] == 1
+
+
+def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
+    """Sequential params naming a peer we are connected to need no network: the READ is posted on the
+    calling (vLLM) thread, not handed to a resolver thread."""
+    pre, dec, url = pair
+    _pull(dec, url, "r5", [(1, 1)])  # first contact goes through a resolver thread
+    assert _outcome(dec, "r5") == "ok"
+    monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
+    _pull(dec, url, "r6", [(2, 2)])
+    assert dec._inflight and dec._inflight[0].pulls[0].spec.request_id == "r6"
+    assert _outcome(dec, "r6") == "ok"
