@@ -12,9 +12,8 @@ GIL switch interval while vLLM's worker loop spins); otherwise it hands the Pull
 posts as soon as it is resolved. Ready pulls are grouped by remote engine (one READ per engine). A
 waiter thread blocks on each batch (no polling) and get_transfer_results() checks finished batches on
 vLLM's own thread, so a pull completes, or fails (PeerClosed when prefill dies), as soon as the
-transport says so. The Puller thread re-posts batches split by a cancel and enforces the
-deadlines. get_transfer_results() just collects what is done (failed pulls listed per request as well as
-by block). Every pull has one deadline (``pull_timeout_s``) covering lookup, connect and READ; a
+transport says so; failed pulls are listed per request as well as by block. The Puller thread re-posts
+batches split by a cancel and enforces the deadlines. Every pull has one deadline (``pull_timeout_s``) covering lookup, connect and READ; a
 LeaseRenewer keeps prefill's lease alive while a pull runs.
 
 vLLM pins a CPU worker's threads to its OMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit
@@ -192,7 +191,8 @@ class KVLinkWorker:
                     self.cfg.transport_backend, self.cfg.transport_streams,
                     "token" if self.cfg.transport_token else "none (loopback only)"
                     if not self.cfg.allow_insecure else "none", self.cfg.crc, len(kv_caches), num_blocks,
-                    self.block_bytes, self.compat_hash, "any CPU" if self.cfg.spread_threads else "pinned with the worker")
+                    self.block_bytes, self.compat_hash,
+                    "any CPU" if self.cfg.spread_threads else "pinned with the worker")
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
         tensors = list(kv_caches.values())
