@@ -54,7 +54,7 @@ bench: install
 # Single server vs PD through kvlink vs PD through vLLM's NixlConnector.
 bench-connector: install
 	bash bench/install_nixl.sh
-	$(VPY) bench/bench_connector.py --requests 8 --nixl-path bench/.peers/nixl
+	$(VPY) bench/bench_connector.py --requests 8 --runs 3 --nixl-threads 1 --nixl-path bench/.peers/nixl
 
 clean:
 	rm -rf build $(VENV) kvlink/_kvlink_c*.so *.egg-info
