@@ -32,8 +32,8 @@ class ConnectorConfig:
     # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
     transport_backend: str = "auto"
     transport_host: str = "127.0.0.1"
-    transport_port: int = 0
-    transport_advertise: str | None = None  # host:port published to decode instead of the listen address
+    transport_port: int = 0  # tensor-parallel rank i listens on transport_port + i (0: any free port)
+    transport_advertise: str | None = None  # host:port published instead of the listen address (port + i too)
     transport_token: str | None = None
     transport_streams: int = 2
     crc: bool = False
@@ -112,6 +112,17 @@ class ConnectorConfig:
             return cls(**extra)
         except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
             raise ConnectorConfigError(str(e)) from None
+
+    def transport_listen(self, tp_rank: int) -> str:
+        """The listen address of tensor-parallel rank ``tp_rank``: one port per rank."""
+        return f"{self.transport_host}:{self.transport_port + tp_rank if self.transport_port else 0}"
+
+    def advertised(self, tp_rank: int) -> str | None:
+        """The address rank ``tp_rank`` publishes instead of its listen address, if one is configured."""
+        if self.transport_advertise is None:
+            return None
+        host, _, port = self.transport_advertise.rpartition(":")
+        return f"{host}:{int(port) + tp_rank}"
 
     @property
     def transport_token_bytes(self) -> bytes | None:

@@ -2,9 +2,13 @@
 
 Prefill keeps a finished request's blocks for ``lease_s`` (the bootstrap server expires them after that).
 A pull that outlives a lease would otherwise read blocks that prefill already freed and reused. The
-LeaseRenewer thread renews (bootstrap ``renew``) every pull that has been running for a third of its lease,
-one grouped call per (bootstrap server, prefill engine), and reports pulls whose lease is already gone so
-the worker fails them (recompute) instead of trusting the bytes.
+LeaseRenewer thread renews (bootstrap ``renew``) every running pull when it is due (a new pull at once, then
+every third of its lease), one grouped call per (bootstrap server, prefill engine), and reports pulls whose
+lease is already gone so the worker fails them (recompute) instead of trusting the bytes.
+
+Each successful renewal also proves something: prefill still held the blocks when the call was sent, and
+will hold them until at least ``sent + lease_s``. ``renewed(pulls, held_until)`` hands that bound to the
+worker, which trusts a finished READ only if it ended before the bound (see worker ``_settle_lease``).
 
 It never touches the transport or vLLM: ``active()`` lists the pulls to keep alive, ``lost(pull, why)``
 is called for each one that cannot be renewed.
@@ -39,9 +43,11 @@ class LeaseRenewer:
     MAX_IDLE_S = 1.0  # how often it looks for new pulls when none is due
 
     def __init__(self, clients: Callable[[str], Any], active: Callable[[], Iterable[tuple[Any, LeaseTerm]]],
-                 lost: Callable[[Any, str], None], renewed: Callable[[int], None] = lambda n: None):
+                 lost: Callable[[Any, str], None],
+                 renewed: Callable[[list, float], None] = lambda pulls, held_until: None):
         self._clients, self._active, self._lost, self._renewed = clients, active, lost, renewed
         self._stop = threading.Event()
+        self._kick = threading.Event()
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="kvlink-lease-renew", daemon=True)
 
@@ -51,15 +57,21 @@ class LeaseRenewer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
+
+    def kick(self) -> None:
+        """A pull is due now (a new one): run a round without waiting for the current sleep to end."""
+        self._kick.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._kick.clear()  # before the round: a kick during it makes the wait below return at once
             try:
                 wait = self.renew_due(time.monotonic())
             except Exception:  # noqa: BLE001 - never let the renewer die; the pull deadline still bounds
                 logger.exception("kvlink: lease renewal round failed")
                 wait = self.MAX_IDLE_S
-            self._stop.wait(wait)
+            self._kick.wait(wait)
 
     def renew_due(self, now: float) -> float:
         """Renew every pull that is due; return how long to sleep until the next one is."""
@@ -72,6 +84,7 @@ class LeaseRenewer:
                 next_due = min(next_due, term.next_renew)
         for (url, engine_id), items in groups.items():
             lease_s = max(term.lease_s for _, term in items)
+            sent = time.monotonic()
             try:
                 failed = self._clients(url).renew(engine_id, [term.request_id for _, term in items], lease_s)
             except Exception as e:  # noqa: BLE001 - try again soon; the pull's own deadline bounds it
@@ -84,13 +97,15 @@ class LeaseRenewer:
                 next_due = min(next_due, retry)
                 continue
             self._warned.discard(url)
-            self._renewed(len(items) - len(failed))
+            held = []
             for pull, term in items:
                 status = failed.get(term.request_id)
                 if status is not None:
                     self._lost(pull, f"prefill lease of {engine_id}/{term.request_id} is "
                                      f"{getattr(status, 'value', status)}; its blocks may be reused")
                     continue
+                held.append(pull)
                 term.next_renew = time.monotonic() + term.lease_s / 3
                 next_due = min(next_due, term.next_renew)
+            self._renewed(held, sent + lease_s)
         return max(0.01, next_due - time.monotonic())

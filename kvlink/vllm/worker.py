@@ -13,8 +13,15 @@ posts as soon as it is resolved. Ready pulls are grouped by remote engine (one R
 waiter thread blocks on each batch (no polling) and get_transfer_results() checks finished batches on
 vLLM's own thread, so a pull completes, or fails (PeerClosed when prefill dies), as soon as the
 transport says so; failed pulls are listed per request as well as by block. The Puller thread re-posts
-batches split by a cancel and enforces the deadlines. Every pull has one deadline (``pull_timeout_s``) covering lookup, connect and READ; a
-LeaseRenewer keeps prefill's lease alive while a pull runs.
+batches split by a cancel and enforces the deadlines. Every pull has one deadline (``pull_timeout_s``)
+covering lookup, connect and READ; a LeaseRenewer keeps prefill's lease alive while a pull runs.
+
+A READ that finished is trusted only with proof that prefill still held the blocks when it ended: the
+READ ended before ``held_until``, the bound the last successful lease renewal (or the concurrent lookup)
+gave. A new pull's first renewal goes out at once, in parallel with its READ, so this costs no time
+unless the READ beats the renewal's round trip; until then the pull waits in ``_confirming``. A lease that
+ran out before decode got to the request (a long queue) is reported by that renewal, and the pull is
+recomputed instead of decoding from blocks prefill may have reused.
 
 vLLM pins a CPU worker's threads to its OMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit
 that. With ``spread_threads`` the connector's threads, and the transport threads they start (stream
@@ -83,6 +90,8 @@ class _Pull:
     pairs: list[tuple[int, int]] = field(default_factory=list)
     remote_request_id: str | None = None
     term: LeaseTerm | None = None  # set once prefill's request is known; read by the LeaseRenewer
+    held_until: float = 0.0  # monotonic time until which prefill provably holds the blocks
+    read_at: float = 0.0  # when its READ finished (0: not yet)
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
     reported: bool = False  # set once, under the worker lock, when the outcome is handed to vLLM
@@ -118,6 +127,7 @@ class KVLinkWorker:
         self._resolving: dict[str, _Pull] = {}
         self._ready: list[_Pull] = []
         self._inflight: list[_InFlight] = []
+        self._confirming: dict[str, _Pull] = {}  # READ done, waiting for proof that the lease held
         self._done: set[str] = set()
         self._failed: dict[str, tuple[int, ...]] = {}
         self._load_error_blocks: set[int] = set()
@@ -171,7 +181,7 @@ class KVLinkWorker:
 
         tp = self.tp
         self.engine = tp.open_backend(self.cfg.transport_backend, tp.EngineConfig(
-            listen=f"{self.cfg.transport_host}:{self.cfg.transport_port}",
+            listen=self.cfg.transport_listen(self.rank.tp_rank),
             token=self.cfg.transport_token_bytes,
             name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
@@ -184,7 +194,7 @@ class KVLinkWorker:
             self._thread = threading.Thread(target=self._run, name="kvlink-puller", daemon=True)
             self._thread.start()
             self._renewer = LeaseRenewer(self._clients_for, self._leased_pulls, self._abort,
-                                         self._count_renewals).start()
+                                         self._lease_held).start()
         logger.info("kvlink: %s worker tp%d/%d transport %s (backend %s, streams %d, auth %s, crc %s), "
                     "%d layers, %d blocks of %d B/layer, compat %s, threads %s",
                     self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address,
@@ -238,7 +248,7 @@ class KVLinkWorker:
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
                                  tp_size=self.rank.tp_size,
-                                 transport_addr=self.cfg.transport_advertise or self.engine.address,
+                                 transport_addr=self.cfg.advertised(self.rank.tp_rank) or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
                                  compat_hash=self.compat_hash)
         cli = self._clients_for(url)
@@ -292,7 +302,8 @@ class KVLinkWorker:
         with self._lock:
             stats, self._stats = self._stats, KVLinkStats()
             if self.role in ("kv_consumer", "kv_both"):
-                running = len(self._resolving) + len(self._ready) + sum(len(f.pulls) for f in self._inflight)
+                running = (len(self._resolving) + len(self._ready) + len(self._confirming)
+                           + sum(len(f.pulls) for f in self._inflight))
                 if running != self._running_sent:
                     self._running_sent = running
                     stats.set_gauge("pulls_in_progress", running)
@@ -311,9 +322,33 @@ class KVLinkWorker:
         except Exception:  # noqa: BLE001 - statistics only
             return 0
 
-    def _count_renewals(self, n: int) -> None:
+    def _lease_held(self, pulls: list[_Pull], held_until: float) -> None:
+        """LeaseRenewer: prefill holds these pulls' blocks until at least ``held_until``."""
         with self._lock:
-            self._stats.add("lease_renewals", n)
+            self._stats.add("lease_renewals", len(pulls))
+            for p in pulls:
+                p.held_until = max(p.held_until, held_until)
+            proven = [p for p in pulls if self._confirming.get(p.spec.request_id) is p
+                      and p.read_at < p.held_until]
+        for p in proven:
+            self._finish(p, ok=True)
+
+    def _settle_lease(self, pull: _Pull) -> None:
+        """A pull's READ finished: done if the lease provably held until then, else wait for a renewal."""
+        with self._lock:
+            if pull.reported:
+                return
+            if pull.read_at >= pull.held_until:
+                self._confirming[pull.spec.request_id] = pull
+                if pull.term is not None:
+                    pull.term.next_renew = 0.0  # due now
+                wait = True
+            else:
+                wait = False
+        if not wait:
+            self._finish(pull, ok=True)
+        elif self._renewer is not None:
+            self._renewer.kick()
 
     def snapshot(self) -> dict:
         """Totals since start including what get_stats() has not handed out yet."""
@@ -349,16 +384,21 @@ class KVLinkWorker:
             cli = self._clients_for(src.bootstrap_url)
             engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
             lease_s = src.lease_s or self.cfg.lease_s
-            first_renewal = lease_s
+            # Sequential params say nothing of how much of the lease is left: renew at once.
+            first_renewal = 0.0
             if src.transfer_id is not None and (blocks is None or engine_id is None):
                 wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - time.monotonic()))
+                sent = time.monotonic()
                 rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(rec.block_ids[0])
-                first_renewal = min(lease_s, rec.lease_remaining_s)
+                pull.held_until = sent + rec.lease_remaining_s
+                first_renewal = min(lease_s, rec.lease_remaining_s) / 3
             pull.remote_request_id = remote_rid
             with self._lock:
                 pull.term = LeaseTerm(src.bootstrap_url, engine_id, remote_rid, lease_s,
-                                      time.monotonic() + first_renewal / 3)
+                                      time.monotonic() + first_renewal)
+            if first_renewal == 0.0 and self._renewer is not None:
+                self._renewer.kick()
             remote = self._remote(cli, src.bootstrap_url, engine_id)
             skip = pull.spec.skip_remote_blocks
             wanted = blocks[skip:skip + len(pull.spec.local_block_ids)]
@@ -411,7 +451,8 @@ class KVLinkWorker:
     def _leased_pulls(self) -> list[tuple[_Pull, LeaseTerm]]:
         """LeaseRenewer: the pulls still running whose prefill request is known."""
         with self._lock:
-            pulls = [*self._resolving.values(), *self._ready, *(p for f in self._inflight for p in f.pulls)]
+            pulls = [*self._resolving.values(), *self._ready, *self._confirming.values(),
+                     *(p for f in self._inflight for p in f.pulls)]
             return [(p, p.term) for p in pulls if p.term is not None and not p.reported]
 
     def _abort(self, pull: _Pull, why: str) -> None:
@@ -438,7 +479,7 @@ class KVLinkWorker:
         the other requests of that batch are posted again.
         """
         with self._lock:
-            pull = self._resolving.pop(rid, None)
+            pull = self._resolving.pop(rid, None) or self._confirming.pop(rid, None)
             if pull is None:
                 pull = next((p for p in self._ready if p.spec.request_id == rid), None)
                 if pull is not None:
@@ -460,6 +501,7 @@ class KVLinkWorker:
         rid = pull.spec.request_id
         with self._lock:
             self._resolving.pop(rid, None)
+            self._confirming.pop(rid, None)
             if pull.reported:
                 return  # exactly one outcome per request
             pull.reported = True
@@ -503,7 +545,7 @@ class KVLinkWorker:
         """Fail every pull past its deadline, wherever it is (lookup, connect, queued, READ)."""
         now = time.monotonic()
         with self._lock:
-            late = [p for p in (*self._resolving.values(), *self._ready,
+            late = [p for p in (*self._resolving.values(), *self._ready, *self._confirming.values(),
                                 *(p for f in self._inflight for p in f.pulls))
                     if p.deadline < now and not p.reported]
         for p in late:
@@ -587,7 +629,8 @@ class KVLinkWorker:
                 if p.spec.request_id not in others:
                     if self.cfg.debug_corrupt_kv:
                         self._corrupt(p)
-                    self._finish(p, ok=True)
+                    p.read_at = now
+                    self._settle_lease(p)
         else:
             for p in fl.pulls:
                 self._finish(p, ok=False, why=_why(err))

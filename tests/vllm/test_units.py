@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
@@ -101,7 +103,7 @@ def _renewer(cli, terms):
     lost = []
     renewed = []
     r = LeaseRenewer(lambda url: cli, lambda: list(terms.items()), lambda p, why: lost.append((p, why)),
-                     renewed.append)
+                     lambda pulls, held_until: renewed.append((sorted(pulls), held_until)))
     return r, lost, renewed
 
 
@@ -113,9 +115,12 @@ def test_renewer_renews_due_pulls_grouped_per_engine():
              "b": LeaseTerm("http://b", "e1", "r2", 3.0, next_renew=0.0),
              "c": LeaseTerm("http://b", "e2", "r3", 3.0, next_renew=1e12)}
     r, lost, renewed = _renewer(cli, terms)
+    before = time.monotonic()
     r.renew_due(now=100.0)
     assert cli.calls == [("e1", ["r1", "r2"], 3.0)]
-    assert renewed == [2] and lost == []
+    assert lost == [] and [pulls for pulls, _ in renewed] == [["a", "b"]]
+    # the proof handed out: held for a lease from when the call was sent, no longer
+    assert before + 3.0 <= renewed[0][1] <= time.monotonic() + 3.0
     assert terms["a"].next_renew > 100.0 and terms["c"].next_renew == 1e12
 
 
@@ -124,9 +129,10 @@ def test_renewer_reports_lost_leases_and_retries_unreachable():
     from kvlink.vllm.lease import LeaseTerm
 
     terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0), "b": LeaseTerm("http://b", "e1", "r2", 3.0, 0.0)}
-    r, lost, _ = _renewer(_RenewClient(failed={"r2": RequestStatus.EXPIRED}), terms)
+    r, lost, renewed = _renewer(_RenewClient(failed={"r2": RequestStatus.EXPIRED}), terms)
     r.renew_due(now=100.0)
     assert [p for p, _ in lost] == ["b"] and "expired" in lost[0][1]
+    assert [pulls for pulls, _ in renewed] == [["a"]]  # no proof for the lost one
     terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0)}
     r, lost, _ = _renewer(_RenewClient(error=ConnectionError("down")), terms)
     wait = r.renew_due(now=100.0)
@@ -137,7 +143,7 @@ def test_renewer_reports_lost_leases_and_retries_unreachable():
 
 
 def test_unequal_tp_is_refused_with_a_clear_message():
-    """vLLM CPU here has 2 cores, so TP > 1 runs are not tested; the refusal of unequal TP is."""
+    """Unequal TP is refused at first contact, naming both sizes (equal TP=2 runs in test_tp.py)."""
     pytest.importorskip("vllm")
     from kvlink.bootstrap import EngineRegistration
     from kvlink.vllm.worker import KVLinkWorker, PullFailed, RankInfo
@@ -161,6 +167,13 @@ def test_transport_advertise_must_be_host_port():
     with pytest.raises(ConnectorConfigError, match="transport_advertise"):
         ConnectorConfig.from_extra({"transport_advertise": "nohost"})
     assert ConnectorConfig.from_extra({"transport_advertise": "127.0.0.1:5"}).transport_advertise
+
+
+def test_each_tensor_parallel_rank_gets_its_own_port():
+    cfg = ConnectorConfig.from_extra({"transport_port": 7000, "transport_advertise": "relay:9000"})
+    assert [cfg.transport_listen(r) for r in range(2)] == ["127.0.0.1:7000", "127.0.0.1:7001"]
+    assert [cfg.advertised(r) for r in range(2)] == ["relay:9000", "relay:9001"]
+    assert ConnectorConfig().transport_listen(1) == "127.0.0.1:0" and ConnectorConfig().advertised(1) is None
 
 
 # ----- security defaults, logging -------------------------------------------------------------------------

@@ -49,7 +49,20 @@ def pair(monkeypatch):
         srv.stop()
 
 
-def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]]):
+def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float = 30.0):
+    """Publish prefill's request (as its scheduler would), then hand decode the sequential params."""
+    _publish(url, rid, pairs, lease_s)
+    _submit(dec, url, rid, pairs)
+
+
+def _publish(url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float) -> None:
+    from kvlink.bootstrap import BootstrapClient
+
+    with BootstrapClient(url) as cli:
+        cli.publish("pre", "p-" + rid, [[r for _, r in pairs]], num_tokens=BLOCK * len(pairs), lease_s=lease_s)
+
+
+def _submit(dec, url: str, rid: str, pairs: list[tuple[int, int]]) -> None:
     from kvlink.vllm.metadata import PullSpec, RemoteSource
 
     src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-" + rid,
@@ -126,3 +139,39 @@ def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
     _pull(dec, url, "r6", [(2, 2)])
     assert dec._inflight and dec._inflight[0].pulls[0].spec.request_id == "r6"
     assert _outcome(dec, "r6") == "ok"
+
+
+def test_pull_whose_lease_ran_out_is_recomputed(pair):
+    """Decode got to the request after prefill's lease ran out (prefill may have reused the blocks): the
+    first renewal says so and the pull fails (recompute) although the READ itself went through."""
+    pre, dec, url = pair
+    _publish(url, "r7", [(1, 1), (2, 2)], lease_s=0.2)
+    time.sleep(0.5)
+    _submit(dec, url, "r7", [(1, 1), (2, 2)])
+    assert _outcome(dec, "r7") == "failed"
+    assert dec.take_load_error_blocks() == {1, 2}
+
+
+def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
+    """A READ that beats the first renewal's round trip is not reported until the renewal proves the lease
+    held; then it is reported done."""
+    pre, dec, url = pair
+    real = dec._renewer._clients
+
+    class SlowRenew:
+        def __init__(self, cli):
+            self.cli = cli
+
+        def renew(self, *a, **kw):
+            time.sleep(0.6)
+            return self.cli.renew(*a, **kw)
+
+    monkeypatch.setattr(dec._renewer, "_clients", lambda u: SlowRenew(real(u)))
+    _pull(dec, url, "r8", [(3, 3)])
+    time.sleep(0.3)
+    _, recving, failed = dec.transfer_results()
+    assert "r8" not in recving and "r8" not in failed
+    assert "r8" in dec._confirming  # READ done, proof pending
+    assert _outcome(dec, "r8") == "ok"
+    for name, t in dec.kv_caches.items():
+        assert torch.equal(t[3], pre.kv_caches[name][3])
