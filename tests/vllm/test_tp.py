@@ -1,0 +1,140 @@
+"""Tensor parallelism through the real path: KVLinkWorkers of a TP=2 prefill and a TP=2 decode, each rank
+with its own real transport engine (TCP, C core) and KV shard, paired through a real bootstrap server.
+
+vLLM gives every TP rank its own connector worker with its own shard of the KV heads and the same block
+ids. Rank i of decode must pull from rank i of prefill (never another rank's shard); a decode whose TP
+differs is refused at first contact. Two vLLM servers at TP=2 need 4 worker processes; on the 2-core test
+machine they starve each other for tens of seconds (see docs/NOTES-connector.md), so the ranks run here,
+in one process, over loopback sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BLOCKS, HEADS, BLOCK, HEAD2 = 8, 1, 32, 128  # one KV head per rank: the model's 2 heads split over TP=2
+TP = 2
+
+
+def _shard(rank: int, fill: float) -> dict:
+    """Two layers of one rank's KV shard, every block distinct per (rank, layer, block)."""
+    buf = torch.empty((2, BLOCKS, HEADS, BLOCK, HEAD2), dtype=torch.bfloat16)
+    for layer in range(2):
+        for b in range(BLOCKS):
+            buf[layer, b] = fill + 100 * rank + 10 * layer + b
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P+1 free (prefill rank i listens on transport_port + i)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _outcome(worker, rid: str, wait_s: float = 30.0) -> str:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.transfer_results()
+        if rid in failed:
+            return "failed"
+        if rid in recving:
+            return "ok"
+        time.sleep(0.01)
+    return "still waiting"
+
+
+def _submit(worker, url: str, rid: str, pairs: list[tuple[int, int]]) -> None:
+    from kvlink.vllm.metadata import PullSpec, RemoteSource
+
+    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-" + rid,
+                       block_ids=tuple(r for _, r in pairs), lease_s=30.0)
+    worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs),
+                            skip_remote_blocks=0, source=src))
+
+
+@pytest.fixture
+def tp2():
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    port = _two_free_ports()
+    pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=port)
+    dec_cfg = ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0)
+    workers = []
+    try:
+        pre = [KVLinkWorker(pre_cfg, RankInfo("pre", r, TP, 0, 1, "m"), "kv_producer") for r in range(TP)]
+        workers += pre
+        dec = [KVLinkWorker(dec_cfg, RankInfo("dec", r, TP, 0, 1, "m"), "kv_consumer") for r in range(TP)]
+        workers += dec
+        for r in range(TP):
+            pre[r].register_kv_caches(_shard(r, 1.0))
+            dec[r].register_kv_caches(_shard(r, -1000.0))
+            pre[r]._ensure_registered(srv.url)
+        with BootstrapClient(srv.url) as cli:
+            yield pre, dec, srv.url, cli, port
+    finally:
+        for w in workers:
+            w.shutdown()
+        srv.stop()
+
+
+def test_rank_i_pulls_rank_i_shard_over_its_own_port(tp2):
+    pre, dec, url, cli, port = tp2
+    regs = sorted(cli.engine_ranks("pre"), key=lambda r: r.tp_rank)
+    assert [(r.tp_rank, r.tp_size) for r in regs] == [(0, 2), (1, 2)]
+    assert [r.transport_addr for r in regs] == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+
+    pairs = [(1, 5), (2, 6), (3, 2)]  # one request, the same block ids on every rank
+    cli.publish("pre", "p-r1", [[b for _, b in pairs]], num_tokens=3 * BLOCK, lease_s=30.0)
+    for r in range(TP):
+        _submit(dec[r], url, "r1", pairs)
+    assert [_outcome(dec[r], "r1") for r in range(TP)] == ["ok", "ok"]
+    for r in range(TP):
+        for name, t in dec[r].kv_caches.items():
+            for local, remote in pairs:
+                assert torch.equal(t[local], pre[r].kv_caches[name][remote]), (r, name, local)
+                assert not torch.equal(t[local], pre[1 - r].kv_caches[name][remote])  # not the other shard
+            assert torch.equal(t[4], _shard(r, -1000.0)[name][4])  # a block not asked for is untouched
+    # each decode rank connected to its own prefill rank, nowhere else
+    for r in range(TP):
+        assert [key for key in dec[r]._remotes] == [(url, "pre")]
+        assert dec[r].get_stats().data["pulls_ok"] == 1
+
+
+def test_unequal_tp_is_refused_at_first_contact(tp2, caplog):
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    pre, dec, url, cli, port = tp2
+    solo = KVLinkWorker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0),
+                        RankInfo("solo", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        solo.register_kv_caches(_shard(0, -1000.0))
+        cli.publish("pre", "p-r2", [[5]], num_tokens=BLOCK, lease_s=30.0)
+        with caplog.at_level(logging.WARNING, logger="kvlink"):
+            _submit(solo, url, "r2", [(1, 5)])
+            assert _outcome(solo, "r2") == "failed"
+        assert solo.take_load_error_blocks() == {1}
+        assert "prefill engine pre runs TP=2, this decode TP=1: kvlink supports equal TP only" in caplog.text
+        assert not solo._remotes  # never connected
+    finally:
+        solo.shutdown()
