@@ -1,11 +1,16 @@
-"""Tensor parallelism through the real path: KVLinkWorkers of a TP=2 prefill and a TP=2 decode, each rank
-with its own real transport engine (TCP, C core) and KV shard, paired through a real bootstrap server.
+"""Tensor parallelism. vLLM gives every TP rank its own connector worker with its own shard of the KV
+heads and the same block ids. Rank i of decode must pull from rank i of prefill (never another rank's
+shard); a decode whose TP differs is refused at first contact.
 
-vLLM gives every TP rank its own connector worker with its own shard of the KV heads and the same block
-ids. Rank i of decode must pull from rank i of prefill (never another rank's shard); a decode whose TP
-differs is refused at first contact. Two vLLM servers at TP=2 need 4 worker processes; on the 2-core test
-machine they starve each other for tens of seconds (see docs/NOTES-connector.md), so the ranks run here,
-in one process, over loopback sockets.
+- Real vLLM at TP=2: one server with ``kv_role="kv_both"`` hands requests to itself, so each of its two
+  worker processes pulls its own shard through the real connector path (publish, bootstrap, transport
+  over loopback, finished-receiving aggregated over both ranks by vLLM).
+- Separate prefill and decode ranks: KVLinkWorkers of a TP=2 prefill and a TP=2 decode, each rank with
+  its own real transport engine (TCP, C core), its own port and KV shard, paired through a real bootstrap
+  server, in this process.
+
+Why not two TP=2 servers: on the 2-core test machine their 4 workers' gloo threads (``gloo_tcp_loop``,
+13 per worker, all runnable) starve every other process for up to 40 s (docs/NOTES-connector.md).
 """
 
 from __future__ import annotations
@@ -67,6 +72,43 @@ def _submit(worker, url: str, rid: str, pairs: list[tuple[int, int]]) -> None:
                        block_ids=tuple(r for _, r in pairs), lease_s=30.0)
     worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs),
                             skip_remote_blocks=0, source=src))
+
+
+def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
+    from tests.vllm.helpers import Server, complete, kv_config, text, token_prompts
+
+    kv = kv_config("kv_both", transport_backend="tcp")
+    srv = Server(tiny_model, kv, cpu="0|1", log=tmp_path / "tp2.log",
+                 extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                             "--no-enable-prefix-caching"])  # decode must pull, not hit its own cache
+    try:
+        srv.wait_ready()
+        block_bytes = 2 * 1 * 32 * 64 * 2  # K and V x 1 KV head per rank x 32 tokens x head size 64 x bf16
+        pulled = 0
+        for n in (20, 64, 300):  # shorter than a block, exactly 2 blocks, several blocks
+            prompt = token_prompts([n], seed=40 + n)[0]
+            want = text(complete(srv.url, prompt))
+            params = complete(srv.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+            assert text(complete(srv.url, prompt, params)) == want, n
+            pulled += len(params["remote_block_ids"])
+        # both ranks pulled their shard of every block: 2 layers x block_bytes per rank
+        assert srv.metric("kvlink_pulls_failed_total") == 0.0
+        assert srv.metric("kvlink_bytes_pulled_total") == pulled * 2 * block_bytes * 2
+        # negative control: prompt A decoded on prompt B's KV (same length) gives another answer
+        a, b = token_prompts([300, 300], seed=99)
+        want = text(complete(srv.url, a))
+        params_a, params_b = (complete(srv.url, p, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+                              for p in (a, b))
+        failed = srv.metric("kvlink_pulls_failed_total")
+        assert text(complete(srv.url, a, params_b)) != want
+        assert text(complete(srv.url, a, params_a)) == want
+        assert srv.metric("kvlink_pulls_failed_total") == failed  # both pulled, neither recomputed
+        deadline = time.monotonic() + 30
+        while srv.metric("kvlink_held_blocks") != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert srv.metric("kvlink_held_blocks") == 0.0  # every pulled request freed on the prefill side
+    finally:
+        srv.stop()
 
 
 @pytest.fixture
