@@ -15,12 +15,14 @@ COUNTERS = (
     "bytes_pulled", "blocks_pulled", "batches", "descriptors", "pulls_ok", "pulls_failed",
     "pulls_cancelled", "published", "publish_failures", "released_pulled", "released_abandoned",
     "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
+    "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
 )
 GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode right now
           "pulls_in_progress")  # decode: requests waiting for their KV right now
 # transfer_s: one sample per batched READ, post to completion; pull_s: one per request, from the worker
-# receiving the pull (start_load_kv) to its KV in place (lookup, connect and queueing included).
+# receiving the pull (start_load_kv) to its KV in place and trusted (lookup, connect, queueing and any
+# wait for the lease proof included).
 SERIES = ("transfer_s", "pull_s")
 
 

@@ -340,6 +340,7 @@ class KVLinkWorker:
                 return
             if pull.read_at >= pull.held_until:
                 self._confirming[pull.spec.request_id] = pull
+                self._stats.add("lease_proof_waits")
                 if pull.term is not None:
                     pull.term.next_renew = 0.0  # due now
                 wait = True
@@ -508,6 +509,8 @@ class KVLinkWorker:
             if ok:
                 self._done.add(rid)
                 self._stats.add("pulls_ok")
+                if pull.read_at:
+                    self._stats.sample("pull_s", time.monotonic() - pull.submitted)
             else:
                 self._failed[rid] = pull.spec.local_block_ids
                 self._load_error_blocks.update(pull.spec.local_block_ids)
@@ -622,9 +625,6 @@ class KVLinkWorker:
                 self._stats.add("blocks_pulled", fl.nblocks)
                 self._stats.add("descriptors", fl.ndesc)
                 self._stats.sample("transfer_s", now - fl.started)
-                for p in fl.pulls:
-                    if p.spec.request_id not in others:
-                        self._stats.sample("pull_s", now - p.submitted)
             for p in fl.pulls:
                 if p.spec.request_id not in others:
                     if self.cfg.debug_corrupt_kv:

@@ -140,3 +140,29 @@ def complete(url, prompt, params=None, max_tokens=10, timeout=60.0, stream=False
 
 def text(out):
     return out["choices"][0]["text"]
+
+
+# ----- driving a KVLinkWorker directly (tests/vllm/test_worker.py, test_tp.py) -----------------------------
+
+
+def submit_pull(worker, url: str, rid: str, pairs: list[tuple[int, int]], engine_id: str = "pre") -> None:
+    """Hand a decode worker the sequential params of prefill request ``p-<rid>``: (local, remote) blocks."""
+    from kvlink.vllm.metadata import PullSpec, RemoteSource
+
+    src = RemoteSource(bootstrap_url=url, engine_id=engine_id, request_id="p-" + rid,
+                       block_ids=tuple(r for _, r in pairs), lease_s=30.0)
+    worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), skip_remote_blocks=0,
+                            source=src))
+
+
+def pull_outcome(worker, rid: str, wait_s: float = 20.0) -> str:
+    """'ok' or 'failed' once the worker reports the request, else 'still waiting' after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.transfer_results()
+        if rid in failed:
+            return "failed"
+        if rid in recving:
+            return "ok"
+        time.sleep(0.01)
+    return "still waiting"

@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from tests.vllm.helpers import pull_outcome, submit_pull
+
 torch = pytest.importorskip("torch")
 
 BLOCKS, HEADS, BLOCK, HEAD2 = 8, 1, 32, 128  # one KV head per rank: the model's 2 heads split over TP=2
@@ -51,27 +53,6 @@ def _two_free_ports() -> int:
                     continue
         return p
     raise RuntimeError("no two consecutive free ports")
-
-
-def _outcome(worker, rid: str, wait_s: float = 30.0) -> str:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        _, recving, failed = worker.transfer_results()
-        if rid in failed:
-            return "failed"
-        if rid in recving:
-            return "ok"
-        time.sleep(0.01)
-    return "still waiting"
-
-
-def _submit(worker, url: str, rid: str, pairs: list[tuple[int, int]]) -> None:
-    from kvlink.vllm.metadata import PullSpec, RemoteSource
-
-    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-" + rid,
-                       block_ids=tuple(r for _, r in pairs), lease_s=30.0)
-    worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs),
-                            skip_remote_blocks=0, source=src))
 
 
 def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
@@ -148,8 +129,8 @@ def test_rank_i_pulls_rank_i_shard_over_its_own_port(tp2):
     pairs = [(1, 5), (2, 6), (3, 2)]  # one request, the same block ids on every rank
     cli.publish("pre", "p-r1", [[b for _, b in pairs]], num_tokens=3 * BLOCK, lease_s=30.0)
     for r in range(TP):
-        _submit(dec[r], url, "r1", pairs)
-    assert [_outcome(dec[r], "r1") for r in range(TP)] == ["ok", "ok"]
+        submit_pull(dec[r], url, "r1", pairs)
+    assert [pull_outcome(dec[r], "r1") for r in range(TP)] == ["ok", "ok"]
     for r in range(TP):
         for name, t in dec[r].kv_caches.items():
             for local, remote in pairs:
@@ -173,8 +154,8 @@ def test_unequal_tp_is_refused_at_first_contact(tp2, caplog):
         solo.register_kv_caches(_shard(0, -1000.0))
         cli.publish("pre", "p-r2", [[5]], num_tokens=BLOCK, lease_s=30.0)
         with caplog.at_level(logging.WARNING, logger="kvlink"):
-            _submit(solo, url, "r2", [(1, 5)])
-            assert _outcome(solo, "r2") == "failed"
+            submit_pull(solo, url, "r2", [(1, 5)])
+            assert pull_outcome(solo, "r2") == "failed"
         assert solo.take_load_error_blocks() == {1}
         assert "prefill engine pre runs TP=2, this decode TP=1: kvlink supports equal TP only" in caplog.text
         assert not solo._remotes  # never connected

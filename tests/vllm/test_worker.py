@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests import fakes_transport
+from tests.vllm.helpers import pull_outcome, submit_pull
 
 torch = pytest.importorskip("torch")
 
@@ -52,7 +53,7 @@ def pair(monkeypatch):
 def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float = 30.0):
     """Publish prefill's request (as its scheduler would), then hand decode the sequential params."""
     _publish(url, rid, pairs, lease_s)
-    _submit(dec, url, rid, pairs)
+    submit_pull(dec, url, rid, pairs)
 
 
 def _publish(url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float) -> None:
@@ -62,32 +63,10 @@ def _publish(url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float) -
         cli.publish("pre", "p-" + rid, [[r for _, r in pairs]], num_tokens=BLOCK * len(pairs), lease_s=lease_s)
 
 
-def _submit(dec, url: str, rid: str, pairs: list[tuple[int, int]]) -> None:
-    from kvlink.vllm.metadata import PullSpec, RemoteSource
-
-    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-" + rid,
-                       block_ids=tuple(r for _, r in pairs), lease_s=30.0)
-    dec._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), skip_remote_blocks=0,
-                         source=src))
-
-
-def _outcome(dec, rid: str, wait_s: float = 20.0) -> str:
-    """'ok' or 'failed' once the worker reports the request (well inside pull_timeout_s = 60 s)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        _, recving, failed = dec.transfer_results()
-        if rid in failed:
-            return "failed"
-        if rid in recving:
-            return "ok"
-        time.sleep(0.01)
-    return "still waiting"
-
-
 def test_pull_copies_the_blocks_and_times_the_request(pair):
     pre, dec, url = pair
     _pull(dec, url, "r1", [(1, 3), (2, 4)])
-    assert _outcome(dec, "r1") == "ok"
+    assert pull_outcome(dec, "r1") == "ok"
     for name, t in dec.kv_caches.items():
         src = pre.kv_caches[name]
         assert torch.equal(t[1], src[3]) and torch.equal(t[2], src[4])
@@ -105,12 +84,12 @@ def test_dropped_connection_fails_the_pull_at_once(pair, monkeypatch):
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.3)
     monkeypatch.setattr(fakes_transport.Engine, "fail_with", fakes_transport.PeerGone("connection reset by peer"))
     _pull(dec, url, "r2", [(1, 1), (2, 2), (3, 3)])
-    assert _outcome(dec, "r2") == "failed"
+    assert pull_outcome(dec, "r2") == "failed"
     assert dec.take_load_error_blocks() == {1, 2, 3}
     assert dec.get_stats().data["pulls_failed"] == 1
     monkeypatch.setattr(fakes_transport.Engine, "fail_with", None)
     _pull(dec, url, "r3", [(4, 4)])  # reconnects after the failure
-    assert _outcome(dec, "r3") == "ok"
+    assert pull_outcome(dec, "r3") == "ok"
 
 
 def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
@@ -122,7 +101,7 @@ def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
         time.sleep(0.01)
     assert dec._inflight, "the READ was never posted"
     dec._cancel("r4")
-    assert _outcome(dec, "r4") == "ok"  # a cancelled request is released as finished, exactly once
+    assert pull_outcome(dec, "r4") == "ok"  # a cancelled request is released as finished, exactly once
     time.sleep(0.8)  # the cancelled batch's waiter returns; nothing may be reported again
     _, recving, failed = dec.transfer_results()
     assert "r4" not in recving and "r4" not in failed
@@ -134,11 +113,11 @@ def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
     calling (vLLM) thread, not handed to a resolver thread."""
     pre, dec, url = pair
     _pull(dec, url, "r5", [(1, 1)])  # first contact goes through a resolver thread
-    assert _outcome(dec, "r5") == "ok"
+    assert pull_outcome(dec, "r5") == "ok"
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
     _pull(dec, url, "r6", [(2, 2)])
     assert dec._inflight and dec._inflight[0].pulls[0].spec.request_id == "r6"
-    assert _outcome(dec, "r6") == "ok"
+    assert pull_outcome(dec, "r6") == "ok"
 
 
 def test_pull_whose_lease_ran_out_is_recomputed(pair):
@@ -147,8 +126,8 @@ def test_pull_whose_lease_ran_out_is_recomputed(pair):
     pre, dec, url = pair
     _publish(url, "r7", [(1, 1), (2, 2)], lease_s=0.2)
     time.sleep(0.5)
-    _submit(dec, url, "r7", [(1, 1), (2, 2)])
-    assert _outcome(dec, "r7") == "failed"
+    submit_pull(dec, url, "r7", [(1, 1), (2, 2)])
+    assert pull_outcome(dec, "r7") == "failed"
     assert dec.take_load_error_blocks() == {1, 2}
 
 
@@ -172,6 +151,9 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
     _, recving, failed = dec.transfer_results()
     assert "r8" not in recving and "r8" not in failed
     assert "r8" in dec._confirming  # READ done, proof pending
-    assert _outcome(dec, "r8") == "ok"
+    assert pull_outcome(dec, "r8") == "ok"
+    stats = dec.get_stats().data
+    assert stats["lease_proof_waits"] == 1
+    assert stats["pull_s"][-1] >= 0.5  # the request's time includes the wait for the proof
     for name, t in dec.kv_caches.items():
         assert torch.equal(t[3], pre.kv_caches[name][3])
