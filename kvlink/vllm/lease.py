@@ -41,6 +41,7 @@ class LeaseRenewer:
     """Thread that renews the leases of running pulls. ``clients(url)`` gives a BootstrapClient."""
 
     MAX_IDLE_S = 1.0  # how often it looks for new pulls when none is due
+    MIN_ROUND_S = 0.01  # rounds at most this often: a burst of new pulls shares one call per engine
 
     def __init__(self, clients: Callable[[str], Any], active: Callable[[], Iterable[tuple[Any, LeaseTerm]]],
                  lost: Callable[[Any, str], None],
@@ -66,12 +67,14 @@ class LeaseRenewer:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._kick.clear()  # before the round: a kick during it makes the wait below return at once
+            started = time.monotonic()
             try:
-                wait = self.renew_due(time.monotonic())
+                wait = self.renew_due(started)
             except Exception:  # noqa: BLE001 - never let the renewer die; the pull deadline still bounds
                 logger.exception("kvlink: lease renewal round failed")
                 wait = self.MAX_IDLE_S
             self._kick.wait(wait)
+            self._stop.wait(self.MIN_ROUND_S - (time.monotonic() - started))  # no-op if negative
 
     def renew_due(self, now: float) -> float:
         """Renew every pull that is due; return how long to sleep until the next one is."""

@@ -112,22 +112,57 @@ class KVLinkScheduler:
     # ----- prefill -----------------------------------------------------------------------------------
 
     def _watch_releases(self) -> None:
-        """Thread: ask the bootstrap server which held requests decode is done with."""
+        """Thread: ask the bootstrap server which held requests decode is done with.
+
+        Outcomes are delivered reliably while the server keeps the engine, but a restarted server, or one
+        that dropped the engine (heartbeats missed while it was stalled), has lost them. So after any failed
+        poll, and every half lease anyway, held requests are looked up (``_reconcile``) and those the server
+        no longer holds are freed.
+        """
         warned = False
+        reconcile_at = time.monotonic() + self.cfg.lease_s / 2
         while not self._closed.wait(self.cfg.release_poll_s):
             if not self._held:
                 continue
             try:
-                for rid, outcome in self.clients.get(self.bootstrap_url).poll_released(self.engine_id):
+                cli = self.clients.get(self.bootstrap_url)
+                for rid, outcome in cli.poll_released(self.engine_id):
                     self._released.put((rid, str(getattr(outcome, "value", outcome))))
+                if time.monotonic() >= reconcile_at:
+                    self._reconcile(cli)
+                    reconcile_at = time.monotonic() + self.cfg.lease_s / 2
                 self._bootstrap_ok_at = time.monotonic()
                 warned = False
             except Exception as e:  # noqa: BLE001 - the local lease deadline still frees blocks
+                reconcile_at = 0.0  # as soon as the server answers again
                 if not warned:
                     logger.warning("kvlink: cannot poll bootstrap %s for released requests: %s "
                                    "(held blocks will be freed at lease expiry)", self.bootstrap_url, e)
                     warned = True
                 self._closed.wait(0.5)
+
+    def _reconcile(self, cli) -> int:
+        """Free held requests that the bootstrap server no longer holds (unknown, expired or released):
+        nobody can renew their leases, and decode trusts a pull only with a renewal. Returns how many."""
+        from kvlink.bootstrap import RequestStatus
+        from kvlink.bootstrap.errors import UnknownEngine
+
+        held = list(self._held)
+        gone = []
+        for i in range(0, len(held), 1024):
+            chunk = held[i:i + 1024]
+            try:
+                answer = cli.lookup(self.engine_id, chunk)
+            except UnknownEngine:  # the server dropped the engine, and its requests with it
+                answer = {rid: RequestStatus.UNKNOWN for rid in chunk}
+            gone += [rid for rid, rec in answer.items() if isinstance(rec, RequestStatus)]
+        for rid in gone:
+            self._released.put((rid, "expired"))
+        if gone:
+            logger.warning("kvlink: bootstrap %s no longer holds %d of this engine's held requests (server "
+                           "restarted, or the engine's registration lapsed); freeing their blocks",
+                           self.bootstrap_url, len(gone))
+        return len(gone)
 
     def _finished_producer(self, request: "Request", params: dict, block_ids: list[int]):
         from vllm.v1.request import RequestStatus

@@ -1,0 +1,64 @@
+"""Prefill's scheduler side against a real bootstrap server: held blocks are freed even when the server
+loses their outcomes (it dropped the engine after missed heartbeats, or restarted)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def prefill():
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
+                             protocol_version=1, compat_hash="x")
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=2.0), "pre", "kv_producer", 32)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(reg, 60.0)
+            yield sched, cli, reg
+    finally:
+        sched.shutdown()
+        srv.stop()
+
+
+def _hold(sched, cli, rid: str) -> None:
+    """What _finished_producer does for a finished request: publish it, then hold its blocks."""
+    cli.publish("pre", rid, [[1, 2]], num_tokens=64, lease_s=60.0)
+    sched._held[rid] = (time.monotonic() + 600.0, 2)  # local deadline far away: only the server can free
+
+
+def _freed(sched, want: set[str], wait_s: float = 10.0) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not want <= got:
+        got |= set(sched._take_frees())
+        time.sleep(0.05)
+    return got
+
+
+def test_requests_lost_with_a_dropped_engine_are_freed(prefill):
+    sched, cli, reg = prefill
+    for rid in ("r1", "r2", "r3"):
+        _hold(sched, cli, rid)
+    cli.unregister_engine("pre")  # as when its lease ran out: its requests go, with no outcome queued
+    cli.register_engine(reg, 60.0)  # the heartbeater registers it again
+    _hold(sched, cli, "r4")  # published after: still held by the server
+    assert _freed(sched, {"r1", "r2", "r3"}) == {"r1", "r2", "r3"}  # found by the periodic lookup
+    assert set(sched._held) == {"r4"}
+    assert sched._reconcile(cli) == 0  # nothing else to free
+
+
+def test_normal_outcomes_still_come_from_the_poll(prefill):
+    sched, cli, reg = prefill
+    _hold(sched, cli, "r5")
+    cli.release("pre", "r5", "pulled")
+    assert _freed(sched, {"r5"}, wait_s=1.0) == {"r5"}  # well before the first lookup (half a lease)
+    assert sched.get_kv_connector_stats().data["released_pulled"] == 1
