@@ -261,19 +261,19 @@ class ThrottledRelay:
 
         try:
             while True:
-                rate = self.rate if downstream else None
-                data = src.recv(self.CHUNK if rate else 1 << 16)
+                data = src.recv(self.CHUNK if downstream and self.rate else 1 << 16)
                 if not data:
                     break
-                if rate:
+                rate = self.rate if downstream else None  # read after recv: bytes that arrive after
+                if rate:                                  # throttle() are all throttled
                     with self._lock:
-                        now = time.monotonic()
                         if not self.first_byte.is_set():
-                            self.first_at = now
+                            self.first_at = time.monotonic()
                             self.first_byte.set()
                         self.throttled_bytes += len(data)
                     time.sleep(len(data) / rate)  # the throttle itself, not synchronization
-                    self.last_at = time.monotonic()
+                    with self._lock:
+                        self.last_at = time.monotonic()
                 dst.sendall(data)
         except OSError:
             pass

@@ -73,6 +73,7 @@ class KVLinkScheduler:
         self.bootstrap_url: str | None = cfg.bootstrap_url
         self._held: dict[str, tuple[float, int]] = {}  # request id -> (local deadline, number of blocks)
         self._released: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, outcome)
+        self._released_seen: set[str] = set()  # held ids the last reconcile lookup found released
         self._bootstrap_ok_at = time.monotonic()  # last successful poll (written by the watcher thread)
         self._gauges_sent: tuple[int, int] | None = None
         # Decode state (scheduler thread only).
@@ -142,22 +143,34 @@ class KVLinkScheduler:
                 self._closed.wait(0.5)
 
     def _reconcile(self, cli) -> int:
-        """Free held requests that the bootstrap server no longer holds (unknown, expired or released):
-        nobody can renew their leases, and decode trusts a pull only with a renewal. Returns how many."""
+        """Free held requests that the bootstrap server no longer holds: nobody can renew their leases, and
+        decode trusts a pull only with a renewal. Returns how many.
+
+        Unknown or expired: freed now. Released: decode reported it, and its outcome is normally on its way
+        through the poll (a release can land between a poll and this lookup), so it is freed here only if
+        the previous lookup saw it released too: then its outcome was lost with a dropped engine.
+        """
         from kvlink.bootstrap import RequestStatus
         from kvlink.bootstrap.errors import UnknownEngine
 
         held = list(self._held)
-        gone = []
+        lost, released = [], set()
         for i in range(0, len(held), 1024):
             chunk = held[i:i + 1024]
             try:
                 answer = cli.lookup(self.engine_id, chunk)
             except UnknownEngine:  # the server dropped the engine, and its requests with it
                 answer = {rid: RequestStatus.UNKNOWN for rid in chunk}
-            gone += [rid for rid, rec in answer.items() if isinstance(rec, RequestStatus)]
-        for rid in gone:
-            self._released.put((rid, "expired"))
+            for rid, rec in answer.items():
+                if rec is RequestStatus.RELEASED:
+                    released.add(rid)
+                elif isinstance(rec, RequestStatus):
+                    lost.append(rid)
+        gone = [(rid, "expired") for rid in lost]
+        gone += [(rid, "released") for rid in released & self._released_seen]
+        self._released_seen = released - self._released_seen
+        for item in gone:
+            self._released.put(item)
         if gone:
             logger.warning("kvlink: bootstrap %s no longer holds %d of this engine's held requests (server "
                            "restarted, or the engine's registration lapsed); freeing their blocks",
@@ -222,8 +235,8 @@ class KVLinkScheduler:
                 break
             if self._held.pop(rid, None) is not None:
                 frees.append(rid)
-                self._count({"pulled": "released_pulled", "abandoned": "released_abandoned"}.get(
-                    outcome, "leases_expired"))
+                self._count({"pulled": "released_pulled", "abandoned": "released_abandoned",
+                             "released": "released_unreported"}.get(outcome, "leases_expired"))
         now = time.monotonic()
         if self._held and now - self._bootstrap_ok_at > self.cfg.lease_s:
             for rid in [r for r, (deadline, _) in self._held.items() if deadline < now]:

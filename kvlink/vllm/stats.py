@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 COUNTERS = (
     "bytes_pulled", "blocks_pulled", "batches", "descriptors", "pulls_ok", "pulls_failed",
     "pulls_cancelled", "published", "publish_failures", "released_pulled", "released_abandoned",
+    "released_unreported",  # freed because the server said released twice, its outcome lost
     "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)

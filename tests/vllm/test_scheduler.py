@@ -62,3 +62,25 @@ def test_normal_outcomes_still_come_from_the_poll(prefill):
     cli.release("pre", "r5", "pulled")
     assert _freed(sched, {"r5"}, wait_s=1.0) == {"r5"}  # well before the first lookup (half a lease)
     assert sched.get_kv_connector_stats().data["released_pulled"] == 1
+
+
+def test_a_release_between_poll_and_lookup_is_not_counted_expired(prefill):
+    """Decode's release can land after a poll and before the periodic lookup: the lookup then sees it
+    released while its outcome is still queued for the next poll. That is not a lease expiry."""
+    sched, cli, reg = prefill
+    _hold(sched, cli, "r6")
+    cli.release("pre", "r6", "pulled")
+    assert sched._reconcile(cli) == 0  # first sighting: the poll delivers the outcome
+    assert _freed(sched, {"r6"}) == {"r6"}
+    stats = sched.get_kv_connector_stats().data
+    assert (stats["released_pulled"], stats["leases_expired"]) == (1, 0)
+
+
+def test_a_release_whose_outcome_was_lost_is_freed_on_the_second_lookup(prefill):
+    sched, cli, reg = prefill
+    _hold(sched, cli, "r7")
+    cli.release("pre", "r7", "abandoned")
+    assert sched._reconcile(cli) == 0
+    assert sched._reconcile(cli) == 1  # still released a lookup later: freed even if no poll ever says so
+    assert "r7" in _freed(sched, {"r7"})
+    assert sched._reconcile(cli) == 0

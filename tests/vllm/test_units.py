@@ -103,7 +103,7 @@ def _renewer(cli, terms):
     lost = []
     renewed = []
     r = LeaseRenewer(lambda url: cli, lambda: list(terms.items()), lambda p, why: lost.append((p, why)),
-                     lambda pulls, held_until: renewed.append((sorted(pulls), held_until)))
+                     lambda pulls, held_until: renewed.append((sorted(pulls), held_until)), spawn=lambda f: f())
     return r, lost, renewed
 
 
@@ -137,6 +137,34 @@ def test_renewer_reports_lost_leases_and_retries_unreachable():
     r, lost, _ = _renewer(_RenewClient(error=ConnectionError("down")), terms)
     wait = r.renew_due(now=100.0)
     assert lost == [] and wait <= 0.5  # retried soon; the pull's own deadline bounds it
+
+
+def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
+    """One pull's bootstrap server never answers; pulls from another server keep being renewed (on the
+    real renewer thread and pool)."""
+    import threading
+
+    from kvlink.vllm.lease import LeaseRenewer, LeaseTerm
+
+    hung, ok = threading.Event(), _RenewClient()
+
+    class _Hung:
+        def renew(self, engine_id, request_ids, lease_s):
+            hung.wait(30)
+            raise ConnectionError("hung server gave up")
+
+    renewed = []
+    terms = {"h": LeaseTerm("http://hung", "e1", "r1", 0.3, 0.0), "o": LeaseTerm("http://ok", "e2", "r2", 0.3, 0.0)}
+    r = LeaseRenewer(lambda url: _Hung() if "hung" in url else ok, lambda: list(terms.items()),
+                     lambda p, why: None, lambda pulls, held_until: renewed.extend(pulls)).start()
+    try:
+        deadline = time.monotonic() + 20
+        while renewed.count("o") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert renewed.count("o") >= 3 and "h" not in renewed
+    finally:
+        hung.set()
+        r.stop()
 
 
 # ----- tensor parallelism -----------------------------------------------------------------------------------
