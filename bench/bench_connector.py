@@ -1,5 +1,8 @@
 """TTFT and KV transfer time per request: single server vs PD through kvlink vs PD through NixlConnector.
 
+Modes: single; kvlink (transport_backend auto: a same-host copy here); kvlink-tcp (kvlink's TCP transport
+forced, the same wire as NIXL's); nixl.
+
     PYTHONPATH=. .venv/bin/python bench/bench_connector.py --requests 8 [--nixl-path DIR]
 
 Uses the kvheavy model (32 KiB of KV per token) and prompts of 1,000-2,000 tokens, sent one at a time
@@ -10,7 +13,7 @@ whole set and prints the median of the per-run medians.
 
 KV transfer time, the same definition for both connectors: from the decode worker issuing the pull to
 the connector seeing the data in place. kvlink: ``kvlink_pull_seconds`` (the worker receives the pull in
-start_load_kv; it ends when the READ completes). NIXL: ``vllm:nixl_xfer_time_seconds`` (NIXL's own
+start_load_kv; it ends when the READ completes and the lease proof is in). NIXL: ``vllm:nixl_xfer_time_seconds`` (NIXL's own
 telemetry: the READ is posted in start_load_kv; it ends when the worker's completion check sees it done).
 NIXL runs over UCX TCP on loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``).
 """
@@ -62,10 +65,12 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
             srv.wait_ready()
             url, dec = srv.url, None
         else:
-            if mode == "kvlink":
+            if mode.startswith("kvlink"):
+                # kvlink-tcp: the TCP transport even on one host, the same wire as NIXL's UCX TCP.
+                extra = dict(kvlink_extra or {}, **({"transport_backend": "tcp"} if mode == "kvlink-tcp" else {}))
                 bport = free_port()
-                pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, **(kvlink_extra or {}))
-                dec_kv = kvlink_config("kv_consumer", **(kvlink_extra or {}))
+                pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, **extra)
+                dec_kv = kvlink_config("kv_consumer", **extra)
                 env_p = env_d = None
             else:
                 pre_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
@@ -83,7 +88,7 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
                                        env=env_d))
             pre.wait_ready()
             dec.wait_ready()
-            conc = proxy_mode == "concurrent" and mode == "kvlink"  # NIXL pairs sequentially only
+            conc = proxy_mode == "concurrent" and mode.startswith("kvlink")  # NIXL pairs sequentially only
             proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent" if conc else "sequential",
                                         bootstrap=f"http://127.0.0.1:{bport}" if conc else None))
             proxy.wait_ready()
@@ -113,7 +118,8 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--modes", default="single,kvlink,nixl")
+    ap.add_argument("--modes", default="single,kvlink,kvlink-tcp,nixl",
+                    help="kvlink: transport_backend auto (same-host copy here); kvlink-tcp: TCP forced")
     ap.add_argument("--nixl-path", default=None, help="directory holding nixl (pip install --target)")
     ap.add_argument("--runs", type=int, default=1, help="repeat every mode this many times")
     ap.add_argument("--nixl-threads", type=int, default=None,
@@ -144,13 +150,13 @@ def main() -> int:
                 continue
             r["run"] = run
             results.append(r)
-            line = (f"run {run} {mode:7s} TTFT median {med(r['ttft_ms']):8.1f} ms  "
+            line = (f"run {run} {mode:10s} TTFT median {med(r['ttft_ms']):8.1f} ms  "
                     f"p90 {sorted(r['ttft_ms'])[int(.9 * (len(ps) - 1))]:8.1f} ms")
             if r["xfer_ms"]:
                 mib = med(r["bytes"]) / 2**20
                 line += (f"  KV transfer median {med(r['xfer_ms']):7.2f} ms "
                          f"({min(r['xfer_ms']):.1f}-{max(r['xfer_ms']):.1f}) for {mib:.1f} MiB")
-                if mode == "kvlink":
+                if mode.startswith("kvlink"):
                     line += (f"  [READ post-to-done {med(r['read_ms']):.2f} ms, same-host "
                              f"{med(r['bytes_local']) / 2**20:.1f} MiB]")
             print(line + f"  load1 {r['load1'][0]:.2f}->{r['load1'][1]:.2f} "
@@ -160,7 +166,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             rs = [r for r in results if r["mode"] == mode]
             if rs:
-                line = f"  {mode:7s} TTFT {med([med(r['ttft_ms']) for r in rs]):8.1f} ms"
+                line = f"  {mode:10s} TTFT {med([med(r['ttft_ms']) for r in rs]):8.1f} ms"
                 if rs[0]["xfer_ms"]:
                     line += f"  KV transfer {med([med(r['xfer_ms']) for r in rs]):7.2f} ms"
                 print(line + f"  ({len(rs)} runs)")
