@@ -13,8 +13,9 @@ whole set and prints the median of the per-run medians.
 
 KV transfer time, the same definition for both connectors: from the decode worker issuing the pull to
 the connector seeing the data in place. kvlink: ``kvlink_pull_seconds`` (the worker receives the pull in
-start_load_kv; it ends when the READ completes and the lease proof is in). NIXL: ``vllm:nixl_xfer_time_seconds`` (NIXL's own
-telemetry: the READ is posted in start_load_kv; it ends when the worker's completion check sees it done).
+start_load_kv; it ends when the READ completes and the lease proof is in). NIXL:
+``vllm:nixl_xfer_time_seconds`` (NIXL's own telemetry: the READ is posted in start_load_kv; it ends when
+the worker's completion check sees it done).
 NIXL runs over UCX TCP on loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``).
 """
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LeaseTerm:
-    """What the renewer needs of one pull. ``next_renew`` is set by the renewer (and by the worker to 0.0: due now)."""
+    """What the renewer needs of one pull. ``next_renew``: set by the renewer; the worker sets 0.0 (due now)."""
 
     bootstrap_url: str
     engine_id: str
