@@ -15,7 +15,8 @@ KV transfer time, the same definition for both connectors: from the decode worke
 the connector seeing the data in place. kvlink: ``kvlink_pull_seconds`` (the worker receives the pull in
 start_load_kv; it ends when the READ completes and the lease proof is in). NIXL:
 ``vllm:nixl_xfer_time_seconds`` (NIXL's own telemetry: the READ is posted in start_load_kv; it ends when
-the worker's completion check sees it done).
+the worker's completion check sees it done). kvlink also reports the hand-off: from the KV in place to
+vLLM's engine step collecting it (``kvlink_handoff_seconds``), time spent waiting on vLLM, not kvlink.
 NIXL runs over UCX TCP on loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``).
 """
 
@@ -95,7 +96,7 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
             proxy.wait_ready()
             url = proxy.url
         ttft(url, ps[0][:200])  # warm-up
-        ttfts, xfers, posts, nbytes, local = [], [], [], [], []
+        ttfts, xfers, posts, nbytes, local, handoffs = [], [], [], [], [], []
         load = [os.getloadavg()[0]]
         for p in ps:
             m0 = dec.metrics() if dec else {}
@@ -111,9 +112,11 @@ def run_mode(mode: str, model: str, ps: list[list[int]], logs: Path, nixl_path: 
                 nbytes.append(d.get("kvlink_bytes_pulled_total", d.get("vllm:nixl_bytes_transferred_sum",
                                                                        float("nan"))))
                 local.append(d.get("kvlink_bytes_local_total", float("nan")))
+                handoffs.append(d.get("kvlink_handoff_seconds_sum", float("nan")))
         load.append(os.getloadavg()[0])
         return {"mode": mode, "ttft_ms": [t * 1e3 for t in ttfts], "xfer_ms": [x * 1e3 for x in xfers],
-                "read_ms": [x * 1e3 for x in posts], "bytes": nbytes, "bytes_local": local, "load1": load}
+                "read_ms": [x * 1e3 for x in posts], "bytes": nbytes, "bytes_local": local,
+                "handoff_ms": [x * 1e3 for x in handoffs], "load1": load}
 
 
 def main() -> int:
@@ -159,7 +162,8 @@ def main() -> int:
                          f"({min(r['xfer_ms']):.1f}-{max(r['xfer_ms']):.1f}) for {mib:.1f} MiB")
                 if mode.startswith("kvlink"):
                     line += (f"  [READ post-to-done {med(r['read_ms']):.2f} ms, same-host "
-                             f"{med(r['bytes_local']) / 2**20:.1f} MiB]")
+                             f"{med(r['bytes_local']) / 2**20:.1f} MiB; hand-off to vLLM "
+                             f"{med(r['handoff_ms']):.1f} ms ({max(r['handoff_ms']):.0f} max)]")
             print(line + f"  load1 {r['load1'][0]:.2f}->{r['load1'][1]:.2f} "
                   f"({time.monotonic() - t0:.0f} s)", flush=True)
     if args.runs > 1:

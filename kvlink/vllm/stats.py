@@ -23,8 +23,10 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
           "pulls_in_progress")  # decode: requests waiting for their KV right now
 # transfer_s: one sample per batched READ, post to completion; pull_s: one per request, from the worker
 # receiving the pull (start_load_kv) to its KV in place and trusted (lookup, connect, queueing and any
-# wait for the lease proof included).
-SERIES = ("transfer_s", "pull_s")
+# wait for the lease proof included); handoff_s: one per pulled request, from its KV in place and trusted to
+# vLLM collecting it (get_finished): the wait for vLLM's next engine step, which kvlink does not control.
+SERIES = ("transfer_s", "pull_s", "handoff_s")
+_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
 
 @dataclass
@@ -65,9 +67,10 @@ class KVLinkStats(KVConnectorStats):
         if ts:
             out["transfer_ms_avg"] = round(1e3 * sum(ts) / len(ts), 3)
             out["transfer_ms_p90"] = round(1e3 * ts[int(0.9 * (len(ts) - 1))], 3)
-        ps = sorted(self.data.get("pull_s", []))
-        if ps:
-            out["pull_ms_avg"] = round(1e3 * sum(ps) / len(ps), 3)
+        for k in ("pull_s", "handoff_s"):
+            ps = self.data.get(k, [])
+            if ps:
+                out[k.replace("_s", "_ms_avg")] = round(1e3 * sum(ps) / len(ps), 3)
         return out
 
 
@@ -86,17 +89,15 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
             g = self._gauge_cls(name=f"kvlink_{k}", documentation=f"kvlink connector: {k}",
                                 labelnames=labelnames, multiprocess_mode="mostrecent")
             self._gauges[k] = {i: g.labels(*v) for i, v in per_engine_labelvalues.items()}
-        h = self._histogram_cls(name="kvlink_transfer_seconds",
-                                documentation="kvlink: duration of one batched KV read",
-                                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                         0.5, 1, 2.5, 5, 10], labelnames=labelnames)
-        self._hist = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
-        hp = self._histogram_cls(name="kvlink_pull_seconds",
-                                 documentation="kvlink: one request's pull, from the decode worker receiving "
-                                               "it to its KV in place",
-                                 buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                          0.5, 1, 2.5, 5, 10, 30, 60], labelnames=labelnames)
-        self._hist_pull = {i: hp.labels(*v) for i, v in per_engine_labelvalues.items()}
+        docs = {"transfer_s": ("kvlink_transfer_seconds", "kvlink: duration of one batched KV read", _BUCKETS),
+                "pull_s": ("kvlink_pull_seconds", "kvlink: one request's pull, from the decode worker receiving "
+                                                  "it to its KV in place", _BUCKETS + [30, 60]),
+                "handoff_s": ("kvlink_handoff_seconds", "kvlink: from a request's KV in place to vLLM's engine "
+                                                        "step collecting it (get_finished)", _BUCKETS)}
+        self._hists = {}
+        for k, (name, doc, buckets) in docs.items():
+            h = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
+            self._hists[k] = {i: h.labels(*v) for i, v in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
@@ -104,7 +105,6 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 self._counters[k][engine_idx].inc(v)
             elif k in self._gauges:
                 self._gauges[k][engine_idx].set(v)
-        for t in transfer_stats_data.get("transfer_s", ()):
-            self._hist[engine_idx].observe(t)
-        for t in transfer_stats_data.get("pull_s", ()):
-            self._hist_pull[engine_idx].observe(t)
+        for k, hists in self._hists.items():
+            for t in transfer_stats_data.get(k, ()):
+                hists[engine_idx].observe(t)

@@ -129,6 +129,7 @@ class KVLinkWorker:
         self._inflight: list[_InFlight] = []
         self._confirming: dict[str, _Pull] = {}  # READ done, waiting for proof that the lease held
         self._done: set[str] = set()
+        self._done_at: dict[str, float] = {}  # ok pulls not yet collected by vLLM: when they settled
         self._failed: dict[str, tuple[int, ...]] = {}
         self._load_error_blocks: set[int] = set()
         self._frees: set[str] = set()
@@ -290,6 +291,11 @@ class KVLinkWorker:
             recving = self._done | failed
             self._done = set()
             self._failed = {}
+            if self._done_at:
+                now = time.monotonic()
+                for settled in self._done_at.values():
+                    self._stats.sample("handoff_s", now - settled)
+                self._done_at = {}
         return sending, recving, failed
 
     def take_load_error_blocks(self) -> set[int]:
@@ -510,7 +516,9 @@ class KVLinkWorker:
                 self._done.add(rid)
                 self._stats.add("pulls_ok")
                 if pull.read_at:
-                    self._stats.sample("pull_s", time.monotonic() - pull.submitted)
+                    now = time.monotonic()
+                    self._stats.sample("pull_s", now - pull.submitted)
+                    self._done_at[rid] = now
             else:
                 self._failed[rid] = pull.spec.local_block_ids
                 self._load_error_blocks.update(pull.spec.local_block_ids)

@@ -75,6 +75,24 @@ def test_pd_equals_baseline(pd, mode):
     assert got == want
 
 
+def test_decode_metrics_time_each_pull_and_its_handoff(pd):
+    """Every pulled request lands once in kvlink_pull_seconds and once in kvlink_handoff_seconds (KV in
+    place until vLLM's step collects it) on decode's /metrics."""
+    dec = pd["dec"]
+
+    def counts():
+        return [dec.metric(n) or 0.0 for n in ("kvlink_pulls_ok_total", "kvlink_pull_seconds_count",
+                                                "kvlink_handoff_seconds_count")]
+
+    before = counts()
+    prompts = token_prompts([40, 120], seed=13)
+    assert [text(complete(pd["seq"], p)) for p in prompts] == baseline(pd, prompts)
+    deadline = time.monotonic() + 20
+    while (grown := [a - b for a, b in zip(counts(), before)]) != [2.0, 2.0, 2.0]:
+        assert time.monotonic() < deadline, f"pulls_ok, pull_s, handoff_s grew by {grown}, expected 2 each"
+        time.sleep(0.5)
+
+
 def test_streaming_through_proxy(pd):
     prompts = token_prompts([100], seed=11)
     assert complete(pd["seq"], prompts[0], stream=True) == baseline(pd, prompts)[0]

@@ -77,6 +77,26 @@ def test_pull_copies_the_blocks_and_times_the_request(pair):
     assert stats["pull_s"][0] >= stats["transfer_s"][0]  # the request's time includes its READ
 
 
+def test_handoff_time_is_the_wait_for_vllm_to_collect_a_finished_pull(pair):
+    """handoff_s runs from the pull settling (KV in place and trusted) to get_finished collecting it, so a
+    vLLM step loop that comes late shows up there and not in pull_s."""
+    pre, dec, url = pair
+    t0 = time.monotonic()
+    _pull(dec, url, "r9", [(1, 1), (2, 2)])
+    deadline = time.monotonic() + 30
+    while dec.snapshot().get("pulls_ok", 0) < 1:  # settled, not yet collected
+        assert time.monotonic() < deadline, "the pull never settled"
+        time.sleep(0.005)
+    settled_by = time.monotonic() - t0
+    time.sleep(0.25)  # vLLM's next step comes late
+    _, recving, failed = dec.transfer_results()
+    assert recving == {"r9"} and not failed
+    stats = dec.get_stats().data
+    assert len(stats["handoff_s"]) == 1 and stats["handoff_s"][0] >= 0.25
+    assert stats["pull_s"][0] <= settled_by  # the late step is not counted as pull time
+    assert dec.get_stats() is None or not dec.get_stats().data.get("handoff_s")  # sampled once
+
+
 def test_dropped_connection_fails_the_pull_at_once(pair, monkeypatch):
     """Prefill dies mid-READ: the transport fails the batch (peer gone) and the pull is reported failed
     then, not when pull_timeout_s (60 s here) runs out; its blocks are reported for recompute."""
