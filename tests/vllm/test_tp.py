@@ -58,7 +58,9 @@ def _two_free_ports() -> int:
 def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
     from tests.vllm.helpers import Server, complete, kv_config, text, token_prompts
 
-    kv = kv_config("kv_both", transport_backend="tcp")
+    # engine_lease_s: gloo's busy-polling threads can starve the heartbeat thread for over 15 s on 2 cores
+    # (docs/NOTES-connector.md item 13), and a lapsed registration expires every published request.
+    kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0)
     srv = Server(tiny_model, kv, cpu="0|1", log=tmp_path / "tp2.log",
                  extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
                              "--no-enable-prefix-caching"])  # decode must pull, not hit its own cache
@@ -78,10 +80,10 @@ def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
         # negative control: prompt A decoded on prompt B's KV (same length) gives another answer
         a, b = token_prompts([300, 300], seed=99)
         want = text(complete(srv.url, a))
-        params_a, params_b = (complete(srv.url, p, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-                              for p in (a, b))
         failed = srv.metric("kvlink_pulls_failed_total")
+        params_b = complete(srv.url, b, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
         assert text(complete(srv.url, a, params_b)) != want
+        params_a = complete(srv.url, a, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
         assert text(complete(srv.url, a, params_a)) == want
         assert srv.metric("kvlink_pulls_failed_total") == failed  # both pulled, neither recomputed
         deadline = time.monotonic() + 30
