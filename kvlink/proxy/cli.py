@@ -49,7 +49,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from kvlink.proxy.router import build_app
+    from kvlink.proxy.router import SERVE_OPTIONS, build_app
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     logger.info("kvlink proxy on http://%s:%d mode=%s prefill=%s decode=%s", cfg.host, cfg.port,
                 cfg.mode, list(cfg.prefill), list(cfg.decode))
     web.run_app(build_app(cfg), host=cfg.host, port=cfg.port, print=None, access_log=None,
-                handle_signals=True)
+                handle_signals=True, **SERVE_OPTIONS)
     return 0
 
 

@@ -6,7 +6,8 @@ Concurrent mode: both requests leave at once, paired by a fresh transfer id; the
 the prefill's KV through the prefill's bootstrap server.
 
 Every backend failure becomes a JSON error naming the stage, the backend and the reason
-(502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout.
+(502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout. A client
+that goes away takes its backend requests with it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from kvlink.proxy.config import ProxyConfig
 logger = logging.getLogger(__name__)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Idle backend connections are dropped before vLLM's own keep-alive limit (5 s) can close them under
+# a request.
+BACKEND_KEEPALIVE_S = 4.0
+# How the app must be served: a client that goes away cancels its handler, which closes the backend
+# connections, so vLLM aborts the request and frees its blocks instead of computing it for nobody.
+SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 CONFIG_KEY: web.AppKey[ProxyConfig] = web.AppKey("config", ProxyConfig)
 STATE_KEY: web.AppKey["_State"] = web.AppKey("state", object)  # type: ignore[arg-type]
 
@@ -75,6 +82,15 @@ def _prefill_body(body: dict, kv_params: dict) -> dict:
     return pre
 
 
+def _failure(stage: str, url: str, cfg: ProxyConfig, e: BaseException) -> BackendError:
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return BackendError(stage, url, f"could not connect within {cfg.connect_timeout_s:g} s",
+                            status=504)
+    if isinstance(e, asyncio.TimeoutError):
+        return BackendError(stage, url, f"no answer within {cfg.timeout_s:g} s", status=504)
+    return BackendError(stage, url, f"unreachable: {type(e).__name__}: {e}")
+
+
 async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: str, body: dict) -> dict:
     """POST and return the decoded JSON answer, or raise BackendError."""
     try:
@@ -87,10 +103,8 @@ async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: s
                 return json.loads(text)
             except ValueError:
                 raise BackendError(stage, url, f"answer is not JSON: {text[:200]!r}") from None
-    except asyncio.TimeoutError:
-        raise BackendError(stage, url, f"no answer within {cfg.timeout_s:g} s", status=504) from None
-    except aiohttp.ClientError as e:
-        raise BackendError(stage, url, f"unreachable: {type(e).__name__}: {e}") from None
+    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        raise _failure(stage, url, cfg, e) from None
 
 
 async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, path: str,
@@ -121,10 +135,8 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                 st.failed += 1
             await out.write_eof()
             return out
-    except asyncio.TimeoutError:
-        raise BackendError("decode", url, f"no answer within {cfg.timeout_s:g} s", status=504) from None
-    except aiohttp.ClientError as e:
-        raise BackendError("decode", url, f"unreachable: {type(e).__name__}: {e}") from None
+    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        raise _failure("decode", url, cfg, e) from None
 
 
 async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
@@ -154,17 +166,28 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
         dec_params["remote_engine_id"] = engine_id
     dec = copy.deepcopy(body)
     dec["kv_transfer_params"] = dec_params
+    delivered = False
     try:
-        return await _relay(request, st, cfg, decode, path, dec)
+        out = await _relay(request, st, cfg, decode, path, dec)
+        delivered = True
+        return out
     finally:
-        # The decode answer is what the client gets; a prefill failure only costs decode a
-        # bounded wait and a local recompute, so it is logged, not returned.
-        try:
-            await asyncio.wait_for(asyncio.shield(pre_task), timeout=cfg.timeout_s)
-        except BackendError as e:
-            logger.warning("concurrent transfer %s: %s", transfer_id, e)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        if not delivered:
+            # The client went away or decode failed: prefill's work is for nobody. Cancelling it
+            # closes its connection, so prefill aborts the request and keeps no blocks for it.
             pre_task.cancel()
+        await _settle_prefill(pre_task, transfer_id, cfg)
+
+
+async def _settle_prefill(task: asyncio.Task, transfer_id: str, cfg: ProxyConfig) -> None:
+    """Wait (bounded) for a concurrent prefill so its failure is logged. The decode answer is what
+    the client gets: a prefill failure only costs decode a bounded wait and a local recompute."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout=cfg.timeout_s)
+    except BackendError as e:
+        logger.warning("concurrent transfer %s: %s", transfer_id, e)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        task.cancel()
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -226,7 +249,7 @@ def build_app(cfg: ProxyConfig) -> web.Application:
     app[CONFIG_KEY] = cfg
 
     async def on_startup(app: web.Application) -> None:
-        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
         app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn),
                                 itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode))
 

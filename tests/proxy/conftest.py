@@ -11,11 +11,12 @@ import pytest
 from aiohttp import web
 
 from kvlink.proxy.config import ProxyConfig
-from kvlink.proxy.router import build_app
+from kvlink.proxy.router import SERVE_OPTIONS, build_app
 
 
 class AppThread:
-    """Run an aiohttp app on 127.0.0.1:<ephemeral> in a background thread."""
+    """Run an aiohttp app on 127.0.0.1:<ephemeral> in a background thread, served as
+    ``kvlink proxy`` serves it (a client that goes away cancels its handler)."""
 
     def __init__(self, app: web.Application):
         self.loop = asyncio.new_event_loop()
@@ -28,7 +29,7 @@ class AppThread:
 
     def _main(self):
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self._app, shutdown_timeout=0.5)
+        self.runner = web.AppRunner(self._app, shutdown_timeout=0.5, **SERVE_OPTIONS)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -43,10 +44,11 @@ class AppThread:
 
 
 class FakeBackend:
-    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, error500, hang, stream_break."""
+    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, error500, hang, stream_break.
+    ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
 
     def __init__(self, name: str, behavior: str = "ok"):
-        self.name, self.behavior, self.bodies = name, behavior, []
+        self.name, self.behavior, self.bodies, self.cancelled = name, behavior, [], 0
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
@@ -65,7 +67,11 @@ class FakeBackend:
         body = await request.json()
         self.bodies.append((request.path, body))
         if self.behavior == "hang":
-            await asyncio.sleep(10)
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         if self.behavior == "error500":
             return web.json_response({"error": "boom"}, status=500)
         if self.behavior == "bad_request":
@@ -93,6 +99,57 @@ class FakeBackend:
 
     def stop(self):
         self.server.stop()
+
+
+class RawBackend:
+    """A keep-alive HTTP/1.1 backend on raw sockets, for what an HTTP framework will not do.
+    ``behavior``: "answer" replies to every request with a prefill-style JSON answer and keeps the
+    connection; "drop" reads the request and closes without answering. ``connections`` counts the
+    connections accepted, ``requests`` the requests read."""
+
+    def __init__(self, behavior: str = "answer"):
+        self.behavior, self.connections, self.requests = behavior, 0, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    if not (chunk := conn.recv(65536)):
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
+                                  if ln.lower().startswith(b"content-length:")))
+                while len(buf) < length:
+                    if not (chunk := conn.recv(65536)):
+                        return
+                    buf += chunk
+                buf = buf[length:]
+                self.requests += 1
+                if self.behavior == "drop":
+                    return
+                out = json.dumps({"choices": [{"text": "hi"}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_request_id": "raw-1"}}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+
+    def stop(self):
+        self.sock.close()
 
 
 def free_port() -> int:

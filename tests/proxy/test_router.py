@@ -97,6 +97,94 @@ def test_decode_hang_is_504_within_timeout(backends, proxy):
     assert err["stage"] == "decode" and err["backend"] == d.url
 
 
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_client_gone_cancels_backend_requests(backends, proxy, mode):
+    """A client that hangs up takes its backend requests with it, so vLLM aborts them and frees their
+    blocks instead of computing them for nobody."""
+    p = backends("p0", "hang" if mode == "concurrent" else "ok")
+    d = backends("d0", "hang")
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode=mode, timeout_s=30.0,
+                prefill_bootstrap=("http://127.0.0.1:1",) if mode == "concurrent" else ())
+    with pytest.raises(OSError):  # socket.timeout is an OSError
+        post(url + "/v1/completions", {"prompt": "x"}, timeout=0.5)
+    assert wait_for(lambda: d.cancelled == 1), "decode request still running after the client left"
+    if mode == "concurrent":
+        assert wait_for(lambda: p.cancelled == 1), "prefill request still running after the client left"
+    # The proxy serves the next client as before.
+    d.behavior = p.behavior = "ok"
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+
+
+def test_idle_backend_connections_are_not_reused_past_the_keepalive(backends, proxy, monkeypatch):
+    """vLLM closes a connection idle for 5 s; the proxy must never send a request on one idle that
+    long, or it races the close and fails a request the backend never saw."""
+    from kvlink.proxy import router
+    from tests.proxy.conftest import RawBackend
+    assert router.BACKEND_KEEPALIVE_S < 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
+    monkeypatch.setattr(router, "BACKEND_KEEPALIVE_S", 0.3)
+    pre, d = RawBackend(), backends("d0")
+    try:
+        url = proxy(prefill=(pre.url,), decode=(d.url,)) + "/v1/completions"
+        assert post(url, {"prompt": "x"})[0] == 200
+        assert post(url, {"prompt": "x"})[0] == 200
+        assert (pre.connections, pre.requests) == (1, 2)  # back to back: the connection is reused
+        time.sleep(0.6)
+        assert post(url, {"prompt": "x"})[0] == 200
+        assert (pre.connections, pre.requests) == (2, 3)  # idle past the keep-alive: a new one
+    finally:
+        pre.stop()
+
+
+def test_request_the_backend_read_is_never_sent_twice(backends, proxy):
+    from tests.proxy.conftest import RawBackend
+    pre, d = RawBackend("drop"), backends("d0")
+    try:
+        status, _, raw = post(proxy(prefill=(pre.url,), decode=(d.url,)) + "/v1/completions",
+                              {"prompt": "x"})
+        err = json.loads(raw)["error"]
+        assert status == 502 and err["stage"] == "prefill" and err["backend"] == pre.url
+        assert (pre.connections, pre.requests) == (1, 1) and d.bodies == []
+    finally:
+        pre.stop()
+
+
+def test_backend_that_accepts_no_connection_is_504_naming_the_connect_limit(backends, proxy):
+    """A backend whose accept queue is full drops the SYN: the proxy gives up after its connect
+    timeout, and says so, instead of reporting a slow answer."""
+    import socket
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue (listen(0) holds one pending connection)
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(full.getsockname())
+            fillers.append(c)
+        time.sleep(0.2)
+        dead = f"http://127.0.0.1:{full.getsockname()[1]}"
+        d = backends("d0")
+        url = proxy(prefill=(dead,), decode=(d.url,), connect_timeout_s=0.5, timeout_s=20.0)
+        t0 = time.monotonic()
+        status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+        err = json.loads(raw)["error"]
+        assert status == 504 and err["stage"] == "prefill" and err["backend"] == dead
+        assert err["message"] == "could not connect within 0.5 s"
+        assert time.monotonic() - t0 < 10
+    finally:
+        for c in fillers:
+            c.close()
+        full.close()
+
+
 def test_prefill_without_params_is_clear_502(backends, proxy):
     p, d = backends("p0", "no_params"), backends("d0")
     url = proxy(prefill=(p.url,), decode=(d.url,))
