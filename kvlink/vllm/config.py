@@ -53,6 +53,11 @@ class ConnectorConfig:
     lookup_wait_s: float = 30.0  # concurrent pairing: longest wait for prefill to publish
     pull_timeout_s: float = 60.0  # decode: longest wait of one request for its KV, lookup to last byte
     release_poll_s: float = 0.02  # prefill: how often it asks the bootstrap for released requests
+    # Prefill: while its engine has nothing to run but blocks held for decode, vLLM steps it about once
+    # a millisecond so the connector can report frees. Each such step waits up to this long for a
+    # release instead (a release ends the wait at once), so the idle engine stops competing with decode
+    # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
+    idle_step_wait_ms: float = 10.0
     # Testing aid: flip bits in pulled KV (negative control). Never set in production.
     debug_corrupt_kv: bool = False
 
@@ -94,6 +99,10 @@ class ConnectorConfig:
                 "'transport_token' is set: anyone who can reach that address could read this engine's KV "
                 "cache. Set 'transport_token' (the same secret on prefill and decode), or listen on "
                 "127.0.0.1, or set 'allow_insecure': true to accept an unauthenticated transport")
+        v = self.idle_step_wait_ms
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1000:
+            raise ConnectorConfigError("kv_connector_extra_config['idle_step_wait_ms'] must be a number "
+                                       f"0..1000, got {v!r}")
         if self.release_poll_s > 5:
             raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 

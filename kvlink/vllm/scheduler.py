@@ -226,13 +226,15 @@ class KVLinkScheduler:
         if not self._closed.is_set():
             self._pool.submit(work)
 
-    def _take_frees(self) -> list[str]:
+    def _take_frees(self, wait_s: float = 0.0) -> list[str]:
+        """Requests whose blocks go back to vLLM now; waits up to ``wait_s`` for the first release."""
         frees = []
         while True:
             try:
-                rid, outcome = self._released.get_nowait()
+                rid, outcome = self._released.get(timeout=wait_s) if wait_s else self._released.get_nowait()
             except queue.Empty:
                 break
+            wait_s = 0.0
             if self._held.pop(rid, None) is not None:
                 frees.append(rid)
                 self._count({"pulled": "released_pulled", "abandoned": "released_abandoned",
@@ -353,11 +355,21 @@ class KVLinkScheduler:
         return False, {"do_remote_prefill": False, "kvlink_error": why}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
-        meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels,
-                              frees=self._take_frees() if self.is_producer else [],
+        frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
+        meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees,
                               bootstrap_url=self.bootstrap_url if self.is_producer else None)
         self._new_pulls, self._new_cancels = [], []
         return meta
+
+    def _idle_wait(self, scheduler_output: Any) -> float:
+        """How long this step may wait for a release: only when the engine steps for nothing but held
+        blocks (nothing scheduled or just finished, no pull of its own in flight, no free queued)."""
+        if (self.cfg.idle_step_wait_ms and self._held and not self._pulls and not self._new_pulls
+                and not self._new_cancels and self._released.empty()
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+                and not getattr(scheduler_output, "finished_req_ids", None)):
+            return self.cfg.idle_step_wait_ms / 1e3
+        return 0.0
 
     def has_pending_work(self) -> bool:
         return bool(self._held)

@@ -84,3 +84,41 @@ def test_a_release_whose_outcome_was_lost_is_freed_on_the_second_lookup(prefill)
     assert sched._reconcile(cli) == 1  # still released a lookup later: freed even if no poll ever says so
     assert "r7" in _freed(sched, {"r7"})
     assert sched._reconcile(cli) == 0
+
+
+def _idle_step(sched, scheduled_tokens: int = 0):
+    from types import SimpleNamespace
+    out = SimpleNamespace(total_num_scheduled_tokens=scheduled_tokens, finished_req_ids=set())
+    t0 = time.monotonic()
+    frees = sched.build_connector_meta(out).frees
+    return frees, time.monotonic() - t0
+
+
+def test_an_idle_step_waits_for_a_release_and_ends_with_it(prefill):
+    """With nothing to run but held blocks, a step waits (up to idle_step_wait_ms) for a release instead
+    of returning at once, and the release it waited for is freed in that same step."""
+    import dataclasses
+    import threading
+
+    sched, cli, reg = prefill
+    sched.cfg = dataclasses.replace(sched.cfg, idle_step_wait_ms=1000.0)
+    _hold(sched, cli, "r8")
+    frees, took = _idle_step(sched)
+    assert frees == [] and took >= 0.99  # nobody released: the whole wait, no free
+    threading.Timer(0.05, cli.release, ("pre", "r8", "pulled")).start()
+    frees, took = _idle_step(sched)
+    assert frees == ["r8"] and took < 0.9 and not sched._held  # the release ended the wait
+    _hold(sched, cli, "r9")
+    threading.Timer(0.3, cli.release, ("pre", "r9", "pulled")).start()
+    frees, took = _idle_step(sched, scheduled_tokens=64)  # a step with work never waits
+    assert frees == [] and took < 0.3
+    assert _freed(sched, {"r9"}) == {"r9"}
+
+
+def test_idle_step_wait_is_validated():
+    from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
+
+    assert ConnectorConfig.from_extra({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0
+    for bad in (-1, 1001, "5", True):
+        with pytest.raises(ConnectorConfigError, match="idle_step_wait_ms"):
+            ConnectorConfig.from_extra({"idle_step_wait_ms": bad})
