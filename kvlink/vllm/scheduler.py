@@ -5,7 +5,8 @@ bootstrap server (an embedded one by default) and frees each exactly once: when 
 or abandoned, or when its lease expires (reported by the bootstrap server; decode renews the lease while
 it pulls). Its own deadline frees them only while the bootstrap server cannot be reached. An aborted
 request with a transfer id is marked abandoned at the bootstrap server (`/v1/transfer/abandon`), so a
-decode waiting for it fails at once.
+decode waiting for it fails at once. A step with nothing to run but held blocks waits (up to
+``idle_step_wait_ms``) for a release, so an idle prefill engine does not step at ~1 kHz.
 
 Decode (kv_consumer): for ``do_remote_prefill`` requests announces the prompt tokens as an asynchronous
 external hit, hands the worker one PullSpec per request, sends cancels for aborted ones and, once the
