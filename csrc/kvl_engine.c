@@ -1,7 +1,8 @@
-/* kvl_engine.c - the engine object: configuration, the listener thread,
- * peers, the public entry points, and the queues the caller drains
- * (notifications and logged events). It owns every thread it starts and
- * joins them all in kvl_engine_destroy. */
+/* kvl_engine.c - the engine object and the public entry points: the
+ * configuration, the listener thread, peers, and the calls that hand work to
+ * the files below it (streams, batches, the responder, the queues the caller
+ * drains). It sits on top: nothing else in csrc/ calls into it. It owns every
+ * thread it starts and joins them all in kvl_engine_destroy. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -9,7 +10,6 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,80 +26,6 @@ void kvl_config_init(kvl_config *cfg) {
   cfg->max_conns = 256;
 }
 
-void kvl__log(kvl_engine *e, int code, const char *fmt, ...) {
-  pthread_mutex_lock(&e->mu);
-  if (e->ev_count == KVL__EVENTS) { /* keep the newest */
-    e->ev_head = (e->ev_head + 1) % KVL__EVENTS;
-    e->ev_count--;
-    e->stats.events_dropped++;
-  }
-  kvl__event *ev = &e->events[(e->ev_head + e->ev_count) % KVL__EVENTS];
-  ev->code = code;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(ev->msg, sizeof ev->msg, fmt, ap);
-  va_end(ap);
-  e->ev_count++;
-  pthread_mutex_unlock(&e->mu);
-}
-
-int kvl_event_next(kvl_engine *e, int *code, char *msg, size_t cap) {
-  pthread_mutex_lock(&e->mu);
-  int got = e->ev_count > 0;
-  if (got) {
-    kvl__event *ev = &e->events[e->ev_head];
-    *code = ev->code;
-    snprintf(msg, cap, "%s", ev->msg);
-    e->ev_head = (e->ev_head + 1) % KVL__EVENTS;
-    e->ev_count--;
-  }
-  pthread_mutex_unlock(&e->mu);
-  return got;
-}
-
-int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t len) {
-  kvl__notif *n = malloc(sizeof *n + len);
-  if (!n) return KVL_ENOMEM;
-  n->next = NULL;
-  snprintf(n->from, sizeof n->from, "%s", from);
-  n->len = len;
-  memcpy(n->data, data, len);
-  pthread_mutex_lock(&e->mu);
-  if (e->nnotifs >= KVL__NOTIF_MAX) {
-    e->stats.notifs_dropped++;
-    pthread_mutex_unlock(&e->mu);
-    free(n);
-    return KVL_EFULL;
-  }
-  if (e->ntail) e->ntail->next = n;
-  else e->nhead = n;
-  e->ntail = n;
-  e->nnotifs++;
-  pthread_mutex_unlock(&e->mu);
-  return 0;
-}
-
-int kvl_notif_next(kvl_engine *e, char *from, size_t from_cap, void *buf, size_t cap, size_t *len_out) {
-  pthread_mutex_lock(&e->mu);
-  kvl__notif *n = e->nhead;
-  if (n && n->len > cap) {
-    pthread_mutex_unlock(&e->mu);
-    return KVL_EINVAL;
-  }
-  if (n) {
-    e->nhead = n->next;
-    if (!e->nhead) e->ntail = NULL;
-    e->nnotifs--;
-  }
-  pthread_mutex_unlock(&e->mu);
-  if (!n) return 0;
-  snprintf(from, from_cap, "%s", n->from);
-  memcpy(buf, n->data, n->len);
-  *len_out = n->len;
-  free(n);
-  return 1;
-}
-
 static void *listener_main(void *arg) {
   kvl_engine *e = arg;
   while (!__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) {
@@ -109,7 +35,7 @@ static void *listener_main(void *arg) {
     if (r <= 0) continue;
     int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) kvl__log(e, KVL_ESYS, "accept: out of file descriptors");
+      if (errno == EMFILE || errno == ENFILE) kvl__event_log(&e->events, KVL_ESYS, "accept: out of file descriptors");
       continue;
     }
     kvl__server_accept(e, fd);
@@ -117,116 +43,145 @@ static void *listener_main(void *arg) {
   return NULL;
 }
 
-int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
-  if (!cfg || !out || cfg->streams < 1 || cfg->streams > KVL_MAX_STREAMS || cfg->op_timeout_ms == 0 ||
-      cfg->connect_timeout_ms == 0 || cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 ||
+static int config_ok(const kvl_config *cfg) {
+  if (cfg->streams < 1 || cfg->streams > KVL_MAX_STREAMS || cfg->op_timeout_ms == 0 || cfg->connect_timeout_ms == 0 ||
+      cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 ||
       (cfg->token && (cfg->token_len == 0 || cfg->token_len > 1024)) ||
-      (cfg->name && strlen(cfg->name) > KVL_MAX_NAME) ||
-      (cfg->listen_host && strlen(cfg->listen_host) >= 256) || cfg->same_host < 0 || cfg->same_host > 2)
-    return KVL_EINVAL;
+      (cfg->name && strlen(cfg->name) > KVL_MAX_NAME) || (cfg->listen_host && strlen(cfg->listen_host) >= 256) ||
+      cfg->same_host < 0 || cfg->same_host > 2)
+    return 0;
   for (const char *c = cfg->name; c && *c; c++)
-    if (*c < 0x20 || *c > 0x7e) return KVL_EINVAL;
-  kvl_engine *e = calloc(1, sizeof *e);
-  if (!e) return KVL_ENOMEM;
-  e->cfg = *cfg;
-  snprintf(e->name, sizeof e->name, "%s", cfg->name ? cfg->name : "");
-  if (cfg->token) {
-    e->token = malloc(cfg->token_len);
-    if (!e->token) {
-      free(e);
-      return KVL_ENOMEM;
-    }
-    memcpy(e->token, cfg->token, cfg->token_len);
-  }
-  e->cfg.token = e->token;
-  if (kvl__random(e->cookie, sizeof e->cookie) != 0) {
-    free(e->token);
-    free(e);
-    return KVL_ESYS;
-  }
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r"); /* read once: the same-host probe */
-  if (f) {
-    if (fread(e->boot_id, 1, sizeof e->boot_id, f) != sizeof e->boot_id) memset(e->boot_id, 0, sizeof e->boot_id);
-    fclose(f);
-  }
-  e->cfg.name = e->name;
-  e->cfg.listen_host = NULL;
-  e->listen_fd = -1;
-  pthread_mutex_init(&e->mu, NULL);
-  pthread_mutex_init(&e->connect_mu, NULL);
-  kvl__regions_init(&e->regions);
-  if (cfg->listen_host) {
-    int loop = 0;
-    snprintf(e->listen_host, sizeof e->listen_host, "%s", cfg->listen_host);
-    e->cfg.listen_host = e->listen_host;
-    int rc = kvl__listen(cfg->listen_host, cfg->listen_port, &e->listen_fd, &e->port, &loop);
-    if (rc == 0 && !loop && !e->token && !cfg->allow_insecure) {
-      close(e->listen_fd);
-      e->listen_fd = -1;
-      rc = KVL_EINSECURE;
-    }
-    if (rc == 0 && pthread_create(&e->listener, NULL, listener_main, e) != 0) rc = KVL_ESYS;
-    if (rc) {
-      if (e->listen_fd >= 0) close(e->listen_fd);
-      kvl__regions_destroy(&e->regions);
-      pthread_mutex_destroy(&e->mu);
-      pthread_mutex_destroy(&e->connect_mu);
-      free(e->token);
-      free(e);
-      return rc;
-    }
-    e->has_listener = 1;
-  }
-  *out = e;
-  return 0;
+    if (*c < 0x20 || *c > 0x7e) return 0;
+  return 1;
 }
 
-int kvl_engine_port(const kvl_engine *e) { return e->has_listener ? e->port : 0; }
+/* This kernel's boot id, read once for the same-host probe; zeros (which no
+ * peer matches) where it cannot be read. */
+static void read_boot_id(uint8_t out[KVL__BOOT_ID_LEN]) {
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (fread(out, 1, KVL__BOOT_ID_LEN, f) != KVL__BOOT_ID_LEN) memset(out, 0, KVL__BOOT_ID_LEN);
+  fclose(f);
+}
 
-void kvl_engine_destroy(kvl_engine *e) {
-  if (!e) return;
-  __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
-  if (e->has_listener) pthread_join(e->listener, NULL);
-  for (uint32_t i = 0; i < e->npeers; i++) {
-    kvl__peer *p = e->peers[i];
-    for (int k = 0; k < p->nstreams; k++) kvl__stream_stop(&p->streams[k]);
-    for (int k = 0; k < p->nstreams; k++) {
-      pthread_mutex_destroy(&p->streams[k].mu);
-      pthread_cond_destroy(&p->streams[k].cv);
-    }
-    free(p);
-  }
-  kvl__server_reap(e, 1);
+/* The one way an engine is taken apart, shared by kvl_engine_create's unwind
+ * and kvl_engine_destroy: every step is safe on a field create did not reach
+ * (listen_fd -1, token NULL), and no thread of the engine runs any more. */
+static void engine_free(kvl_engine *e) {
   if (e->listen_fd >= 0) close(e->listen_fd);
-  while (e->nhead) {
-    kvl__notif *n = e->nhead;
-    e->nhead = n->next;
-    free(n);
-  }
+  kvl__notifs_destroy(&e->notifs);
+  kvl__events_destroy(&e->events);
   kvl__regions_destroy(&e->regions);
+  pthread_mutex_destroy(&e->conns_mu);
   pthread_mutex_destroy(&e->mu);
   pthread_mutex_destroy(&e->connect_mu);
   free(e->token);
   free(e);
 }
 
+int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
+  if (!cfg || !out || !config_ok(cfg)) return KVL_EINVAL;
+  kvl_engine *e = calloc(1, sizeof *e);
+  if (!e) return KVL_ENOMEM;
+  /* From here on everything engine_free undoes exists: each failure below
+   * takes the one unwind path at the end. */
+  e->listen_fd = -1;
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_mutex_init(&e->connect_mu, NULL);
+  pthread_mutex_init(&e->conns_mu, NULL);
+  kvl__events_init(&e->events);
+  kvl__notifs_init(&e->notifs);
+  kvl__regions_init(&e->regions);
+  e->cfg = *cfg; /* its strings are replaced by owned copies below */
+  snprintf(e->name, sizeof e->name, "%s", cfg->name ? cfg->name : "");
+  e->cfg.name = e->name;
+  e->cfg.listen_host = NULL;
+  e->cfg.token = NULL;
+  int rc = 0;
+  if (cfg->token) {
+    if (!(e->token = malloc(cfg->token_len))) {
+      rc = KVL_ENOMEM;
+      goto fail;
+    }
+    memcpy(e->token, cfg->token, cfg->token_len);
+    e->cfg.token = e->token;
+  }
+  if (kvl__random(e->cookie, sizeof e->cookie) != 0) {
+    rc = KVL_ESYS;
+    goto fail;
+  }
+  read_boot_id(e->boot_id);
+  if (cfg->listen_host) {
+    int loop = 0;
+    snprintf(e->listen_host, sizeof e->listen_host, "%s", cfg->listen_host);
+    e->cfg.listen_host = e->listen_host;
+    if ((rc = kvl__listen(cfg->listen_host, cfg->listen_port, &e->listen_fd, &e->port, &loop)) != 0) goto fail;
+    if (!loop && !e->token && !cfg->allow_insecure) {
+      rc = KVL_EINSECURE;
+      goto fail;
+    }
+    if (pthread_create(&e->listener, NULL, listener_main, e) != 0) {
+      rc = KVL_ESYS;
+      goto fail;
+    }
+    e->has_listener = 1;
+  }
+  *out = e;
+  return 0;
+fail:
+  engine_free(e);
+  return rc;
+}
+
+int kvl_engine_port(const kvl_engine *e) { return e->has_listener ? e->port : 0; }
+
+/* Stop a peer's stream threads (each closes its own connection) and free it;
+ * also undoes a peer whose connect failed before any thread started. */
+static void peer_free(kvl__peer *p) {
+  for (int k = 0; k < p->nstreams; k++) kvl__stream_stop(&p->streams[k]);
+  for (int k = 0; k < p->nstreams; k++) {
+    kvl__stream *s = &p->streams[k];
+    if (s->fd >= 0) close(s->fd);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+  }
+  free(p);
+}
+
+void kvl_engine_destroy(kvl_engine *e) {
+  if (!e) return;
+  __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
+  if (e->has_listener) pthread_join(e->listener, NULL);
+  for (uint32_t i = 0; i < e->npeers; i++) peer_free(e->peers[i]); /* fails what is queued, joins */
+  kvl__server_reap(e, 1);
+  engine_free(e);
+}
+
 void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
-  pthread_mutex_lock(&e->mu);
-  *out = e->stats;
-  pthread_mutex_unlock(&e->mu);
-  out->bytes_read = __atomic_load_n(&e->stats.bytes_read, __ATOMIC_RELAXED);
-  out->bytes_written = __atomic_load_n(&e->stats.bytes_written, __ATOMIC_RELAXED);
-  out->bytes_served = __atomic_load_n(&e->stats.bytes_served, __ATOMIC_RELAXED);
-  out->batches_ok = __atomic_load_n(&e->stats.batches_ok, __ATOMIC_RELAXED);
-  out->batches_failed = __atomic_load_n(&e->stats.batches_failed, __ATOMIC_RELAXED);
-  out->conns_accepted = __atomic_load_n(&e->stats.conns_accepted, __ATOMIC_RELAXED);
-  out->conns_rejected = __atomic_load_n(&e->stats.conns_rejected, __ATOMIC_RELAXED);
-  out->parts_inline = __atomic_load_n(&e->stats.parts_inline, __ATOMIC_RELAXED);
-  out->bytes_local = __atomic_load_n(&e->stats.bytes_local, __ATOMIC_RELAXED);
+  memset(out, 0, sizeof *out);
+#define KVL__LOAD(field) out->field = __atomic_load_n(&e->stats.field, __ATOMIC_RELAXED)
+  KVL__LOAD(bytes_read);
+  KVL__LOAD(bytes_written);
+  KVL__LOAD(bytes_served);
+  KVL__LOAD(batches_ok);
+  KVL__LOAD(batches_failed);
+  KVL__LOAD(conns_accepted);
+  KVL__LOAD(conns_rejected);
+  KVL__LOAD(parts_inline);
+  KVL__LOAD(bytes_local);
+#undef KVL__LOAD
+  out->notifs_dropped = kvl__notifs_dropped(&e->notifs);
+  out->events_dropped = kvl__events_dropped(&e->events);
   out->server_conns = kvl__server_conns(e);
-  pthread_mutex_lock(&e->regions.mu);
-  out->regions = e->regions.count;
-  pthread_mutex_unlock(&e->regions.mu);
+  out->regions = kvl__regions_count(&e->regions);
+}
+
+int kvl_event_next(kvl_engine *e, int *code, char *msg, size_t cap) {
+  return kvl__events_pop(&e->events, code, msg, cap);
+}
+
+int kvl_notif_next(kvl_engine *e, char *from, size_t from_cap, void *buf, size_t cap, size_t *len_out) {
+  return kvl__notifs_pop(&e->notifs, from, from_cap, buf, cap, len_out);
 }
 
 int kvl_region_register(kvl_engine *e, uint64_t addr, uint64_t len, uint32_t access, uint32_t *id_out) {
@@ -305,16 +260,13 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     pthread_mutex_unlock(&e->mu);
     if (rc) snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
   } else {
-    for (int k = 0; k < p->nstreams; k++) {
-      kvl__stream *s = &p->streams[k];
-      if (s->fd >= 0) close(s->fd);
-      pthread_mutex_destroy(&s->mu);
-      pthread_cond_destroy(&s->cv);
-    }
-    free(p);
+    peer_free(p);
   }
   pthread_mutex_unlock(&e->connect_mu);
-  if (rc) kvl__log(e, rc, "connect to %s:%u failed: %s", host, port, last_msg[0] ? last_msg : kvl_strerror(rc));
+  if (rc) {
+    const char *why = last_msg[0] ? last_msg : kvl_strerror(rc);
+    kvl__event_log(&e->events, rc, "connect to %s:%u failed: %s", host, port, why);
+  }
   return rc;
 }
 
@@ -354,6 +306,11 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
     kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i], stealable);
   *out = b;
   return 0;
+}
+
+int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
+  kvl__stream_steal(b); /* a small batch nobody took yet runs here: cheaper than a hand-off */
+  return kvl__batch_wait(b, timeout_ms);
 }
 
 int kvl_notify(kvl_engine *e, uint32_t peer, const void *data, size_t len, uint32_t timeout_ms) {

@@ -1,5 +1,18 @@
 /* kvl_internal.h - types shared by the engine's C files; not part of the API.
- * Internal symbols carry the kvl__ prefix. */
+ * Internal symbols carry the kvl__ prefix.
+ *
+ * The files form layers, each calling only into layers below it (checked by
+ * tests/transport/test_c_layers.py):
+ *   kvl_engine.c                      the public entry points, on top
+ *   kvl_client.c  kvl_server.c        requester streams, responder threads
+ *   kvl_local.c                       the same-host path of both
+ *   kvl_request.c                     one request on a requester stream
+ *   kvl_batch.c kvl_region.c kvl_auth.c
+ *   kvl_events.c kvl_notifs.c kvl_sock.c kvl_proto.c kvl_sha256.c kvl_crc32c.c kvl_err.c
+ *
+ * Lock comments: "mu" names the lock of the struct the field is in; "set
+ * before publication" means written once before another thread can see the
+ * object (through a lock or a thread start) and read-only afterwards. */
 #ifndef KVL_INTERNAL_H
 #define KVL_INTERNAL_H
 
@@ -36,7 +49,7 @@ static inline int kvl__grow(void **p, size_t *cap, size_t need) {
   return 0;
 }
 
-/* ---- time, crypto (kvl_sha256.c) --------------------------------------- */
+/* ---- time (kvl_sock.c), crypto (kvl_sha256.c, kvl_auth.c) -------------- */
 uint64_t kvl__now_ms(void);
 uint64_t kvl__now_us(void); /* CLOCK_MONOTONIC, like every condition variable here */
 void kvl__sha256(const void *data, size_t len, uint8_t out[32]);
@@ -141,18 +154,18 @@ int kvl__recv_all(int fd, void *p, size_t len, uint64_t deadline, const int *clo
 
 /* ---- regions (kvl_region.c) -------------------------------------------- */
 typedef struct {
-  uint64_t addr, len;
+  uint64_t addr, len; /* regions' mu; also read without it by kvl__regions_resolve while pinned */
   uint32_t access;
   uint16_t gen;
   uint8_t state; /* 0 free, 1 active, 2 draining */
-  uint64_t inflight;
+  uint64_t inflight; /* pins held by requests being served */
 } kvl__region;
 
 typedef struct {
   pthread_mutex_t mu;
   pthread_cond_t drained;
-  uint32_t count;
-  kvl__region slot[KVL_MAX_REGIONS]; /* guarded by mu */
+  uint32_t count;                    /* mu */
+  kvl__region slot[KVL_MAX_REGIONS]; /* mu */
 } kvl__regions;
 
 void kvl__regions_init(kvl__regions *t);
@@ -165,6 +178,42 @@ int kvl__regions_acquire(kvl__regions *t, const uint8_t *body, uint32_t count, u
                          char *why, size_t cap);
 int kvl__regions_resolve(kvl__regions *t, const uint8_t *body, uint32_t first, uint32_t n, struct iovec *out);
 void kvl__regions_release(kvl__regions *t, const uint8_t *body, uint32_t count);
+uint32_t kvl__regions_count(kvl__regions *t);
+
+/* ---- queues the caller drains (kvl_events.c, kvl_notifs.c) ---------------- */
+#define KVL__EVENTS 128
+typedef struct {
+  int code;
+  char msg[KVL_MAX_EVENT_MSG + 1];
+} kvl__event;
+
+typedef struct { /* a ring that keeps the newest KVL__EVENTS */
+  pthread_mutex_t mu;
+  kvl__event ring[KVL__EVENTS]; /* mu */
+  uint32_t head, count;         /* mu */
+  uint64_t dropped;             /* mu */
+} kvl__events;
+
+void kvl__events_init(kvl__events *q);
+void kvl__events_destroy(kvl__events *q);
+void kvl__event_log(kvl__events *q, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int kvl__events_pop(kvl__events *q, int *code, char *msg, size_t cap); /* 1 if one, 0 if none */
+uint64_t kvl__events_dropped(kvl__events *q);
+
+#define KVL__NOTIF_MAX 65536
+typedef struct kvl__notif kvl__notif;
+typedef struct { /* FIFO of received notifications, at most KVL__NOTIF_MAX */
+  pthread_mutex_t mu;
+  kvl__notif *head, *tail; /* mu */
+  uint32_t count;          /* mu */
+  uint64_t dropped;        /* mu */
+} kvl__notifs;
+
+void kvl__notifs_init(kvl__notifs *q);
+void kvl__notifs_destroy(kvl__notifs *q); /* frees what was never popped */
+int kvl__notifs_push(kvl__notifs *q, const char *from, const uint8_t *data, size_t len); /* KVL_EFULL: dropped */
+int kvl__notifs_pop(kvl__notifs *q, char *from, size_t from_cap, void *buf, size_t cap, size_t *len_out);
+uint64_t kvl__notifs_dropped(kvl__notifs *q);
 
 /* ---- engine internals ---------------------------------------------------- */
 typedef struct kvl__stream kvl__stream;
@@ -178,14 +227,14 @@ typedef struct { /* one descriptor of a batch, after coalescing */
 } kvl__desc;
 
 typedef struct kvl__part {
-  kvl_batch *batch;
+  kvl_batch *batch;         /* batch, engine, first, count: set before publication */
   kvl_engine *engine;
   uint32_t first, count;    /* range in batch->desc */
-  kvl__stream *running_on;  /* guarded by batch->mu */
-  kvl__stream *queued_on;   /* set once at enqueue */
-  int queued;               /* still in the queue; guarded by the stream's mu */
-  uint64_t grace_until_us;  /* the worker leaves it to a waiter until then */
-  struct kvl__part *next;   /* guarded by the stream's mu */
+  kvl__stream *running_on;  /* the stream sending it; batch->mu */
+  kvl__stream *queued_on;   /* set at enqueue, before publication */
+  int queued;               /* still in the queue; the stream's mu */
+  uint64_t grace_until_us;  /* the worker leaves it to a waiter until then; set at enqueue */
+  struct kvl__part *next;   /* the stream's mu */
 } kvl__part;
 
 enum { KVL__B_RUNNING = 0, KVL__B_DONE = 1, KVL__B_FAILED = 2 };
@@ -193,12 +242,14 @@ enum { KVL__B_RUNNING = 0, KVL__B_DONE = 1, KVL__B_FAILED = 2 };
 struct kvl_batch {
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int op;              /* KVL_OP_* or 0 for a notification */
-  int state;           /* KVL__B_*, guarded by mu */
-  int err;             /* guarded by mu */
+  int state;           /* KVL__B_*; mu */
+  int err;             /* mu */
   int active_io;       /* workers inside a receive into our memory; mu */
   int refs;            /* mu */
-  uint32_t parts_total, parts_done, parts_finished; /* mu */
+  uint32_t parts_done, parts_finished; /* mu */
+  /* Set by kvl__batch_build before publication, read-only afterwards: */
+  int op;              /* KVL_OP_* or 0 for a notification */
+  uint32_t parts_total;
   uint64_t deadline_ms;
   uint64_t total_bytes;
   size_t ndesc;
@@ -206,6 +257,8 @@ struct kvl_batch {
   kvl__part *parts;
   const void *payload; /* notification */
   size_t payload_len;
+  /* Written under mu, once, when the batch fails; read without the lock only
+   * once the batch is visibly finished (kvl_batch_message). */
   char msg[KVL_MAX_EVENT_MSG + 1];
 };
 
@@ -216,23 +269,31 @@ void kvl__part_finish(kvl__part *pt, int rc, const char *msg);
 /* Bracket a receive into the batch's memory; enter fails once it finished. */
 int kvl__batch_enter_io(kvl_batch *b);
 void kvl__batch_leave_io(kvl_batch *b);
+/* kvl_batch_wait without the steal (which kvl_engine.c does first). */
+int kvl__batch_wait(kvl_batch *b, uint32_t timeout_ms);
 int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local, const uint32_t *regions,
                      size_t n_regions, const uint64_t *offsets, const uint64_t *lengths, size_t n_lengths, size_t n,
                      uint64_t deadline, kvl_batch **out, char *why, size_t cap);
 int kvl__batch_notify(kvl_engine *e, const void *data, size_t len, uint64_t deadline, kvl_batch **out);
 
+/* A stream is claimed (busy) by one thread at a time, its worker or a waiter
+ * that steals a part; the claim is taken and dropped under mu. The fields
+ * from fd down belong to the claiming thread and need no lock. */
 struct kvl__stream {
-  kvl__peer *peer;
+  kvl__peer *peer;        /* set before publication */
   int index;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  kvl__part *head, *tail; /* queue, guarded by mu */
-  int busy;               /* a thread is running a part on fd; guarded by mu */
+  kvl__part *head, *tail; /* queue; mu */
+  int busy;               /* claimed: a thread is running a part on fd; mu */
   int lingering;          /* the worker ticks and needs no signal; mu */
   uint64_t last_active_us; /* last claim; mu */
-  int fd;                 /* worker-owned; -1 when disconnected */
-  pthread_t thread;
+  pthread_t thread;       /* thread, started: kvl_peer_connect and kvl_engine_destroy */
   int started;
+  /* -1 when disconnected. kvl__batch_fail_locked also reads it (under the
+   * batch's mu) to shutdown() the socket of a part running_on this stream:
+   * the claiming thread neither replaces nor closes fd while running_on is set. */
+  int fd;
   uint32_t seq;
   uint8_t *buf;           /* request encoding buffer */
   size_t cap;
@@ -244,7 +305,7 @@ struct kvl__stream {
   struct iovec riov[KVL__IOV_MAX]; /* same-host: remote side */
 };
 
-struct kvl__peer {
+struct kvl__peer { /* set by kvl_peer_connect before publication; rr aside, read-only afterwards */
   kvl_engine *e;
   char host[256];
   uint16_t port;
@@ -257,50 +318,38 @@ struct kvl__peer {
   kvl__stream streams[KVL_MAX_STREAMS];
 };
 
-#define KVL__EVENTS 128
-typedef struct {
-  int code;
-  char msg[KVL_MAX_EVENT_MSG + 1];
-} kvl__event;
-
-typedef struct kvl__notif {
-  struct kvl__notif *next;
-  char from[KVL_MAX_NAME + 1];
-  size_t len;
-  uint8_t data[];
-} kvl__notif;
-
-#define KVL__NOTIF_MAX 65536
-
 struct kvl_engine {
+  /* Set by kvl_engine_create, read-only until kvl_engine_destroy: */
   kvl_config cfg;       /* strings below are owned copies */
   char name[KVL_MAX_NAME + 1];
   char listen_host[256];
   uint8_t *token;
-  int closing;          /* atomic; set once by destroy */
   uint8_t boot_id[KVL__BOOT_ID_LEN]; /* same-host probe: this kernel's boot id */
   uint8_t cookie[KVL__NONCE_LEN];    /* same-host probe: random bytes peers read back */
-  int listen_fd;
+  int listen_fd;        /* accepted on by the listener thread only */
   uint16_t port;
   pthread_t listener;
   int has_listener;
-  kvl__regions regions;
+
+  int closing;          /* atomic; set once by destroy */
+  kvl__regions regions; /* own lock */
+  kvl__events events;   /* own lock */
+  kvl__notifs notifs;   /* own lock */
 
   pthread_mutex_t connect_mu; /* serializes kvl_peer_connect */
-  pthread_mutex_t mu;   /* guards peers, conns, notifs, events */
+  pthread_mutex_t mu;         /* guards peers, npeers (destroy reads them alone) */
   kvl__peer *peers[KVL_MAX_PEERS];
   uint32_t npeers;
+  pthread_mutex_t conns_mu;   /* guards conns, nconns and each conn's next and done (kvl_server.c) */
   kvl__conn *conns;
   uint32_t nconns;
-  kvl__notif *nhead, *ntail;
-  uint32_t nnotifs;
-  kvl__event events[KVL__EVENTS];
-  uint32_t ev_head, ev_count;
 
-  kvl_stats stats;      /* counters updated with atomics */
+  /* Counters, added to and read with atomics (KVL__STAT_ADD). The dropped
+   * counts, server_conns and regions are not kept here: kvl_engine_stats asks
+   * the queues, the responder and the region table. */
+  kvl_stats stats;
 };
 
-void kvl__log(kvl_engine *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 #define KVL__STAT_ADD(e, field, v) __atomic_fetch_add(&(e)->stats.field, (v), __ATOMIC_RELAXED)
 
 /* handshake (kvl_auth.c) */
@@ -310,7 +359,6 @@ int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, siz
 void kvl__server_accept(kvl_engine *e, int fd);
 void kvl__server_reap(kvl_engine *e, int all);
 uint32_t kvl__server_conns(kvl_engine *e);
-int kvl__notif_push(kvl_engine *e, const char *from, const uint8_t *data, size_t len);
 /* requester streams (kvl_client.c) */
 int kvl__stream_start(kvl__stream *s);
 void kvl__stream_stop(kvl__stream *s);
@@ -322,7 +370,7 @@ void kvl__stream_stop(kvl__stream *s);
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable);
 /* Run a single-part batch's part in the calling thread if no worker took it yet. */
 void kvl__stream_steal(kvl_batch *b);
-/* requester helpers shared with the same-host path */
+/* one request on a stream, shared with the same-host path (kvl_request.c) */
 int kvl__recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
                      size_t cap);
 int kvl__send_request(kvl__stream *s, kvl__part *pt, uint8_t type, uint64_t deadline);
@@ -333,7 +381,7 @@ int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_
                           size_t *cap, char *why, size_t wcap);
 int kvl__local_probe(kvl_engine *e, int fd, kvl__peer *p);
 int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap);
-/* send an ERROR-class frame (status body) */
+/* send an ERROR-class frame (status body) (kvl_auth.c) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);
 
 #endif

@@ -143,3 +143,10 @@ void kvl__regions_release(kvl__regions *t, const uint8_t *body, uint32_t count) 
   unpin(t, body, count);
   pthread_mutex_unlock(&t->mu);
 }
+
+uint32_t kvl__regions_count(kvl__regions *t) {
+  pthread_mutex_lock(&t->mu);
+  uint32_t n = t->count;
+  pthread_mutex_unlock(&t->mu);
+  return n;
+}

@@ -14,11 +14,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+/* next and done are guarded by e->conns_mu. e, addr and thread are set by the
+ * listener before the connection is listed; everything else belongs to the
+ * connection's thread alone, and the reaper frees it only after joining. */
 struct kvl__conn {
-  kvl__conn *next;  /* e->conns list, guarded by e->mu */
+  kvl__conn *next;  /* e->conns list */
   kvl_engine *e;
   int fd;
-  int done;         /* guarded by e->mu */
+  int done;         /* the thread has ended: the reaper may join it */
   pthread_t thread;
   char addr[64];
   char name[KVL_MAX_NAME + 1];
@@ -31,7 +34,8 @@ struct kvl__conn {
   struct iovec iov[KVL__IOV_MAX + 2]; /* + response header + checksum trailer */
 };
 
-static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t index, uint64_t total, const char *msg) {
+static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t index, uint64_t total,
+                 const char *msg) {
   kvl__status st;
   memset(&st, 0, sizeof st);
   st.status = status;
@@ -44,7 +48,8 @@ static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t 
 /* CRC of each descriptor in [first, first+n), resolved to iov. */
 static void crc_descs(kvl__conn *c, uint32_t first, uint32_t n, uint32_t *out) {
   kvl__regions_resolve(&c->e->regions, c->body, first, n, c->iov);
-  for (uint32_t i = 0; i < n; i++) kvl__put_u32((uint8_t *)&out[first + i], kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len));
+  for (uint32_t i = 0; i < n; i++)
+    kvl__put_u32((uint8_t *)&out[first + i], kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len));
 }
 
 static uint32_t chunk(uint32_t count, uint32_t first) {
@@ -172,7 +177,7 @@ static void *conn_main(void *arg) {
   int rc = kvl__handshake_server(e, c->fd, c->name, why, sizeof why);
   if (rc) {
     KVL__STAT_ADD(e, conns_rejected, 1);
-    kvl__log(e, rc, "refused connection from %s: %s", c->addr, why);
+    kvl__event_log(&e->events, rc, "refused connection from %s: %s", c->addr, why);
     goto out;
   }
   for (;;) {
@@ -205,7 +210,7 @@ static void *conn_main(void *arg) {
     } else if (h.type == KVL__T_LREAD_REQ) {
       if ((rc = kvl__local_serve_read(e, c->fd, &h, c->body, &c->addrs, &c->addr_cap, why, sizeof why)) != 0) break;
     } else if (h.type == KVL__T_NOTIFY) {
-      int st = kvl__notif_push(e, c->name, c->body, h.body_len);
+      int st = kvl__notifs_push(&e->notifs, c->name, c->body, h.body_len);
       if ((rc = reply(c, KVL__T_NOTIFY_ACK, h.seq, st, 0, 0, st ? "notification queue full" : NULL)) != 0) break;
     } else {
       rc = KVL_EPROTO;
@@ -216,30 +221,30 @@ static void *conn_main(void *arg) {
   }
   if (rc && rc != KVL_ECLOSED && rc != KVL_EPEERCLOSED) {
     KVL__STAT_ADD(e, conns_rejected, 1);
-    kvl__log(e, rc, "disconnected %s (%s): %s", c->addr, c->name[0] ? c->name : "?", why);
+    kvl__event_log(&e->events, rc, "disconnected %s (%s): %s", c->addr, c->name[0] ? c->name : "?", why);
   } else if (rc == KVL_EPEERCLOSED && why[0]) {
-    kvl__log(e, rc, "peer %s (%s) went away: %s", c->addr, c->name[0] ? c->name : "?", why);
+    kvl__event_log(&e->events, rc, "peer %s (%s) went away: %s", c->addr, c->name[0] ? c->name : "?", why);
   }
 out:
   close(c->fd);
   c->fd = -1;
-  pthread_mutex_lock(&e->mu);
+  pthread_mutex_lock(&e->conns_mu);
   c->done = 1;
-  pthread_mutex_unlock(&e->mu);
+  pthread_mutex_unlock(&e->conns_mu);
   return NULL;
 }
 
 void kvl__server_accept(kvl_engine *e, int fd) {
   char addr[64];
   kvl__peer_str(fd, addr, sizeof addr);
-  pthread_mutex_lock(&e->mu);
+  pthread_mutex_lock(&e->conns_mu);
   int full = e->nconns >= e->cfg.max_conns;
-  pthread_mutex_unlock(&e->mu);
+  pthread_mutex_unlock(&e->conns_mu);
   kvl__conn *c = full ? NULL : calloc(1, sizeof *c);
   if (!c) {
     KVL__STAT_ADD(e, conns_rejected, 1);
-    kvl__log(e, full ? KVL_EBUSY : KVL_ENOMEM, "refused connection from %s: %s", addr,
-             full ? "too many connections" : "out of memory");
+    kvl__event_log(&e->events, full ? KVL_EBUSY : KVL_ENOMEM, "refused connection from %s: %s", addr,
+                   full ? "too many connections" : "out of memory");
     close(fd);
     return;
   }
@@ -249,11 +254,11 @@ void kvl__server_accept(kvl_engine *e, int fd) {
   pthread_attr_t at;
   pthread_attr_init(&at);
   pthread_attr_setstacksize(&at, 512 * 1024);
-  pthread_mutex_lock(&e->mu);
+  pthread_mutex_lock(&e->conns_mu);
   if (pthread_create(&c->thread, &at, conn_main, c) != 0) {
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&e->conns_mu);
     pthread_attr_destroy(&at);
-    kvl__log(e, KVL_ESYS, "refused connection from %s: cannot start a thread", addr);
+    kvl__event_log(&e->events, KVL_ESYS, "refused connection from %s: cannot start a thread", addr);
     close(fd);
     free(c);
     return;
@@ -262,14 +267,14 @@ void kvl__server_accept(kvl_engine *e, int fd) {
   e->conns = c;
   e->nconns++;
   KVL__STAT_ADD(e, conns_accepted, 1);
-  pthread_mutex_unlock(&e->mu);
+  pthread_mutex_unlock(&e->conns_mu);
   pthread_attr_destroy(&at);
 }
 
 void kvl__server_reap(kvl_engine *e, int all) {
   for (;;) {
     kvl__conn *dead = NULL;
-    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&e->conns_mu);
     for (kvl__conn **pp = &e->conns; *pp; pp = &(*pp)->next) {
       if ((*pp)->done || all) {
         dead = *pp;
@@ -278,7 +283,7 @@ void kvl__server_reap(kvl_engine *e, int all) {
         break;
       }
     }
-    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&e->conns_mu);
     if (!dead) return;
     pthread_join(dead->thread, NULL);
     free(dead->body);
@@ -289,9 +294,9 @@ void kvl__server_reap(kvl_engine *e, int all) {
 }
 
 uint32_t kvl__server_conns(kvl_engine *e) {
-  pthread_mutex_lock(&e->mu);
+  pthread_mutex_lock(&e->conns_mu);
   uint32_t n = 0;
   for (kvl__conn *c = e->conns; c; c = c->next) n += !c->done;
-  pthread_mutex_unlock(&e->mu);
+  pthread_mutex_unlock(&e->conns_mu);
   return n;
 }

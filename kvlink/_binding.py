@@ -1,8 +1,9 @@
 """The one seam between Python and the C engine.
 
-Only this module touches ``ffi``/``lib``. Every C return code is checked
-here and turned into a :mod:`kvlink.errors` exception; the API above it sees
-plain Python values and opaque handles.
+Only this module touches the engine's ``ffi``/``lib``. Every C return code is
+checked here and turned into a :mod:`kvlink.errors` exception; the API above
+it sees plain Python values and opaque handles. (The benchmark yardsticks are
+a separate extension, wrapped by ``kvlink.bench.baseline`` with ``check``.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvlink._kvlink_c import ffi, lib
 from kvlink.errors import error_for
 
 INPROGRESS = lib.KVL_INPROGRESS
+FINISHED = lib.KVL_FINISHED
 PROTOCOL_VERSION = lib.KVL_PROTOCOL_VERSION
 ACCESS_NONE = lib.KVL_ACCESS_NONE
 ACCESS_READ = lib.KVL_ACCESS_READ
@@ -187,8 +189,12 @@ def batch_wait(b: Handle, timeout_ms: int) -> None:
         _batch_failed(b, rc)
 
 
-def batch_cancel(b: Handle) -> None:
-    lib.kvl_batch_cancel(b)
+def batch_cancel(b: Handle) -> bool:
+    """True if this call stopped the running batch; False if it had already
+    finished (its outcome, which poll/wait report, stands). Either way the
+    engine writes no more into its memory."""
+    rc = check(lib.kvl_batch_cancel(b), "cancel batch", "")
+    return rc != FINISHED  # 0: stopped by this call
 
 
 def batch_descriptors(b: Handle) -> int:
@@ -221,42 +227,3 @@ def proto_check(frame: bytes) -> tuple[int, str, str]:
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
     buf = ffi.from_buffer(data)
     return int(lib.kvl_crc32c(crc, buf, len(buf)))
-
-
-# ---- benchmark yardsticks (csrc/kvl_baseline.c) ---------------------------------
-
-RAW_INFO = 0
-RAW_RSS = (1 << 64) - 1
-
-
-def rawtcp_serve(host: str, port: int, addr: int, length: int, info: str) -> tuple[Handle, int]:
-    out = ffi.new("struct kvl_rawtcp **")
-    port_out = ffi.new("uint16_t *")
-    check(lib.kvl_rawtcp_serve(host.encode(), port, ffi.cast("void *", addr), length, info.encode(), out, port_out),
-          f"raw TCP baseline listen on {host}:{port}", "")
-    return out[0], int(port_out[0])
-
-
-def rawtcp_stop(h: Handle) -> None:
-    lib.kvl_rawtcp_stop(h)
-
-
-def rawtcp_connect(host: str, port: int) -> int:
-    fd = ffi.new("int *")
-    check(lib.kvl_rawtcp_connect(host.encode(), port, fd), f"raw TCP baseline connect to {host}:{port}", "")
-    return int(fd[0])
-
-
-def rawtcp_fetch(fd: int, n: int, dst_addr: int, cap: int) -> int:
-    got = ffi.new("uint64_t *")
-    check(lib.kvl_rawtcp_fetch(fd, n, ffi.cast("void *", dst_addr), cap, got), "raw TCP baseline fetch", "")
-    return int(got[0])
-
-
-def rawtcp_close(fd: int) -> None:
-    lib.kvl_rawtcp_close(fd)
-
-
-def memcpy_blocks(dst_addrs: np.ndarray, src_addrs: np.ndarray, length: int) -> None:
-    lib.kvl_memcpy_blocks(ffi.from_buffer("uint64_t[]", dst_addrs), ffi.from_buffer("uint64_t[]", src_addrs),
-                          length, len(dst_addrs))

@@ -1,8 +1,16 @@
-"""cffi builder for the C engine (API mode, out of line).
+"""cffi builders for the C code (API mode, out of line).
 
-setup.py names this file in ``cffi_modules``; it compiles every ``csrc/*.c``
-into the extension ``kvlink._kvlink_c``. ``KVLINK_SANITIZE=1`` builds with
-AddressSanitizer and UndefinedBehaviorSanitizer (used by ``make sanitize``).
+setup.py names both in ``cffi_modules``:
+
+- ``ffibuilder``: the engine, every ``csrc/*.c`` but the yardsticks, into the
+  extension ``kvlink._kvlink_c`` that ``kvlink._binding`` wraps.
+- ``baseline_ffibuilder``: the benchmark yardsticks (``csrc/kvl_baseline.c``
+  with the socket and codec helpers it uses) into ``kvlink.bench._baseline_c``,
+  which only ``kvlink bench`` imports. The production extension does not
+  contain them.
+
+``KVLINK_SANITIZE=1`` builds with AddressSanitizer and UndefinedBehaviorSanitizer
+(used by ``make sanitize``).
 """
 
 from __future__ import annotations
@@ -16,27 +24,50 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CSRC = os.path.join(ROOT, "csrc")
 
+BASELINE = "kvl_baseline.c"
+BASELINE_SOURCES = [BASELINE, "kvl_sock.c", "kvl_proto.c"]  # what kvl_baseline.c calls, compiled in again
+
 CFLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-format-truncation", "-fvisibility=hidden"]
 LDFLAGS: list[str] = []
 if os.environ.get("KVLINK_SANITIZE") == "1":
-    CFLAGS = ["-std=c11", "-O1", "-g", "-Wno-format-truncation", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-              "-fno-sanitize-recover=undefined"]
+    CFLAGS = ["-std=c11", "-O1", "-g", "-Wno-format-truncation", "-fno-omit-frame-pointer",
+              "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     LDFLAGS = ["-fsanitize=address,undefined"]
 
-ffibuilder = FFI()
-with open(os.path.join(HERE, "_cdef.h"), encoding="utf-8") as f:
-    ffibuilder.cdef(f.read())
 
-ffibuilder.set_source(
-    "kvlink._kvlink_c",
-    '#include "kvl.h"',
-    sources=sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(CSRC, "*.c"))),
-    include_dirs=[os.path.relpath(CSRC, ROOT)],
-    define_macros=[("_GNU_SOURCE", "1")],
-    extra_compile_args=CFLAGS,
-    extra_link_args=LDFLAGS,
-    libraries=["pthread"],
-)
+def _rel(paths: list[str]) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _builder(module: str, header: str, cdef: str, sources: list[str]) -> FFI:
+    b = FFI()
+    b.cdef(cdef)
+    b.set_source(module, f'#include "{header}"', sources=sources, include_dirs=[os.path.relpath(CSRC, ROOT)],
+                 define_macros=[("_GNU_SOURCE", "1")], extra_compile_args=CFLAGS, extra_link_args=LDFLAGS,
+                 libraries=["pthread"])
+    return b
+
+
+with open(os.path.join(HERE, "_cdef.h"), encoding="utf-8") as f:
+    _ENGINE_CDEF = f.read()
+
+ffibuilder = _builder("kvlink._kvlink_c", "kvl.h", _ENGINE_CDEF,
+                      _rel([p for p in glob.glob(os.path.join(CSRC, "*.c")) if os.path.basename(p) != BASELINE]))
+
+_BASELINE_CDEF = """
+struct kvl_rawtcp;
+int kvl_rawtcp_serve(const char *host, uint16_t port, const void *buf, uint64_t len, const char *info,
+                     struct kvl_rawtcp **out, uint16_t *port_out);
+void kvl_rawtcp_stop(struct kvl_rawtcp *r);
+int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out);
+int kvl_rawtcp_fetch(int fd, uint64_t n, void *dst, uint64_t cap, uint64_t *got);
+void kvl_rawtcp_close(int fd);
+void kvl_memcpy_blocks(const uint64_t *dst, const uint64_t *src, uint64_t len, size_t n);
+"""
+
+baseline_ffibuilder = _builder("kvlink.bench._baseline_c", "kvl_baseline.h", _BASELINE_CDEF,
+                               _rel([os.path.join(CSRC, n) for n in BASELINE_SOURCES]))
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    baseline_ffibuilder.compile(verbose=True)

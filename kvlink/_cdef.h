@@ -2,6 +2,7 @@
  * compiler through "...", never copied. */
 #define KVL_PROTOCOL_VERSION ...
 #define KVL_INPROGRESS ...
+#define KVL_FINISHED ...
 #define KVL_ACCESS_NONE ...
 #define KVL_ACCESS_READ ...
 #define KVL_ACCESS_WRITE ...
@@ -87,13 +88,3 @@ int kvl_event_next(kvl_engine *e, int *code, char *msg, size_t cap);
 
 int kvl_proto_check(const uint8_t *buf, size_t len, char *why, size_t why_cap);
 uint32_t kvl_crc32c(uint32_t crc, const void *data, size_t len);
-
-/* benchmark yardsticks (csrc/kvl_baseline.c) */
-struct kvl_rawtcp;
-int kvl_rawtcp_serve(const char *host, uint16_t port, const void *buf, uint64_t len, const char *info,
-                     struct kvl_rawtcp **out, uint16_t *port_out);
-void kvl_rawtcp_stop(struct kvl_rawtcp *r);
-int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out);
-int kvl_rawtcp_fetch(int fd, uint64_t n, void *dst, uint64_t cap, uint64_t *got);
-void kvl_rawtcp_close(int fd);
-void kvl_memcpy_blocks(const uint64_t *dst, const uint64_t *src, uint64_t len, size_t n);

@@ -79,6 +79,12 @@ class Busy(KVLinkError):
     kvl_name = "KVL_EBUSY"
 
 
+class NotSettled(Busy):
+    """A cancelled or timed-out batch may still write into its local memory: the backend could not stop
+    its transfers in flight (Mooncake cannot abort submitted ones). Keep the memory alive and cancel
+    again; only a cancel that returns means nothing writes there any more."""
+
+
 class Closed(KVLinkError):
     kvl_name = "KVL_ECLOSED"
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests' helpers (wire.py, fakes.py) import as plain modules
 
 TOKEN = b"kvlink-test-token"
 

@@ -1,11 +1,18 @@
-"""Fakes shared by the test suites (each fake lives here once)."""
+"""Fakes shared by the test suites, each here once: a clock, an HTTP server, peers that hang or trickle.
+The in-process transport is in fakes_transport.py, the network relay (corrupting, throttling) in relay.py."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import socket
+import struct
+import sys
 import threading
+import time
 from collections.abc import Callable
+
+from tests import wire
 
 
 class FakeClock:
@@ -80,3 +87,100 @@ class ScriptedHTTPServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
+
+
+class StalledPeer:
+    """Accepts TCP connections and never answers (a hung prefill: bootstrap or transport)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = f"http://{self.address}"
+        self.accepted = threading.Event()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self._conns.append(c)  # kept open, never read from or written to
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+class SlowTarget:
+    """A fake target speaking the real protocol that answers READ requests by
+    trickling bytes (`fill`) slowly, or not at all (stall=True). Used to hold a
+    batch in flight while a test cancels it, kills the peer, or times out."""
+
+    def __init__(self, token: bytes | None = None, chunk: int = 1024, interval: float = 0.01, fill: int = 0xAB,
+                 stall: bool = False):
+        self.token, self.chunk, self.interval, self.fill, self.stall = token, chunk, interval, fill, stall
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.sent_after_request = 0
+        self.send_errors = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._conn, args=(c,), daemon=True).start()
+
+    def _conn(self, c: socket.socket) -> None:
+        try:
+            wire.server_handshake(c, self.token)
+            while not self.stop.is_set():
+                (_, _, ftype, _, seq, _), body = wire.recv_frame(c)
+                if ftype != wire.READ_REQ:
+                    return
+                n = struct.unpack_from("<I", body)[0]
+                total = sum(wire.DESC.unpack_from(body, 8 + 24 * i)[3] for i in range(n))
+                c.sendall(wire.frame(wire.READ_RESP, wire.status_body(0, total), seq=seq))
+                left = total
+                while left > 0 and not self.stop.is_set():
+                    if not self.stall:
+                        k = min(self.chunk, left)
+                        c.sendall(bytes([self.fill]) * k)
+                        self.sent_after_request += k
+                        left -= k
+                    time.sleep(self.interval)
+        except OSError:
+            self.send_errors += 1
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def serve_slow_forever(token: bytes | None = None) -> None:
+    """A SlowTarget in its own process (a test kills it): prints its address, then serves."""
+    t = SlowTarget(token=token)
+    print(t.address, flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":  # python -m tests.fakes TOKEN, from the repository root
+    serve_slow_forever(sys.argv[1].encode())

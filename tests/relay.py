@@ -1,53 +1,88 @@
-"""A TCP relay for tests: forwards both directions between a client and an
-engine, optionally flipping one byte of the server-to-client stream."""
+"""The suite's one network relay: a TCP relay on 127.0.0.1 in front of a real engine that forwards both
+directions between each client and the upstream, for tests that reach the engine through ``address``
+(an initiator's ``connect``, or decode through ``transport_advertise``).
+
+Its options act on the upstream-to-client direction, where READ data flows: ``flip_after`` flips one
+byte (once, at that offset of a connection's stream) so CRC has something to catch; ``rate`` throttles
+it (bytes/s, None = full speed, changeable while running with ``throttle``) so a pull is held slow on
+purpose.
+"""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
-class CorruptingRelay:
-    def __init__(self, upstream: str, flip_after: int | None = None):
+class Relay:
+    CHUNK = 8192  # recv size while throttled: the rate applies in small steps, not 64 KiB bursts
+
+    def __init__(self, upstream: str, *, flip_after: int | None = None, rate: float | None = None) -> None:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host, int(port))
         self.flip_after = flip_after
         self.flipped = False
+        self.rate: float | None = None
+        self.first_byte = threading.Event()  # set when throttled data starts to flow
+        self.first_at = self.last_at = 0.0  # bracket the throttled bytes
+        self.throttled_bytes = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = []
+        self.throttle(rate)
         self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)  # accept polls: closing a socket does not wake a thread blocked in accept
         self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
-        t = threading.Thread(target=self._accept, daemon=True)
-        t.start()
-        self.threads.append(t)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def throttle(self, rate: float | None) -> None:
+        """Limit upstream-to-client data to ``rate`` bytes/s from now on; a rate starts the counters afresh,
+        None (full speed) keeps them for the test to read."""
+        with self._lock:
+            self.rate = rate
+            if rate is not None:
+                self.first_byte.clear()
+                self.first_at = self.last_at = 0.0
+                self.throttled_bytes = 0
+
+    def throttled(self) -> tuple[int, float]:
+        """(bytes, seconds from the first to the last of them) throttled since the last ``throttle(rate)``."""
+        with self._lock:
+            return self.throttled_bytes, self.last_at - self.first_at
 
     def _accept(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self.stop.is_set():
+        while not self._closed.is_set():
             try:
-                c, _ = self.sock.accept()
+                c, _ = self.sock.accept()  # blocking: a listener's timeout is not inherited
             except (TimeoutError, socket.timeout):
                 continue
             except OSError:
                 return  # closed
-            u = socket.create_connection(self.upstream)
-            for a, b, corrupt in ((c, u, False), (u, c, True)):
-                t = threading.Thread(target=self._pump, args=(a, b, corrupt), daemon=True)
-                t.start()
-                self.threads.append(t)
+            try:
+                u = socket.create_connection(self.upstream, timeout=5)
+                u.settimeout(None)
+            except OSError:
+                c.close()
+                continue
+            with self._lock:
+                self._socks += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
-        seen = 0
+    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        seen = 0  # bytes of this connection's stream already forwarded
         try:
             while True:
-                data = src.recv(65536)
+                data = src.recv(self.CHUNK if downstream and self.rate else 1 << 16)
                 if not data:
                     break
-                if corrupt and self.flip_after is not None and not self.flipped and seen + len(data) > self.flip_after:
-                    i = self.flip_after - seen
-                    data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
-                    self.flipped = True
-                seen += len(data)
+                if downstream:
+                    data = self._corrupt(data, seen)
+                    seen += len(data)
+                    rate = self.rate  # read after recv: bytes that arrive after throttle() are all throttled
+                    if rate:
+                        self._throttle_chunk(len(data), rate)
                 dst.sendall(data)
         except OSError:
             pass
@@ -58,6 +93,38 @@ class CorruptingRelay:
                 except OSError:
                     pass
 
+    def _corrupt(self, data: bytes, seen: int) -> bytes:
+        if self.flip_after is None or not seen <= self.flip_after < seen + len(data):
+            return data
+        with self._lock:
+            if self.flipped:
+                return data
+            self.flipped = True
+        i = self.flip_after - seen
+        return data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+
+    def _throttle_chunk(self, n: int, rate: float) -> None:
+        with self._lock:
+            if not self.first_byte.is_set():
+                self.first_at = time.monotonic()
+                self.first_byte.set()
+            self.throttled_bytes += n
+        time.sleep(n / rate)  # the throttle itself, not synchronization
+        with self._lock:
+            self.last_at = time.monotonic()
+
     def close(self) -> None:
-        self.stop.set()
+        """Stop accepting and drop every relayed connection (the peers see them close). Idempotent."""
+        self._closed.set()
         self.sock.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:  # shutdown first: a pump thread blocked in recv would keep a bare close() from
+            try:         # sending anything, and the peers would not see the connection drop
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                s.close()
+            except OSError:
+                pass

@@ -1,1 +1,12 @@
-"""Transport backends other than the native engine (see kvlink.transport.backend)."""
+"""Transport backends, and the registry that opens one by name.
+
+``open_backend(kind, config, options=None)`` returns an implementation of the contract in
+:mod:`kvlink.transport.backend`: the native engine (``tcp``, ``same-host``, ``auto``) or Mooncake's transfer
+engine (``mooncake``, :mod:`kvlink.backends.mooncake`). ``BACKENDS`` lists the registered kinds;
+``register_backend`` adds one. See ``docs/backends.md``.
+"""
+
+from kvlink.backends.mooncake_config import MooncakeConfig
+from kvlink.backends.registry import BACKENDS, Factory, open_backend, register_backend, unregister_backend
+
+__all__ = ["BACKENDS", "Factory", "MooncakeConfig", "open_backend", "register_backend", "unregister_backend"]

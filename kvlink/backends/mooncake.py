@@ -2,9 +2,13 @@
 
 Wraps ``mooncake.engine.TransferEngine`` (pip ``mooncake-transfer-engine-non-cuda``,
 which needs Debian's ``libibverbs1`` and ``librdmacm1`` even for TCP) with
-peer-to-peer handshake (no metadata server). Protocol ``tcp`` by default;
-``rdma`` (and anything else Mooncake accepts) passes through
-(:class:`MooncakeSettings`, or ``KVLINK_MOONCAKE_PROTOCOL``).
+peer-to-peer handshake (no metadata server). Its settings are one
+:class:`MooncakeConfig` given at construction (protocol ``tcp`` by default;
+``rdma`` and anything else Mooncake accepts passes through); nothing here reads
+the environment. Mooncake itself reads its settings from environment variables
+when its engine is created: the backend exports the config's values to them
+once, at construction (:func:`_start_transfer_engine`), so Mooncake and this
+module agree on the queue limit and the give-up time.
 
 Addresses. Mooncake moves bytes between raw virtual addresses. Here peers
 name regions by id, as with the native engine: ``connect`` fetches the
@@ -25,7 +29,7 @@ What Mooncake cannot do, and how it shows:
   call ``cancel()`` again later). ``capabilities.cancel`` is False.
 - No CRC (``EngineConfig(crc=True)`` raises :class:`Unsupported`), no
   same-host copy (``same_host="require"`` raises Unsupported); ``streams`` is
-  ignored (Mooncake's own knob is ``MC_TCP_LANES_PER_PEER``).
+  ignored (Mooncake's own knob is ``MC_TCP_LANES_PER_PEER``, left to the user).
 - Access flags and bounds are enforced by the initiator from the table, not
   by the target: Mooncake's target only checks that an address lies in some
   registered buffer. Mooncake's RPC and data ports listen on ALL interfaces
@@ -33,14 +37,15 @@ What Mooncake cannot do, and how it shows:
   the notifications, not the data plane. Use it on trusted networks.
 - ``Region.unregister`` waits for this backend's own batches on the region,
   but cannot see a peer's one-sided accesses in flight.
-- Mooncake gives up waiting on a batch after ``MC_TRANSFER_TIMEOUT``
-  (default 30 s) and frees it while slices may still be queued; such a batch
-  is reported as :class:`NotSettled` too.
+- Mooncake gives up waiting on a batch after ``transfer_timeout_s``
+  (its ``MC_TRANSFER_TIMEOUT``, default 30 s) and frees it while slices may
+  still be queued; such a batch is reported as :class:`NotSettled` too.
 
-Quirks handled: a per-peer queue limit (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
-default 1024; a larger batch on a cold connection fails as a whole): hence
-the chunks. Log noise: ``MC_LOG_LEVEL=WARNING`` and glog's
-``GLOG_minloglevel=2`` are set (unless already set) before Mooncake loads.
+Quirks handled: a per-peer queue limit (``max_queued``, Mooncake's
+``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, default 1024; a larger batch on a
+cold connection fails as a whole): hence the chunks. Log noise:
+``MC_LOG_LEVEL=WARNING`` and glog's ``GLOG_minloglevel=2`` are set (unless
+already set) at construction, before Mooncake loads.
 """
 
 from __future__ import annotations
@@ -57,11 +62,13 @@ from typing import Any
 
 import numpy as np
 
+from kvlink.backends.mooncake_config import MooncakeConfig
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
-from kvlink.errors import (AccessDenied, Busy, Canceled, Closed, ConnectError, KVLinkError, OutOfRange,
+from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled,
                            RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
+from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
 from kvlink.transport.region import Access, memory_for
 
 logger = logging.getLogger(__name__)
@@ -69,59 +76,31 @@ logger = logging.getLogger(__name__)
 MAX_NOTIFY = 4096  # the native engine's limit, kept the same for callers
 
 
-class NotSettled(Busy):
-    """Transfers of a canceled or timed-out batch are still in flight inside
-    Mooncake: its local memory may still be written. Keep it alive."""
+_MOONCAKE_ENV_LOCK = threading.Lock()  # the environment Mooncake reads is process-wide
 
 
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """protocol: Mooncake transport ('tcp', 'rdma', ...). device: RDMA device
-    filter ('' = all). host: the address Mooncake advertises to peers
-    (default: the listen host, else 127.0.0.1). max_queued: Mooncake's
-    per-peer queue limit. settle_s: how long cancel() waits at most for a
-    chunk in flight."""
+def _start_transfer_engine(mc: MooncakeConfig, host: str) -> Any:
+    """A Mooncake TransferEngine, initialized, advertising ``host``.
 
-    protocol: str = "tcp"
-    device: str = ""
-    host: str | None = None
-    max_queued: int = 1024
-    settle_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.protocol, str) or not self.protocol.isidentifier():
-            raise ValueError(f"protocol must be a Mooncake protocol name such as 'tcp' or 'rdma', got {self.protocol!r}")
-        if not isinstance(self.max_queued, int) or self.max_queued < 2:
-            raise ValueError(f"max_queued must be an int >= 2, got {self.max_queued!r}")
-        if not 0 < self.settle_s <= 3600:
-            raise ValueError(f"settle_s must be in (0, 3600], got {self.settle_s!r}")
-
-    @classmethod
-    def from_env(cls) -> MooncakeSettings:
-        env = os.environ
-        return cls(protocol=env.get("KVLINK_MOONCAKE_PROTOCOL", "tcp"), device=env.get("KVLINK_MOONCAKE_DEVICE", ""),
-                   host=env.get("KVLINK_MOONCAKE_HOST") or None,
-                   max_queued=int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "1024")))
-
-
-def _transfer_engine_class() -> Any:
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    os.environ.setdefault("GLOG_minloglevel", "2")
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:
-        raise Unsupported(f"mooncake backend: cannot import mooncake.engine ({e}); install "
-                          "mooncake-transfer-engine-non-cuda and Debian's libibverbs1 librdmacm1") from None
-    return TransferEngine
-
-
-def _u64(a: Any, what: str) -> np.ndarray:
-    arr = np.asarray(a)
-    if arr.dtype.kind not in "ui":
-        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-        raise ValueError(f"{what} must not be negative")
-    return np.ascontiguousarray(arr, dtype=np.uint64).reshape(-1)
+    Mooncake takes its settings from the environment: logging when it loads, the give-up time when an
+    engine is created, the queue limit when it is initialized. So they are exported here, once per
+    backend: quieter logs unless set already, and the config's queue limit and give-up time, overriding what
+    was set so that Mooncake and this module agree."""
+    with _MOONCAKE_ENV_LOCK:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise Unsupported(f"mooncake backend: cannot import mooncake.engine ({e}); install "
+                              "mooncake-transfer-engine-non-cuda and Debian's libibverbs1 librdmacm1") from None
+        os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(mc.max_queued)
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(mc.transfer_timeout_s)
+        engine = TransferEngine()
+        if engine.initialize(host, "P2PHANDSHAKE", mc.protocol, mc.device) != 0:
+            raise SystemError_(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {mc.protocol!r}, {mc.device!r}) "
+                               "failed")
+    return engine
 
 
 class MooncakeRegion:
@@ -170,7 +149,7 @@ class MooncakeBatch:
     def __init__(self, backend: MooncakeBackend, region: MooncakeRegion, op: str, chunks: list, nbytes: int,
                  timeout_s: float):
         self._backend, self._region, self.op, self._chunks = backend, region, op, chunks
-        self.nbytes, self.descriptors = nbytes, sum(len(c[0]) for c in chunks)
+        self.nbytes = nbytes
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._cond = threading.Condition()
@@ -203,7 +182,7 @@ class MooncakeBatch:
     def _raise(self) -> None:
         if self._unsafe:
             raise NotSettled("mooncake gave up waiting on this batch while transfers may still be queued "
-                             f"(MC_TRANSFER_TIMEOUT); its local memory may still be written: {self._error}")
+                             f"(transfer_timeout_s); its local memory may still be written: {self._error}")
         if self._error is not None:
             raise self._error
 
@@ -234,7 +213,7 @@ class MooncakeBatch:
         backend's settle_s) until the chunk in flight settles. Once this
         returns, nothing is written into the batch's local memory again; if
         it cannot settle in time, NotSettled is raised."""
-        t = self._backend.settings.settle_s if timeout_s is None else timeout_s
+        t = self._backend.mooncake.settle_s if timeout_s is None else timeout_s
         with self._cond:
             self._stop = True
             if self._state == self.PENDING:
@@ -245,9 +224,6 @@ class MooncakeBatch:
                                  "and call cancel() again")
             if self._unsafe:
                 self._raise()
-
-    def release(self) -> None:
-        """Nothing to free (kept for parity with the native Batch)."""
 
     def __enter__(self) -> MooncakeBatch:
         return self
@@ -261,9 +237,9 @@ class MooncakeBackend:
 
     kind = "mooncake"
 
-    def __init__(self, config: EngineConfig | None = None, settings: MooncakeSettings | None = None):
+    def __init__(self, config: EngineConfig | None = None, mooncake: MooncakeConfig | None = None):
         self.config = cfg = config or EngineConfig()
-        self.settings = s = settings or MooncakeSettings.from_env()
+        self.mooncake = mc = mooncake or MooncakeConfig()
         if cfg.crc:
             raise Unsupported("mooncake backend: no per-descriptor CRC (crc=True)")
         if cfg.same_host == "require":
@@ -272,12 +248,10 @@ class MooncakeBackend:
                                          same_host=False, network=True)
         host, port = split_hostport(cfg.listen, "listen") if cfg.listen else (None, 0)
         self._host = host
-        mc_host = s.host or (host if host not in (None, "0.0.0.0", "::") else "127.0.0.1")
-        self._engine = _transfer_engine_class()()
-        if self._engine.initialize(mc_host, "P2PHANDSHAKE", s.protocol, s.device) != 0:
-            raise SystemError_(f"mooncake: initialize({mc_host!r}, P2PHANDSHAKE, {s.protocol!r}) failed")
+        mc_host = mc.host or (host if host not in (None, "0.0.0.0", "::") else "127.0.0.1")
+        self._engine = _start_transfer_engine(mc, mc_host)
         self.session = f"{mc_host}:{self._engine.get_rpc_port()}"
-        self._chunk = max(1, s.max_queued // 2)
+        self._chunk = max(1, mc.max_queued // 2)
         self._cond = threading.Condition()
         self._regions: dict[int, MooncakeRegion] = {}  # guarded by _cond
         self._peers: dict[int, MooncakePeer] = {}      # guarded by _cond
@@ -292,7 +266,7 @@ class MooncakeBackend:
             self._side = SideServer(host, port, cfg.token, cfg.name, self._table_bytes, self._queue_note,
                                     cfg.handshake_timeout_s, cfg.max_conns)
         logger.info("kvlink mooncake backend %r: side channel %s, mooncake session %s (%s)", cfg.name,
-                    self.address, self.session, s.protocol)
+                    self.address, self.session, mc.protocol)
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -320,7 +294,7 @@ class MooncakeBackend:
         stuck = False
         for p in peers:
             if p._worker is not None:
-                p._worker.join(self.settings.settle_s)
+                p._worker.join(self.mooncake.settle_s)
                 stuck |= p._worker.is_alive()
             p._client.close()
         if stuck:  # destroying the engine under a thread still inside it would crash the process
@@ -421,28 +395,8 @@ class MooncakeBackend:
         if not isinstance(peer, MooncakePeer) or self._peers.get(peer.id) is not peer:
             raise ValueError("unknown peer (connect() it with this backend)")
         t = self.config.op_timeout_s if timeout_s is None else timeout_s
-        loff = _u64(local_offsets, "local_offsets")
-        n = len(loff)
-        if n == 0:
-            raise ValueError("a batch needs at least one descriptor")
-        roff = _u64(remote_offsets, "remote_offsets")
-        if len(roff) != n:
-            raise ValueError(f"remote_offsets has {len(roff)} entries, local_offsets {n}")
-        lens = np.broadcast_to(_u64(lengths, "lengths"), (n,)) if np.size(lengths) in (1, n) else None
-        if lens is None:
-            raise ValueError(f"lengths has {np.size(lengths)} entries, expected 1 or {n}")
-        regs = np.broadcast_to(np.asarray(remote_regions, dtype=np.int64).reshape(-1), (n,)) \
-            if np.size(remote_regions) in (1, n) else None
-        if regs is None:
-            raise ValueError(f"remote_regions has {np.size(remote_regions)} entries, expected 1 or {n}")
-        if (lens == 0).any():
-            raise ValueError("descriptor lengths must be positive")
-        size = np.uint64(local.length)
-        bad = (loff > size) | (lens > size - np.minimum(loff, size))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise OutOfRange(f"descriptor {i}: local offset {int(loff[i])} + length {int(lens[i])} beyond the "
-                             f"local region of {local.length} bytes")
+        d = check_descriptors(local.length, local_offsets, remote_regions, remote_offsets, lengths)
+        n, regs, lens = len(d), d.each_region(), d.each_length()
         # Remote: translate (region id, offset) through the peer's table, checking access and bounds.
         table = self._lookup(peer, regs)
         need = Access.READ if op == "read" else Access.WRITE
@@ -454,15 +408,11 @@ class MooncakeBackend:
                 raise AccessDenied(f"remote region 0x{int(rid):x} at peer {peer.name} does not permit {op.upper()}")
             sel = regs == rid
             base[sel], rlen[sel] = addr, length
-        bad = (roff > rlen) | (lens > rlen - np.minimum(roff, rlen))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise OutOfRange(f"descriptor {i}: remote offset {int(roff[i])} + length {int(lens[i])} beyond remote "
-                             f"region 0x{int(regs[i]):x} of {int(rlen[i])} bytes")
-        laddr, raddr = loff + np.uint64(local.addr), roff + base
+        check_remote_bounds(d, rlen)
+        laddr, raddr = d.local_offsets + np.uint64(local.addr), d.remote_offsets + base
         c = self._chunk
         chunks = [(laddr[k:k + c].tolist(), raddr[k:k + c].tolist(), lens[k:k + c].tolist()) for k in range(0, n, c)]
-        batch = MooncakeBatch(self, local, op, chunks, int(lens.sum()), t)
+        batch = MooncakeBatch(self, local, op, chunks, d.nbytes, t)
         with self._cond:
             self._check_open()
             local.inflight += 1
@@ -502,11 +452,12 @@ class MooncakeBackend:
                         MooncakeBatch.FAILED
                     break
                 t0 = time.monotonic()
-                self._stats["chunks"] += 1
+                with self._cond:
+                    self._stats["chunks"] += 1
                 if eng.get_batch_transfer_status([bid]) != 0:
-                    # Mooncake reports a failed slice, or gave up waiting (MC_TRANSFER_TIMEOUT): in the
+                    # Mooncake reports a failed slice, or gave up waiting (transfer_timeout_s): in the
                     # latter case it freed the batch with slices possibly still queued.
-                    unsafe = time.monotonic() - t0 >= _mooncake_timeout_s()
+                    unsafe = time.monotonic() - t0 >= self.mooncake.transfer_timeout_s
                     error, state = RemoteError(f"mooncake: {batch.op} from {peer.name} failed"), MooncakeBatch.FAILED
                     break
             with self._cond:
@@ -547,17 +498,7 @@ class MooncakeBackend:
             notes, self._notes = self._notes, []
         return notes
 
-    def events(self) -> list[tuple[str, str]]:
-        return []
-
     def stats(self) -> dict[str, int]:
         with self._cond:
             return dict(self._stats, peers=len(self._peers), regions=len(self._regions))
 
-
-def _mooncake_timeout_s() -> float:
-    """Mooncake's own give-up time for a batch (MC_TRANSFER_TIMEOUT, at least 5 s; default 30 s)."""
-    try:
-        return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
-    except ValueError:
-        return 30.0

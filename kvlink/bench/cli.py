@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,23 +92,33 @@ def run(args: argparse.Namespace) -> int:
         hosted = sorted({"nixl" if s.startswith("nixl") else s for s in systems if s in PEER_SYSTEMS})
         if hosted:
             cmd += ["--peers", ",".join(hosted)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                                preexec_fn=_terminated_with_parent())
         try:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line:
                 raise SystemExit("bench target failed to start")
             d = json.loads(line)
-            info = TargetInfo(d["address"], d["region"], d["buffer_bytes"], d["seed"], d["raw_port"], d.get("peers", {}))
+            info = TargetInfo(d["address"], d["region"], d["buffer_bytes"], d["seed"], d["raw_port"],
+                              d.get("peers", {}))
             return _initiate(args, info, token, systems, workloads)
         finally:
-            if proc.stdin:
-                proc.stdin.close()
+            proc.terminate()  # the target serves until a signal stops it
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
     finally:
         os.unlink(tf.name)
+
+
+def _terminated_with_parent():
+    """For the target child of `--role both`: the kernel sends it SIGTERM when
+    this process dies, even by SIGKILL, so no target is left serving."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _initiate(args: argparse.Namespace, info: TargetInfo, token: bytes | None, systems: list[str],

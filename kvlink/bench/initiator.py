@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlink import _binding as B
+from kvlink.bench import baseline
 from kvlink.bench.peers import PEER_SYSTEMS, peer_runner
+from kvlink.bench.runner import Runner
 from kvlink.bench.stats import Result
 from kvlink.bench.workloads import MiB, Workload, expected, fill_pattern, gather, random_slots
 from kvlink.transport import Engine, EngineConfig
@@ -33,12 +34,12 @@ class TargetInfo:
     @classmethod
     def fetch(cls, address: str, raw_port: int) -> TargetInfo:
         host, _ = split_hostport(address)
-        fd = B.rawtcp_connect(host, raw_port)
+        fd = baseline.rawtcp_connect(host, raw_port)
         try:
             buf = np.zeros(4096, dtype=np.uint8)
-            n = B.rawtcp_fetch(fd, B.RAW_INFO, buf.ctypes.data, buf.nbytes)
+            n = baseline.rawtcp_fetch(fd, baseline.RAW_INFO, buf.ctypes.data, buf.nbytes)
         finally:
-            B.rawtcp_close(fd)
+            baseline.rawtcp_close(fd)
         info = json.loads(bytes(buf[:n]))
         return cls(info["address"], info["region"], info["buffer_bytes"], info["seed"], raw_port,
                    info.get("peers", {}))
@@ -71,25 +72,13 @@ def rss_bytes() -> int:
 
 
 def target_rss(info: TargetInfo, host: str) -> int:
-    fd = B.rawtcp_connect(host, info.raw_port)
+    fd = baseline.rawtcp_connect(host, info.raw_port)
     try:
         out = np.zeros(1, dtype=np.uint64)
-        B.rawtcp_fetch(fd, B.RAW_RSS, out.ctypes.data, 8)
+        baseline.rawtcp_fetch(fd, baseline.RAW_RSS, out.ctypes.data, 8)
         return int(out[0])
     finally:
-        B.rawtcp_close(fd)
-
-
-@dataclass
-class Runner:
-    """One system ready to run one workload: ``op`` is the timed operation,
-    ``verify`` clears the destinations, runs once more and checks the bytes."""
-
-    system: str
-    op: Callable[[], None]
-    verify: Callable[[], bool]
-    close: Callable[[], None] = lambda: None
-    descriptors: Callable[[], int | None] = lambda: None
+        baseline.rawtcp_close(fd)
 
 
 class Initiator:
@@ -152,14 +141,14 @@ class Initiator:
         return Runner(system, op, self._checked(op, l_offs, r_offs, w), descriptors=lambda: descs[0])
 
     def _raw(self, w: Workload) -> Runner:
-        fd = B.rawtcp_connect(self.host, self.info.raw_port)
+        fd = baseline.rawtcp_connect(self.host, self.info.raw_port)
         zero = np.zeros(1, dtype=np.uint64)
         whole = Workload(w.name, 1, w.nbytes)
 
         def op() -> None:
-            B.rawtcp_fetch(fd, w.nbytes, self.dst.ctypes.data, self.dst.nbytes)
+            baseline.rawtcp_fetch(fd, w.nbytes, self.dst.ctypes.data, self.dst.nbytes)
 
-        return Runner("raw-tcp", op, self._checked(op, zero, zero, whole), close=lambda: B.rawtcp_close(fd))
+        return Runner("raw-tcp", op, self._checked(op, zero, zero, whole), close=lambda: baseline.rawtcp_close(fd))
 
     def _memcpy(self, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
         if self.src is None:
@@ -169,7 +158,7 @@ class Initiator:
         src_a = r_offs + np.uint64(self.src.ctypes.data)
 
         def op() -> None:
-            B.memcpy_blocks(dst_a, src_a, w.block_size)
+            baseline.memcpy_blocks(dst_a, src_a, w.block_size)
 
         return Runner("memcpy", op, self._checked(op, l_offs, r_offs, w))
 

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvlink.bench.runner import Runner
 from kvlink.bench.workloads import Workload
 
 if TYPE_CHECKING:
-    from kvlink.bench.initiator import Initiator, Runner
+    from kvlink.bench.initiator import Initiator
 
 PEER_SYSTEMS = ("mooncake", "nixl-tcp", "nixl")
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -178,8 +179,6 @@ def _descs(base: int, offs: np.ndarray, size: int) -> np.ndarray:
 
 def peer_runner(ini: Initiator, system: str, w: Workload, r_offs: np.ndarray, l_offs: np.ndarray) -> Runner:
     """One peer system ready for one workload (see Initiator.run)."""
-    from kvlink.bench.initiator import Runner
-
     if ini.peer_clients is None:
         ini.peer_clients = PeerClients(ini)
     pc = ini.peer_clients

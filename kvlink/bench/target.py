@@ -1,17 +1,18 @@
 """The target half of `kvlink bench`: a registered, patterned buffer served by
 an engine and by the raw TCP yardstick. Prints one JSON line describing
-itself, then serves until stdin closes or it is terminated."""
+itself, then serves until it is stopped by SIGTERM or SIGINT (Ctrl-C), and
+exits 0. Standard input is not read: started under nohup, systemd or
+`ssh -n` (stdin at end of file) it serves all the same."""
 
 from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 
 import numpy as np
 
-from kvlink import _binding as B
+from kvlink.bench import baseline
 from kvlink.bench.peers import PeerTargets
 from kvlink.bench.workloads import MiB, fill_pattern
 from kvlink.transport import Access, Engine, EngineConfig
@@ -26,7 +27,8 @@ def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, c
     buf = np.empty(buffer_mb * MiB, dtype=np.uint8)
     fill_pattern(buf, SEED)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # not SIGHUP: nohup's "ignore it" must stand
+        signal.signal(sig, lambda *_: stop.set())
     with Engine(EngineConfig(listen=listen, token=token, name="bench-target", streams=streams, crc=crc,
                              allow_insecure=allow_insecure)) as eng:
         region = eng.register(buf, Access.READ | Access.WRITE)
@@ -34,18 +36,14 @@ def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, c
         hosted = PeerTargets(peers, host, buf) if peers else None  # only when compared
         if hosted:
             info["peers"] = hosted.info
-        raw, raw_port = B.rawtcp_serve(host, port + 1 if port else 0, region.addr, buf.nbytes, json.dumps(info))
+        raw, raw_port = baseline.rawtcp_serve(host, port + 1 if port else 0, region.addr, buf.nbytes, json.dumps(info))
         info["raw_port"] = raw_port
         print(json.dumps(info), flush=True)
-        reader = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
-        reader.start()
         try:
             while not stop.wait(0.5):
                 eng.events()  # log refused peers as they happen
-        except KeyboardInterrupt:
-            pass
         finally:
-            B.rawtcp_stop(raw)
+            baseline.rawtcp_stop(raw)
             if hosted:
                 hosted.close()
     return 0

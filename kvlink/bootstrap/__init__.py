@@ -1,8 +1,8 @@
 """kvlink's bootstrap (pairing) server: where prefill and decode engines find each other.
 
 Read in this order: ``schema`` (what travels), ``table`` (the pairing logic, pure), ``server`` (HTTP adapter
-and embedded server), ``client`` (typed synchronous client), ``heartbeat`` (keeping a rank registered),
-``cli`` (standalone). The HTTP API is described in ``docs/bootstrap.md``.
+and embedded server), ``client`` (typed synchronous client), ``pool`` (one client per server URL), ``heartbeat``
+(keeping a rank registered), ``cli`` (standalone). The HTTP API is described in ``docs/bootstrap.md``.
 """
 
 from kvlink.bootstrap.client import BootstrapClient
@@ -25,6 +25,7 @@ from kvlink.bootstrap.errors import (
     UnknownRequest,
 )
 from kvlink.bootstrap.heartbeat import Heartbeater
+from kvlink.bootstrap.pool import ClientPool
 from kvlink.bootstrap.schema import EngineRegistration, KVLayerSpec, Outcome, RequestRecord, RequestStatus
 from kvlink.bootstrap.server import BootstrapServer
 from kvlink.bootstrap.table import PairingTable
@@ -36,6 +37,7 @@ __all__ = [
     "BootstrapError",
     "BootstrapServer",
     "BootstrapUnavailable",
+    "ClientPool",
     "Conflict",
     "EngineRegistration",
     "Heartbeater",

@@ -157,12 +157,6 @@ class BootstrapClient:
         body = s.checked(s.EngineRanksBody, engine_id=engine_id)
         return self._call("/v1/engine/ranks", body, s.EngineRanksAnswer).ranks
 
-    def keep_registered(self, registration: EngineRegistration, lease_s: float, **kwargs: Any):
-        """Start a :class:`~kvlink.bootstrap.heartbeat.Heartbeater` that keeps this rank registered."""
-        from kvlink.bootstrap.heartbeat import Heartbeater
-
-        return Heartbeater(self, registration, lease_s, **kwargs).start()
-
     # ----- requests ---------------------------------------------------------------------------------------
 
     def publish(

@@ -102,10 +102,6 @@ class EngineRegistration(_Strict, kw_only=True):
         if len(set(names)) != len(names):
             raise ValueError("invalid `layers`: layer names repeat")
 
-    @property
-    def rank_key(self) -> tuple[str, int, int, int]:
-        return (self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank)
-
     def same_layout(self, other: EngineRegistration) -> bool:
         """True when only the transport address may differ (what a re-registration may change)."""
         return (

@@ -1,4 +1,4 @@
-"""Build a small local Llama (random weights, local tokenizer) for tests, demo and benchmark.
+"""Build a small local model (random weights, local tokenizer) for tests, demo and benchmark.
 
 Nothing is fetched from a hub: the weights are random (seeded), saved as bf16 safetensors, and the
 tokenizer is a byte-level BPE trained here on a generated corpus and saved as PreTrainedTokenizerFast.
@@ -40,6 +40,7 @@ class Preset:
     intermediate: int
     vocab: int = 1024
     max_positions: int = 4096
+    sliding_window: int | None = None  # tokens; set: a Mistral whose every layer attends to this window
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -52,6 +53,10 @@ PRESETS = {
     "tiny": Preset("tiny", num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512),
     # Benchmark: 32 KiB of KV per token but small weights (head_dim is decoupled from hidden).
     "kvheavy": Preset("kvheavy", num_layers=8, hidden=256, heads=8, kv_heads=8, head_dim=128, intermediate=512),
+    # Sliding window on every layer: vLLM builds one SlidingWindowSpec KV cache group, and the block
+    # tables of long prompts hold null blocks before the window (tests of block pairing by position).
+    "swa": Preset("swa", num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                  sliding_window=64),
 }
 
 
@@ -96,16 +101,19 @@ def _build_tokenizer(preset: Preset, out: Path) -> None:
 
 def _build_weights(preset: Preset, out: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(
+    config_cls, model_cls, extra = LlamaConfig, LlamaForCausalLM, {}
+    if preset.sliding_window is not None:
+        config_cls, model_cls, extra = MistralConfig, MistralForCausalLM, {"sliding_window": preset.sliding_window}
+    cfg = config_cls(
         vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
         num_hidden_layers=preset.num_layers, num_attention_heads=preset.heads,
         num_key_value_heads=preset.kv_heads, head_dim=preset.head_dim,
         max_position_embeddings=preset.max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-        tie_word_embeddings=False, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(cfg)
+        tie_word_embeddings=False, torch_dtype="bfloat16", **extra)
+    model = model_cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
             # Larger than HF's default init so that greedy outputs depend visibly on the KV.
@@ -127,8 +135,8 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     logger.info("building %s model into %s", preset, path)
     _build_tokenizer(p, path)
     _build_weights(p, path)
-    marker.write_text(json.dumps({"preset": p.name, "seed": SEED,
-                                  "kv_bytes_per_token": p.kv_bytes_per_token}) + "\n")
+    marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "kv_bytes_per_token": p.kv_bytes_per_token,
+                                  "sliding_window": p.sliding_window}) + "\n")
     return path
 
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible PD router: sends each request to a prefill server and a decode server.
 
 Sequential mode: the prefill server computes the prompt (max_tokens=1) and returns the
-``kv_transfer_params`` that the proxy copies into the decode request.
+``kv_transfer_params`` that the proxy checks and hands to the decode request (malformed ones are a 502
+naming the field). What goes into each request's ``kv_transfer_params`` is built by kvlink.vllm.params.
 Concurrent mode: both requests leave at once, paired by a fresh transfer id; the decode side finds
 the prefill's KV through the prefill's bootstrap server.
 
@@ -26,6 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from kvlink.proxy.config import ProxyConfig
+from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, decode_params
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +145,20 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
     prefill = next(st.prefill_rr)
     decode = next(st.decode_rr)
     answer = await _post_json(st, cfg, "prefill", prefill, path,
-                              _prefill_body(body, {"do_remote_decode": True}))
-    params = answer.get("kv_transfer_params")
-    if not isinstance(params, dict):
+                              _prefill_body(body, PrefillRequest().to_params()))
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if params is None:
         raise BackendError("prefill", prefill, "answer has no kv_transfer_params: is the server "
                            "running with KVLinkConnector as kv_producer?")
+    try:
+        dec_params = decode_params(params)
+    except BadParams as e:
+        raise BackendError("prefill", prefill, f"answer has bad kv_transfer_params: {e}") from None
+    if not dec_params["do_remote_prefill"]:
+        logger.warning("prefill %s kept no KV for this request (%.300s); decode computes the prompt", prefill,
+                       params.get("kvlink_error", "no reason given"))
     dec = copy.deepcopy(body)
-    dec["kv_transfer_params"] = params
+    dec["kv_transfer_params"] = dec_params
     return await _relay(request, st, cfg, decode, path, dec)
 
 
@@ -158,14 +167,11 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     decode = next(st.decode_rr)
     transfer_id = uuid.uuid4().hex
     pre_task = asyncio.create_task(_post_json(
-        st, cfg, "prefill", prefill, path,
-        _prefill_body(body, {"do_remote_decode": True, "transfer_id": transfer_id})))
-    dec_params = {"do_remote_prefill": True, "transfer_id": transfer_id,
-                  "remote_bootstrap_addr": cfg.bootstrap_for(i)}
-    if (engine_id := cfg.engine_id_for(i)) is not None:
-        dec_params["remote_engine_id"] = engine_id
+        st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params())))
+    source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
+                          transfer_id=transfer_id)
     dec = copy.deepcopy(body)
-    dec["kv_transfer_params"] = dec_params
+    dec["kv_transfer_params"] = source.to_params()
     delivered = False
     try:
         out = await _relay(request, st, cfg, decode, path, dec)

@@ -4,9 +4,10 @@ A backend registers memory, connects to peers, moves batches of
 (local offset, remote region, remote offset, length) descriptors with
 completion, and sends small notifications. The native C engine
 (:class:`kvlink.transport.Engine`) is one implementation; others (Mooncake)
-live in :mod:`kvlink.backends`. Callers pick one with :func:`open_backend`
-and never see which; what a backend cannot do is in its ``capabilities``
-and refused with :class:`Unsupported`, never faked.
+live in :mod:`kvlink.backends`, which also holds the registry that opens a
+backend by name (``kvlink.backends.open_backend``): this layer knows no
+backend by name. What a backend cannot do is in its ``capabilities`` and
+refused with :class:`Unsupported`, never faked.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvlink.errors import KVLinkError
-
-BACKENDS = ("tcp", "mooncake", "same-host", "auto")
 
 
 class Unsupported(KVLinkError, NotImplementedError):
@@ -58,7 +57,7 @@ class BatchLike(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    kind: str  # "tcp", "same-host", "mooncake"
+    kind: str  # "tcp", "same-host", "mooncake", ...
     capabilities: Capabilities
 
     @property
@@ -82,23 +81,3 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
-
-def open_backend(kind: str, config: Any) -> Backend:
-    """A backend by setting: 'tcp' (the native engine), 'mooncake' (Mooncake's
-    transfer engine), 'same-host' (native engine that must copy peer memory
-    directly), 'auto' (same-host where both ends are on one host and it is
-    permitted, else TCP). ``config`` is an :class:`EngineConfig`."""
-    if kind not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
-    if kind == "mooncake":
-        from kvlink.backends.mooncake import MooncakeBackend
-
-        return MooncakeBackend(config)
-    from dataclasses import replace
-
-    from kvlink.transport.engine import Engine
-
-    same = {"tcp": "off", "same-host": "require", "auto": "auto"}[kind]
-    if getattr(config, "same_host", same) != same:
-        config = replace(config, same_host=same)
-    return Engine(config)

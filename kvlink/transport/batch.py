@@ -36,8 +36,10 @@ class Batch:
         t = self._timeout_s + 1.0 if timeout_s is None else timeout_s
         B.batch_wait(self._h, max(1, int(t * 1000)))
 
-    def cancel(self) -> None:
-        B.batch_cancel(self._h)
+    def cancel(self) -> bool:
+        """Stop the batch: True if this call stopped it (poll/wait then raise
+        Canceled), False if it had already finished (its outcome stands)."""
+        return B.batch_cancel(self._h)
 
     def release(self) -> None:
         """Free the C handle now (it is otherwise freed when garbage collected)."""

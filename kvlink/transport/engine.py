@@ -14,6 +14,7 @@ from kvlink.errors import Closed
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
+from kvlink.transport.descriptors import check_descriptors, check_one
 from kvlink.transport.region import Access, Region
 
 logger = logging.getLogger(__name__)
@@ -27,18 +28,6 @@ class Peer:
     address: str
     name: str
     same_host: bool = False  # READs copy the peer's memory directly
-
-
-def _u64(a: Any, what: str, n: int | None = None) -> np.ndarray:
-    arr = np.asarray(a)
-    if arr.dtype.kind not in "ui":
-        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-        raise ValueError(f"{what} must not be negative")
-    arr = np.ascontiguousarray(arr, dtype=np.uint64).reshape(-1)
-    if n is not None and len(arr) not in (1, n):
-        raise ValueError(f"{what} has {len(arr)} entries, expected 1 or {n}")
-    return arr
 
 
 class Engine:
@@ -59,6 +48,7 @@ class Engine:
         self.kind = "tcp" if cfg.same_host == "off" else "same-host"
         self.capabilities = Capabilities(crc=True, same_host=cfg.same_host != "off")
         self._lock = threading.Lock()
+        # Registered regions: held so their memory (Region._keep) lives while peers may still read it.
         self._regions: set[Region] = set()
         self.port = B.engine_port(self._h)
         logger.info("kvlink engine %r: listen=%s streams=%d crc=%s auth=%s", cfg.name, self.address, cfg.streams,
@@ -131,38 +121,14 @@ class Engine:
         t = self.config.op_timeout_s if timeout_s is None else timeout_s
         if type(local_offsets) is int and type(remote_offsets) is int and type(lengths) is int \
                 and type(remote_regions) is int:
-            # one descriptor: plain int checks, no arrays (latency path)
-            if not 0 <= local_offsets <= local.length or not 0 < lengths <= local.length - local_offsets \
-                    or remote_offsets < 0:
-                raise ValueError(f"descriptor 0: local offset {local_offsets} + length {lengths} beyond the "
-                                 f"local region of {local.length} bytes (or negative)")
+            check_one(local.length, local_offsets, remote_regions, remote_offsets, lengths)  # no arrays
             h = B.submit_one(self._handle(), peer.id, op, local.addr + local_offsets, remote_regions,
                              remote_offsets, lengths, max(1, int(t * 1000)))
             return Batch(h, local, lengths, t)
-        loff = _u64(local_offsets, "local_offsets")
-        n = len(loff)
-        if n == 0:
-            raise ValueError("a batch needs at least one descriptor")
-        roff = _u64(remote_offsets, "remote_offsets")
-        if len(roff) != n:
-            raise ValueError(f"remote_offsets has {len(roff)} entries, local_offsets {n}")
-        lens = _u64(lengths, "lengths", n)
-        regs = np.ascontiguousarray(remote_regions, dtype=np.uint32).reshape(-1)
-        if len(regs) not in (1, n):
-            raise ValueError(f"remote_regions has {len(regs)} entries, expected 1 or {n}")
-        if (lens == 0).any():
-            raise ValueError("descriptor lengths must be positive")
-        # Local bounds, overflow-safe: offset <= length and len <= length - offset.
-        size = np.uint64(local.length)
-        bad = (loff > size) | (lens > size - np.minimum(loff, size))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"descriptor {i}: local offset {int(loff[i])} + length "
-                             f"{int(lens[i if len(lens) > 1 else 0])} beyond the local region of {local.length} bytes")
-        addrs = loff + np.uint64(local.addr)
-        h = B.submit(self._handle(), peer.id, op, addrs, regs, roff, lens, max(1, int(t * 1000)))
-        nbytes = int(lens.sum()) if len(lens) == n else int(lens[0]) * n
-        return Batch(h, local, nbytes, t)
+        d = check_descriptors(local.length, local_offsets, remote_regions, remote_offsets, lengths)
+        h = B.submit(self._handle(), peer.id, op, d.local_offsets + np.uint64(local.addr), d.remote_regions,
+                     d.remote_offsets, d.lengths, max(1, int(t * 1000)))
+        return Batch(h, local, d.nbytes, t)
 
     # -- notifications, events, stats ----------------------------------------------
     def notify(self, peer: Peer, payload: bytes, timeout_s: float | None = None) -> None:

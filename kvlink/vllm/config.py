@@ -11,7 +11,6 @@ from typing import Any
 from kvlink.bootstrap.config import is_loopback
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-TRANSPORT_BACKENDS = ("auto", "tcp", "same-host", "mooncake")
 
 
 class ConnectorConfigError(ValueError):
@@ -58,8 +57,6 @@ class ConnectorConfig:
     # release instead (a release ends the wait at once), so the idle engine stops competing with decode
     # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
     idle_step_wait_ms: float = 10.0
-    # Testing aid: flip bits in pulled KV (negative control). Never set in production.
-    debug_corrupt_kv: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,7 +73,7 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..64, got {self.transport_streams!r}")
-        for key in ("crc", "allow_insecure", "spread_threads", "debug_corrupt_kv"):
+        for key in ("crc", "allow_insecure", "spread_threads"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
         for key in ("bootstrap_url", "bootstrap_token", "transport_token", "transport_advertise"):
@@ -87,9 +84,11 @@ class ConnectorConfig:
         if self.bootstrap_url is not None and not self.bootstrap_url.startswith(("http://", "https://")):
             raise ConnectorConfigError("kv_connector_extra_config['bootstrap_url'] must start with "
                                        f"http:// or https://, got {self.bootstrap_url!r}")
-        if self.transport_backend not in TRANSPORT_BACKENDS:
+        from kvlink.backends import BACKENDS  # the registry: a kind registered by a plug-in counts too
+
+        if self.transport_backend not in BACKENDS:
             raise ConnectorConfigError("kv_connector_extra_config['transport_backend'] must be one of "
-                                       f"{TRANSPORT_BACKENDS}, got {self.transport_backend!r}")
+                                       f"{tuple(BACKENDS)}, got {self.transport_backend!r}")
         if self.transport_advertise is not None and not _is_hostport(self.transport_advertise):
             raise ConnectorConfigError("kv_connector_extra_config['transport_advertise'] must be host:port, "
                                        f"got {self.transport_advertise!r}")

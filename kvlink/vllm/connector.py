@@ -45,6 +45,20 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
 
 
+def _check_groups(kv_cache_config: Any) -> None:
+    """Refuse, at start-up, KV cache groups whose blocks kvlink cannot pair by token position."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) > 1:
+        raise RuntimeError(f"KVLinkConnector supports models with one KV cache group only; this model has "
+                           f"{len(groups)}: {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    for g in groups:
+        if not isinstance(g.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise RuntimeError(f"KVLinkConnector cannot move a KV cache group of {type(g.kv_cache_spec).__name__} "
+                               "(supported: full attention, sliding window)")
+
+
 class KVLinkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -59,8 +73,7 @@ class KVLinkConnector(KVConnectorBase_V1):
         self._sched: KVLinkScheduler | None = None
         self._worker: KVLinkWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
-                raise RuntimeError("KVLinkConnector supports models with one KV cache group only")
+            _check_groups(kv_cache_config)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size)
             logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s, bootstrap %s, "
                         "transport backend %s on %s)", kv.kv_role, self.engine_id, block_size,
@@ -95,15 +108,10 @@ class KVLinkConnector(KVConnectorBase_V1):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]):
-        """vLLM >= 0.32: finished sends/receives plus failed receives per request (``failed_recving``)."""
+        """Finished sends and receives plus failed receives per request (``failed_recving``)."""
         sending, recving, failed = self._worker.transfer_results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Older vLLM: failures reach it through get_block_ids_with_load_errors() only."""
-        sending, recving, _ = self._worker.transfer_results()
-        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_error_blocks() if self._worker is not None else set()
@@ -125,6 +133,11 @@ class KVLinkConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Every transfer group: kvlink writes the request's own blocks of each (vLLM must not zero
+        them under the READ)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched.build_connector_meta(scheduler_output)

@@ -1,4 +1,10 @@
-"""Turn block pairs into transport descriptors: pure functions, no I/O (unit-tested directly).
+"""Pair decode's blocks with prefill's and turn the pairs into transport descriptors: pure functions, no
+I/O (unit-tested directly).
+
+Pairing is by token position: entry i of either side's block table holds tokens ``[i * B, (i + 1) * B)``.
+vLLM's tables hold the null block (id 0) where the model never reads (outside a sliding window) and,
+on decode, blocks it already has (prefix cache); only the positions decode needs are moved, and a
+position decode needs that prefill no longer holds fails the pull: kvlink never guesses.
 
 A pull copies, for every layer, remote block ``r`` of that layer into local block ``l``. Runs where both
 the local and remote block ids advance by one become one descriptor of ``n * block_bytes``, so a
@@ -10,6 +16,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+
+NULL_BLOCK = 0  # vLLM's null block: a position the model never reads
+
+
+class PairingError(ValueError):
+    """Decode's and prefill's block tables cannot be paired exactly; the message names request and group."""
+
+
+def pair_blocks(request_id: str, group: int, local: tuple[int, ...], first: int,
+                remote: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(local block, remote block)] for every position >= ``first`` where decode holds a real block.
+
+    ``local`` is decode's table for the tokens pulled, ``remote`` prefill's published table; both are by
+    position, null blocks included.
+    """
+    if len(remote) < len(local):
+        raise PairingError(f"request {request_id} group {group}: prefill published {len(remote)} blocks, "
+                           f"decode's table for the tokens it pulls has {len(local)}")
+    if not 0 <= first <= len(local):
+        raise PairingError(f"request {request_id} group {group}: first position to pull {first} is outside "
+                           f"decode's table of {len(local)} blocks")
+    pairs = []
+    for pos in range(first, len(local)):
+        lb = local[pos]
+        if lb == NULL_BLOCK:
+            continue  # decode never reads this position (outside its window)
+        rb = remote[pos]
+        if rb == NULL_BLOCK:
+            raise PairingError(f"request {request_id} group {group}: decode needs block position {pos} but "
+                               "prefill no longer holds it (null: outside prefill's window)")
+        pairs.append((lb, rb))
+    return pairs
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,29 @@ decode waiting for it fails at once. A step with nothing to run but held blocks 
 
 Decode (kv_consumer): for ``do_remote_prefill`` requests announces the prompt tokens as an asynchronous
 external hit, hands the worker one PullSpec per request, sends cancels for aborted ones and, once the
-worker reports a request, tells prefill the outcome ("pulled" or "abandoned").
+worker reports a request, tells prefill the outcome (pulled or abandoned).
 
-Bootstrap HTTP calls never run on the scheduler thread: a small thread pool does them.
+Bootstrap HTTP calls never run on the scheduler thread: a small thread pool does them. kv_transfer_params
+are parsed and built in ``params``; which held request to free when is decided by ``held.HeldTable``, which
+this module feeds (under ``_held_lock``) from two threads: the scheduler thread (published, tick) and the
+release watcher (outcomes polled, lookup answers, the server reached or not).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from kvlink.bootstrap.pool import ClientPool
+from kvlink.bootstrap.schema import Outcome, RequestStatus
+from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.metadata import BadParams, KVLinkMetadata, PullSpec, RemoteSource
+from kvlink.vllm.held import COUNTER_OF, HeldTable
+from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
+from kvlink.vllm.plan import NULL_BLOCK
+from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
 from kvlink.vllm.stats import KVLinkStats
 
 if TYPE_CHECKING:
@@ -35,33 +42,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class _Clients:
-    """One BootstrapClient per URL (thread-safe)."""
-
-    def __init__(self, cfg: ConnectorConfig):
-        self._cfg, self._lock, self._by_url = cfg, threading.Lock(), {}
-
-    def get(self, url: str):
-        from kvlink.bootstrap import BootstrapClient
-
-        with self._lock:
-            if url not in self._by_url:
-                self._by_url[url] = BootstrapClient(url, token=self._cfg.bootstrap_token,
-                                                    timeout_s=self._cfg.bootstrap_timeout_s, retries=1)
-            return self._by_url[url]
-
-    def close(self) -> None:
-        with self._lock:
-            for c in self._by_url.values():
-                c.close()
-            self._by_url.clear()
-
-
 class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int):
         self.cfg, self.engine_id, self.role, self.block_size = cfg, engine_id, role, block_size
         self.is_producer = role in ("kv_producer", "kv_both")
-        self.clients = _Clients(cfg)
+        self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
         # Reports that first wait for prefill to publish (long polls) get their own threads.
         self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-sched-wait")
@@ -69,13 +54,13 @@ class KVLinkScheduler:
         self._stats_lock = threading.Lock()
         self.totals = KVLinkStats()  # since start, never reset (tests, demo)
         self._closed = threading.Event()
-        # Prefill state (scheduler thread only, except the event queue).
+        # Prefill state: the held table is shared by the scheduler and release-watcher threads under
+        # _held_lock; _freed (same lock) wakes an idle step when the watcher decides a free.
         self._server = None
         self.bootstrap_url: str | None = cfg.bootstrap_url
-        self._held: dict[str, tuple[float, int]] = {}  # request id -> (local deadline, number of blocks)
-        self._released: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, outcome)
-        self._released_seen: set[str] = set()  # held ids the last reconcile lookup found released
-        self._bootstrap_ok_at = time.monotonic()  # last successful poll (written by the watcher thread)
+        self._held = HeldTable(cfg.lease_s)
+        self._held_lock = threading.Lock()
+        self._freed = threading.Condition(self._held_lock)
         self._gauges_sent: tuple[int, int] | None = None
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
@@ -83,6 +68,7 @@ class KVLinkScheduler:
         self._processed: set[str] = set()  # do_remote_prefill requests already handled
         self._bad: dict[str, str] = {}  # request id -> why its kv_transfer_params were refused
         self._new_pulls: list[PullSpec] = []
+        self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._new_cancels: list[str] = []
         if self.is_producer:
             self._start_bootstrap()
@@ -119,24 +105,28 @@ class KVLinkScheduler:
         Outcomes are delivered reliably while the server keeps the engine, but a restarted server, or one
         that dropped the engine (heartbeats missed while it was stalled), has lost them. So after any failed
         poll, and every half lease anyway, held requests are looked up (``_reconcile``) and those the server
-        no longer holds are freed.
+        no longer holds are freed. This thread only does the I/O; the held table decides.
         """
         warned = False
-        reconcile_at = time.monotonic() + self.cfg.lease_s / 2
         while not self._closed.wait(self.cfg.release_poll_s):
-            if not self._held:
-                continue
+            with self._held_lock:
+                if not self._held:
+                    continue
             try:
                 cli = self.clients.get(self.bootstrap_url)
-                for rid, outcome in cli.poll_released(self.engine_id):
-                    self._released.put((rid, str(getattr(outcome, "value", outcome))))
-                if time.monotonic() >= reconcile_at:
+                outcomes = cli.poll_released(self.engine_id)
+                with self._freed:
+                    if sum(self._held.released(rid, outcome) for rid, outcome in outcomes):
+                        self._freed.notify_all()
+                    due = self._held.lookup_due()
+                if due:
                     self._reconcile(cli)
-                    reconcile_at = time.monotonic() + self.cfg.lease_s / 2
-                self._bootstrap_ok_at = time.monotonic()
+                with self._held_lock:
+                    self._held.reached()
                 warned = False
             except Exception as e:  # noqa: BLE001 - the local lease deadline still frees blocks
-                reconcile_at = 0.0  # as soon as the server answers again
+                with self._held_lock:
+                    self._held.unreachable()
                 if not warned:
                     logger.warning("kvlink: cannot poll bootstrap %s for released requests: %s "
                                    "(held blocks will be freed at lease expiry)", self.bootstrap_url, e)
@@ -144,49 +134,39 @@ class KVLinkScheduler:
                 self._closed.wait(0.5)
 
     def _reconcile(self, cli) -> int:
-        """Free held requests that the bootstrap server no longer holds: nobody can renew their leases, and
-        decode trusts a pull only with a renewal. Returns how many.
-
-        Unknown or expired: freed now. Released: decode reported it, and its outcome is normally on its way
-        through the poll (a release can land between a poll and this lookup), so it is freed here only if
-        the previous lookup saw it released too: then its outcome was lost with a dropped engine.
-        """
-        from kvlink.bootstrap import RequestStatus
+        """Look every held request up at the bootstrap server and hand the whole answer to the held table,
+        which frees those the server no longer holds (see kvlink.vllm.held). Returns how many."""
         from kvlink.bootstrap.errors import UnknownEngine
 
-        held = list(self._held)
-        lost, released = [], set()
+        with self._held_lock:
+            held = self._held.request_ids()
+        answer: dict[str, object] = {}
         for i in range(0, len(held), 1024):
             chunk = held[i:i + 1024]
             try:
-                answer = cli.lookup(self.engine_id, chunk)
+                answer.update(cli.lookup(self.engine_id, chunk))
             except UnknownEngine:  # the server dropped the engine, and its requests with it
-                answer = {rid: RequestStatus.UNKNOWN for rid in chunk}
-            for rid, rec in answer.items():
-                if rec is RequestStatus.RELEASED:
-                    released.add(rid)
-                elif isinstance(rec, RequestStatus):
-                    lost.append(rid)
-        gone = [(rid, "expired") for rid in lost]
-        gone += [(rid, "released") for rid in released & self._released_seen]
-        self._released_seen = released - self._released_seen
-        for item in gone:
-            self._released.put(item)
-        if gone:
+                answer.update(dict.fromkeys(chunk, RequestStatus.UNKNOWN))
+        with self._freed:
+            freed = self._held.looked_up(answer)
+            if freed:
+                self._freed.notify_all()
+        if freed:
             logger.warning("kvlink: bootstrap %s no longer holds %d of this engine's held requests (server "
                            "restarted, or the engine's registration lapsed); freeing their blocks",
-                           self.bootstrap_url, len(gone))
-        return len(gone)
+                           self.bootstrap_url, freed)
+        return freed
 
     def _finished_producer(self, request: "Request", params: dict, block_ids: list[int]):
-        from vllm.v1.request import RequestStatus
+        from vllm.v1.request import RequestStatus as VLLMStatus
 
         if not self.is_producer:
             return self._refuse(request, "do_remote_decode sent to an engine that is not kv_producer")
-        transfer_id = params.get("transfer_id")
-        if transfer_id is not None and (not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= 256):
-            return self._refuse(request, "kv_transfer_params['transfer_id'] must be a non-empty string")
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        try:
+            transfer_id = PrefillRequest.from_params(params).transfer_id
+        except BadParams as e:
+            return self._refuse(request, str(e))
+        if request.status not in (VLLMStatus.FINISHED_LENGTH_CAPPED, VLLMStatus.FINISHED_STOPPED):
             if transfer_id is not None:
                 self._abandon_transfer(request.request_id, transfer_id)
             return False, None  # aborted or failed: nothing to keep
@@ -201,17 +181,13 @@ class KVLinkScheduler:
             logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
                            self.bootstrap_url, e)
             self._count("publish_failures")
-            return False, {"do_remote_prefill": False, "kvlink_error": f"publish failed: {e}"}
-        # The bootstrap server reports expiry (decode renewals push it back); the local deadline (with
-        # slack) only applies while the bootstrap server cannot be reached.
-        self._held[rid] = (time.monotonic() + self.cfg.lease_s * 1.5 + 5.0, len(block_ids))
+            return False, kvparams.refusal(f"publish failed: {e}")
+        with self._held_lock:
+            self._held.published(rid, sum(1 for b in block_ids if b != NULL_BLOCK))  # nulls hold nothing
         self._count("published")
-        out = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_request_id": rid,
-               "remote_bootstrap_addr": self.bootstrap_url, "remote_block_ids": list(block_ids),
-               "remote_num_tokens": num_tokens, "remote_lease_s": self.cfg.lease_s}
-        if transfer_id is not None:
-            out["transfer_id"] = transfer_id
-        return True, out
+        return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
+                                  block_ids=tuple(block_ids), num_tokens=num_tokens, transfer_id=transfer_id,
+                                  lease_s=self.cfg.lease_s).to_params()
 
     def _abandon_transfer(self, rid: str, transfer_id: str) -> None:
         """Aborted before publishing: mark the transfer id abandoned at the bootstrap server, so a decode
@@ -228,27 +204,17 @@ class KVLinkScheduler:
             self._pool.submit(work)
 
     def _take_frees(self, wait_s: float = 0.0) -> list[str]:
-        """Requests whose blocks go back to vLLM now; waits up to ``wait_s`` for the first release."""
-        frees = []
-        while True:
-            try:
-                rid, outcome = self._released.get(timeout=wait_s) if wait_s else self._released.get_nowait()
-            except queue.Empty:
-                break
-            wait_s = 0.0
-            if self._held.pop(rid, None) is not None:
-                frees.append(rid)
-                self._count({"pulled": "released_pulled", "abandoned": "released_abandoned",
-                             "released": "released_unreported"}.get(outcome, "leases_expired"))
-        now = time.monotonic()
-        if self._held and now - self._bootstrap_ok_at > self.cfg.lease_s:
-            for rid in [r for r, (deadline, _) in self._held.items() if deadline < now]:
-                del self._held[rid]
-                frees.append(rid)
-                self._count("leases_expired")
+        """Requests whose blocks go back to vLLM now; waits up to ``wait_s`` for the first free."""
+        with self._freed:
+            if wait_s:
+                self._freed.wait_for(self._held.has_frees, timeout=wait_s)
+            frees = self._held.tick()
+        for f in frees:
+            self._count(f.counter)
+            if f.by_deadline:
                 logger.warning("kvlink: lease of request %s ran out without word from the bootstrap "
-                               "server; freeing its blocks", rid)
-        return frees
+                               "server; freeing its blocks", f.request_id)
+        return [f.request_id for f in frees]
 
     # ----- decode ------------------------------------------------------------------------------------
 
@@ -256,11 +222,11 @@ class KVLinkScheduler:
         """The parsed remote source of a do_remote_prefill request not handled yet, else None."""
         params = request.kv_transfer_params
         rid = request.request_id
-        if not isinstance(params, dict) or not params.get("do_remote_prefill") or rid in self._processed:
-            return None
-        if rid in self._bad:
+        if not isinstance(params, dict) or rid in self._processed or rid in self._bad:
             return None
         try:
+            if not kvparams.flag(params, "do_remote_prefill"):
+                return None
             return RemoteSource.from_params(params)
         except BadParams as e:
             self._bad[rid] = str(e)
@@ -276,7 +242,10 @@ class KVLinkScheduler:
         if src.num_tokens is not None:
             n = min(n, src.num_tokens)
         count = n - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens  # block-aligned (vLLM passes it so)
+        return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -285,49 +254,57 @@ class KVLinkScheduler:
             return
         rid = request.request_id
         self._processed.add(rid)
+        local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: prefill may free its copy now.
-            self._release_async(src, "abandoned")
+            self._release_async(src, Outcome.ABANDONED)
             return
-        group = blocks.blocks[0]
-        hit = sum(1 for b in group if b.block_hash is not None and not b.is_null)
-        local = tuple(b.block_id for b in group[hit:] if not b.is_null)
+        # Decode's block table by position, null blocks (id 0) included: vLLM puts them where the model
+        # never reads (outside a sliding window), and prefill's list has them at the same positions.
+        # Only the positions covering the tokens loaded belong to the pull.
+        end = -(-(local_hit + num_external_tokens) // self.block_size)
+        table = tuple(0 if b.is_null else b.block_id for b in blocks.blocks[0][:end])
         self._pulls[rid] = src
-        self._new_pulls.append(PullSpec(rid, local, hit, src))
+        self._new_pulls.append(PullSpec(rid, table, local_hit // self.block_size, src))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
+        self._local_hit.pop(rid, None)  # offered a hit but finished before its blocks were allocated
         if rid in self._pulls:
             # Aborted while pulling: the worker cancels and reports it; the outcome is sent then.
             self._cancelled.add(rid)
             self._new_cancels.append(rid)
-        elif params.get("do_remote_prefill") and rid not in self._processed and rid not in self._bad:
+        elif rid not in self._processed and rid not in self._bad:
             # Aborted before its pull started: prefill's blocks would wait for their lease otherwise.
             try:
-                self._release_async(RemoteSource.from_params(params), "abandoned")
+                if kvparams.flag(params, "do_remote_prefill"):
+                    self._release_async(RemoteSource.from_params(params), Outcome.ABANDONED)
             except BadParams:
                 pass
         self._processed.discard(rid)
         bad = self._bad.pop(rid, None)
-        return False, ({"kvlink_error": bad} if bad else None)
+        return False, (kvparams.refusal(bad) if bad else None)
 
-    def _release_async(self, src: RemoteSource, outcome: str) -> None:
-        self._count("released_pulled" if outcome == "pulled" else "released_abandoned")
+    def _release_async(self, src: RemoteSource, outcome: Outcome) -> None:
+        """Tell prefill (through its bootstrap server) that decode is done with a request."""
+        outcome = Outcome(outcome)  # "pulled" / "abandoned" are accepted too
+        self._count(COUNTER_OF[outcome])
+        # Decode may give up a concurrent request before prefill has published it: the report then waits
+        # (bounded) for the publish, so prefill's blocks do not wait for their lease.
+        waits = outcome is Outcome.ABANDONED and (src.request_id is None or src.engine_id is None)
 
         def work():
             cli = self.clients.get(src.bootstrap_url)
             engine_id, request_id = src.engine_id, src.request_id
             try:
                 if request_id is None or engine_id is None:
-                    wait = self.cfg.lookup_wait_s if outcome == "abandoned" else 0.0
-                    rec = cli.lookup_transfer(src.transfer_id, wait_s=wait)
+                    rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0)
                     engine_id, request_id = rec.engine_id, rec.request_id
                 cli.release(engine_id, request_id, outcome)
             except Exception as e:  # noqa: BLE001 - prefill's lease frees the blocks anyway
-                logger.info("kvlink: could not report %s for %s: %s", outcome, src.key, e)
+                logger.info("kvlink: could not report %s for %s: %s", outcome.value, src.key, e)
 
         if not self._closed.is_set():
-            waits = outcome == "abandoned" and (src.request_id is None or src.engine_id is None)
             (self._wait_pool if waits else self._pool).submit(work)
 
     def update_connector_output(self, output: Any) -> None:
@@ -338,7 +315,7 @@ class KVLinkScheduler:
                 continue
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
-            self._release_async(src, "abandoned" if cancelled or rid in failed else "pulled")
+            self._release_async(src, Outcome.ABANDONED if cancelled or rid in failed else Outcome.PULLED)
 
     # ----- both --------------------------------------------------------------------------------------
 
@@ -346,14 +323,19 @@ class KVLinkScheduler:
         params = request.kv_transfer_params
         if not isinstance(params, dict):
             return False, None
-        if params.get("do_remote_decode"):
+        try:
+            to_decode = kvparams.flag(params, "do_remote_decode")
+        except BadParams as e:
+            self._finished_consumer(request, params)  # ends whatever it began as a decode request
+            return self._refuse(request, str(e))
+        if to_decode:
             return self._finished_producer(request, params, block_ids)
         return self._finished_consumer(request, params)
 
     def _refuse(self, request: "Request", why: str):
         logger.warning("kvlink: request %s: %s", request.request_id, why)
         self._count("bad_params")
-        return False, {"do_remote_prefill": False, "kvlink_error": why}
+        return False, kvparams.refusal(why)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
         frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
@@ -364,16 +346,18 @@ class KVLinkScheduler:
 
     def _idle_wait(self, scheduler_output: Any) -> float:
         """How long this step may wait for a release: only when the engine steps for nothing but held
-        blocks (nothing scheduled or just finished, no pull of its own in flight, no free queued)."""
-        if (self.cfg.idle_step_wait_ms and self._held and not self._pulls and not self._new_pulls
-                and not self._new_cancels and self._released.empty()
+        blocks (nothing scheduled or just finished, no pull of its own in flight). A free already decided
+        ends the wait at once."""
+        if (self.cfg.idle_step_wait_ms and self.has_pending_work() and not self._pulls and not self._new_pulls
+                and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and not getattr(scheduler_output, "finished_req_ids", None)):
             return self.cfg.idle_step_wait_ms / 1e3
         return 0.0
 
     def has_pending_work(self) -> bool:
-        return bool(self._held)
+        with self._held_lock:
+            return bool(self._held)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -384,7 +368,8 @@ class KVLinkScheduler:
             stats, self._stats = self._stats, KVLinkStats()
             self.totals.aggregate(stats)
         if self.is_producer:
-            gauges = (len(self._held), sum(n for _, n in self._held.values()))
+            with self._held_lock:
+                gauges = (len(self._held), self._held.num_blocks)
             if gauges != self._gauges_sent:
                 self._gauges_sent = gauges
                 stats.set_gauge("held_requests", gauges[0])
@@ -392,5 +377,7 @@ class KVLinkScheduler:
         return None if stats.is_empty() else stats
 
     @property
-    def held_requests(self) -> dict[str, tuple[float, int]]:
-        return dict(self._held)
+    def held_requests(self) -> dict[str, int]:
+        """Request id -> number of blocks, of the requests prefill holds for decode now."""
+        with self._held_lock:
+            return self._held.blocks_by_request()

@@ -1,27 +1,28 @@
-"""Worker side of KVLinkConnector (runs in each worker process, next to the KV cache tensors).
+"""Worker side of KVLinkConnector: the adapter between vLLM's worker, the transport and the pull table.
 
-register_kv_caches() registers the cache with a kvlink transport Engine. A prefill worker advertises
-one READ region per layer to the bootstrap server (with a lease kept by a Heartbeater); a decode worker
-registers the whole cache allocation as one WRITE region, so that all layers of all requests from one
-remote engine go in one batched READ.
+register_kv_caches() registers the cache with a transport backend. A prefill worker advertises one READ
+region per layer to the bootstrap server (with a lease kept by a Heartbeater); a decode worker registers
+the whole cache allocation as one WRITE region, so all layers of all requests from one remote engine go
+in one batched READ.
 
-Pulls never block the forward pass. start_load_kv() posts the READ itself when the params name a peer
-already connected (sequential pairing: no network needed, and no thread hand-off, which costs up to the
-GIL switch interval while vLLM's worker loop spins); otherwise it hands the PullSpec to a resolver thread
-(bootstrap lookups where the params lack the blocks, first-contact checks once per remote engine), which
-posts as soon as it is resolved. Ready pulls are grouped by remote engine (one READ per engine). A
-waiter thread blocks on each batch (no polling) and get_transfer_results() checks finished batches on
-vLLM's own thread, so a pull completes, or fails (PeerClosed when prefill dies), as soon as the
-transport says so; failed pulls are listed per request as well as by block. The Puller thread re-posts
-batches split by a cancel and enforces the deadlines. Every pull has one deadline (``pull_timeout_s``)
-covering lookup, connect and READ; a LeaseRenewer keeps prefill's lease alive while a pull runs.
+Decode's pulls live in a PullTable (pulls.py): pure logic, events in, actions out. This module owns the
+one lock around it, carries out its actions (resolve, post a READ, cancel a batch, renew leases) outside
+that lock, and feeds what happened back as events. Pulls never block the forward pass.
 
-A READ that finished is trusted only with proof that prefill still held the blocks when it ended: the
-READ ended before ``held_until``, the bound the last successful lease renewal (or the concurrent lookup)
-gave. A new pull's first renewal goes out at once, in parallel with its READ, so this costs no time
-unless the READ beats the renewal's round trip; until then the pull waits in ``_confirming``. A lease that
-ran out before decode got to the request (a long queue) is reported by that renewal, and the pull is
-recomputed instead of decoding from blocks prefill may have reused.
+Threads, why each exists, and what it may touch (everything shared is in the table, under ``_lock``):
+- vLLM's worker thread: start_load_kv (submit, cancel, frees), transfer_results, get_stats. When a
+  pull's params name a peer already connected (sequential pairing) it resolves and posts the READ itself:
+  no network, and no thread hand-off (up to the GIL switch interval while vLLM's loop spins). Once a step
+  it polls posted batches without blocking, so a finished READ is reported in that step.
+- kvlink-resolve (pool of 4): bootstrap lookups (concurrent pairing), first contact with a prefill engine
+  (registration, compat check, connect) and pairing; then posts. Touches the bootstrap clients, the
+  transport's connect, ``_remotes`` (under the lock).
+- kvlink-wait (pool of 8): blocks on one posted batch each (the GIL is released) and reports its end.
+- kvlink-pulls (one): deadlines, cancels that have not settled yet, renewals due; sleeps until the next.
+- kvlink-lease (pool, one call per (bootstrap server, prefill engine) group): lease renewals, so a hung
+  bootstrap server delays only its own pulls (lease.py).
+- Prefill only: the Heartbeater keeps this rank's registration alive (kvlink.bootstrap).
+- The transport's own threads (C streams, Mooncake's) never call into this module.
 
 vLLM pins a CPU worker's threads to its OMP cores (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit
 that. With ``spread_threads`` the connector's threads, and the transport threads they start (stream
@@ -35,27 +36,23 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from kvlink.backends import open_backend
+from kvlink.errors import NotSettled
+from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.lease import LeaseRenewer, LeaseTerm
+from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan
+from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, pair_blocks
+from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stats import KVLinkStats
 
 logger = logging.getLogger(__name__)
-
-
-def transport_module():
-    """The transport implementation (tests substitute an in-process fake here)."""
-    import kvlink.transport
-
-    return kvlink.transport
 
 
 class PullFailed(Exception):
@@ -72,45 +69,50 @@ class RankInfo:
     model: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Remote:
-    """A prefill rank we pulled from: its registration, our peer handle and layer map."""
+    """A prefill rank we pull from: our peer handle and layer map (hashed by identity: the table groups
+    READY pulls by it)."""
 
     key: tuple[str, str]  # (bootstrap url, engine id)
     peer: Any
     layers: list[LayerMap]
-    block_bytes: int
 
 
-@dataclass
-class _Pull:
-    spec: PullSpec
-    deadline: float
-    remote: _Remote | None = None
-    pairs: list[tuple[int, int]] = field(default_factory=list)
-    remote_request_id: str | None = None
-    term: LeaseTerm | None = None  # set once prefill's request is known; read by the LeaseRenewer
-    held_until: float = 0.0  # monotonic time until which prefill provably holds the blocks
-    read_at: float = 0.0  # when its READ finished (0: not yet)
-    cancelled: bool = False
-    submitted: float = field(default_factory=time.monotonic)
-    reported: bool = False  # set once, under the worker lock, when the outcome is handed to vLLM
+class _Batches:
+    """Several transport batches (one READ per layer when the destination is not one region) as one."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    def poll(self) -> bool:
+        return all([b.poll() for b in self.parts])  # every part polled: each raises its own error
+
+    def wait(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for b in self.parts:
+            b.wait(max(0.0, end - time.monotonic()))
+
+    def cancel(self) -> None:
+        errors = []
+        for b in self.parts:
+            try:
+                b.cancel()
+            except Exception as e:  # noqa: BLE001 - cancel every part, then say what did not settle
+                errors.append(e)
+        unsettled = [e for e in errors if _not_settled(e)]
+        if unsettled:
+            raise unsettled[0]
 
 
-@dataclass
-class _InFlight:
-    batch: Any
-    pulls: list[_Pull]
-    started: float
-    nbytes: int
-    nblocks: int
-    ndesc: int
+def _not_settled(e: BaseException) -> bool:
+    """The backend's way of saying "cancel asked, but the batch may still write" (Mooncake)."""
+    return isinstance(e, NotSettled)
 
 
 class KVLinkWorker:
     def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str):
         self.cfg, self.rank, self.role = cfg, rank, role
-        self.tp = transport_module()
         self.engine = None
         self.kv_caches: dict[str, Any] = {}
         self.layer_names: list[str] = []
@@ -119,32 +121,26 @@ class KVLinkWorker:
         self.block_bytes = 0
         self._local_region = None
         self._local_offsets: dict[str, int] = {}
+        self._layer_dest: dict[str, Any] = {}
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
-        self._lock = threading.Lock()  # guards everything below shared with the Puller thread
+        self._lock = threading.Lock()  # guards the table, _remotes, _frees, _stats
         self._wake = threading.Condition(self._lock)
-        self._resolving: dict[str, _Pull] = {}
-        self._ready: list[_Pull] = []
-        self._inflight: list[_InFlight] = []
-        self._confirming: dict[str, _Pull] = {}  # READ done, waiting for proof that the lease held
-        self._done: set[str] = set()
-        self._done_at: dict[str, float] = {}  # ok pulls not yet collected by vLLM: when they settled
-        self._failed: dict[str, tuple[int, ...]] = {}
-        self._load_error_blocks: set[int] = set()
+        self._table = PullTable(cfg.pull_timeout_s)
+        self._remotes: dict[tuple[str, str], _Remote] = {}
+        self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
         self._stats = KVLinkStats()
         self.totals = KVLinkStats()  # since start, never reset (tests, demo)
-        self._remotes: dict[tuple[str, str], _Remote] = {}
-        self._mismatch_logged: set[tuple[str, str]] = set()
         self._closed = False
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve",
                                             initializer=self._place_thread)
         self._waiter = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-wait",
                                           initializer=self._place_thread)
+        self._leases: LeaseCalls | None = None
         self._bytes_local_seen = 0
         self._thread: threading.Thread | None = None
-        self._renewer: LeaseRenewer | None = None
         self._running_sent: int | None = None  # last pulls_in_progress gauge handed out
 
     def _place_thread(self) -> None:
@@ -180,22 +176,20 @@ class KVLinkWorker:
                                     num_layers=len(kv_caches), kv_heads=kv_heads, head_size=last // 2)
         self.compat_hash = compat_hash(self.compat)
 
-        tp = self.tp
-        self.engine = tp.open_backend(self.cfg.transport_backend, tp.EngineConfig(
+        self.engine = open_backend(self.cfg.transport_backend, EngineConfig(
             listen=self.cfg.transport_listen(self.rank.tp_rank),
             token=self.cfg.transport_token_bytes,
             name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure))
         if self.role in ("kv_producer", "kv_both"):
-            self._layer_regions = {n: self.engine.register(t, access=tp.Access.READ)
+            self._layer_regions = {n: self.engine.register(t, access=Access.READ)
                                    for n, t in kv_caches.items()}
         if self.role in ("kv_consumer", "kv_both"):
             self._register_destination(kv_caches)
-            self._thread = threading.Thread(target=self._run, name="kvlink-puller", daemon=True)
+            self._leases = LeaseCalls(self._clients_for, self._apply)
+            self._thread = threading.Thread(target=self._run, name="kvlink-pulls", daemon=True)
             self._thread.start()
-            self._renewer = LeaseRenewer(self._clients_for, self._leased_pulls, self._abort,
-                                         self._lease_held).start()
         logger.info("kvlink: %s worker tp%d/%d transport %s (backend %s, streams %d, auth %s, crc %s), "
                     "%d layers, %d blocks of %d B/layer, compat %s, threads %s",
                     self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address,
@@ -213,7 +207,7 @@ class KVLinkWorker:
         total = sum(t.numel() * t.element_size() for t in tensors)
         if self.role == "kv_both" or hi - lo > total:
             # Not one allocation (or also a source): one region per layer, one READ per layer.
-            access = self.tp.Access.READ | self.tp.Access.WRITE
+            access = Access.READ | Access.WRITE
             if self.role == "kv_both":
                 self._local_region = None
                 self._layer_dest = self._layer_regions
@@ -221,15 +215,16 @@ class KVLinkWorker:
                 self._layer_dest = {n: self.engine.register(t, access=access) for n, t in kv_caches.items()}
             self._local_offsets = {n: 0 for n in kv_caches}
         else:
-            self._local_region = self.engine.register((lo, hi - lo), access=self.tp.Access.WRITE)
+            self._local_region = self.engine.register((lo, hi - lo), access=Access.WRITE)
             self._local_offsets = {n: t.data_ptr() - lo for n, t in kv_caches.items()}
             self._layer_dest = {}
 
     def _clients_for(self, url: str):
-        from kvlink.vllm.scheduler import _Clients
+        from kvlink.bootstrap import ClientPool
 
-        if self._clients is None:
-            self._clients = _Clients(self.cfg)
+        with self._lock:
+            if self._clients is None:
+                self._clients = ClientPool(self.cfg.bootstrap_token, self.cfg.bootstrap_timeout_s, retries=1)
         return self._clients.get(url)
 
     def _ensure_registered(self, bootstrap_url: str | None) -> None:
@@ -262,7 +257,7 @@ class KVLinkWorker:
         logger.info("kvlink: engine %s tp%d registered with bootstrap %s", self.rank.engine_id,
                     self.rank.tp_rank, url)
 
-    # ----- per step ----------------------------------------------------------------------------------
+    # ----- per step (vLLM's thread) ------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVLinkMetadata | None) -> None:
         if meta is None:
@@ -272,11 +267,10 @@ class KVLinkWorker:
         if meta.frees:
             with self._lock:
                 self._frees.update(meta.frees)
-        if meta.pulls:
-            for spec in meta.pulls:
-                self._submit(spec)
+        for spec in meta.pulls:
+            self._submit(spec)
         for rid in meta.cancels:
-            self._cancel(rid)
+            self._apply(lambda t, now, rid=rid: t.cancel(rid, now))
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
@@ -287,29 +281,26 @@ class KVLinkWorker:
         self._settle_finished()
         with self._lock:
             sending, self._frees = self._frees, set()
-            failed = set(self._failed)
-            recving = self._done | failed
-            self._done = set()
-            self._failed = {}
-            if self._done_at:
-                now = time.monotonic()
-                for settled in self._done_at.values():
-                    self._stats.sample("handoff_s", now - settled)
-                self._done_at = {}
-        return sending, recving, failed
+            res = self._table.take_results(time.monotonic())
+        failed = set(res.failed)
+        return sending, res.done | failed, failed
 
     def take_load_error_blocks(self) -> set[int]:
         """Local block ids of pulls that failed since the last call."""
         with self._lock:
-            blocks, self._load_error_blocks = self._load_error_blocks, set()
-        return blocks
+            return self._table.take_error_blocks()
 
     def get_stats(self) -> KVLinkStats | None:
         with self._lock:
             stats, self._stats = self._stats, KVLinkStats()
+            counts, samples = self._table.take_stats()
+            for k, n in counts.items():
+                stats.add(k, n)
+            for k, vs in samples.items():
+                for v in vs:
+                    stats.sample(k, v)
             if self.role in ("kv_consumer", "kv_both"):
-                running = (len(self._resolving) + len(self._ready) + len(self._confirming)
-                           + sum(len(f.pulls) for f in self._inflight))
+                running = self._table.running()
                 if running != self._running_sent:
                     self._running_sent = running
                     stats.set_gauge("pulls_in_progress", running)
@@ -320,6 +311,15 @@ class KVLinkWorker:
             self.totals.aggregate(stats)
         return None if stats.is_empty() else stats
 
+    def snapshot(self) -> dict:
+        """Totals since start including what get_stats() has not handed out yet."""
+        with self._lock:
+            pending = KVLinkStats(data={k: (list(v) if isinstance(v, list) else v)
+                                        for k, v in self.totals.data.items()}).aggregate(self._stats)
+            for k, n in self._table.counts.items():
+                pending.add(k, n)
+            return pending.data
+
     def _bytes_local(self) -> int:
         """Bytes the transport copied same-host (process_vm_readv) since start; 0 if it cannot say."""
         stats = getattr(self.engine, "stats", None)
@@ -328,100 +328,73 @@ class KVLinkWorker:
         except Exception:  # noqa: BLE001 - statistics only
             return 0
 
-    def _lease_held(self, pulls: list[_Pull], held_until: float) -> None:
-        """LeaseRenewer: prefill holds these pulls' blocks until at least ``held_until``."""
-        with self._lock:
-            self._stats.add("lease_renewals", len(pulls))
-            for p in pulls:
-                p.held_until = max(p.held_until, held_until)
-            proven = [p for p in pulls if self._confirming.get(p.spec.request_id) is p
-                      and p.read_at < p.held_until]
-        for p in proven:
-            self._finish(p, ok=True)
+    # ----- the table: events in, actions out ---------------------------------------------------------
 
-    def _settle_lease(self, pull: _Pull) -> None:
-        """A pull's READ finished: done if the lease provably held until then, else wait for a renewal."""
+    def _apply(self, event: Callable[[PullTable, float], list | None]) -> None:
+        """Feed one event to the table under the lock, then carry out what it asks, outside the lock."""
         with self._lock:
-            if pull.reported:
+            if self._closed:
                 return
-            if pull.read_at >= pull.held_until:
-                self._confirming[pull.spec.request_id] = pull
-                self._stats.add("lease_proof_waits")
-                if pull.term is not None:
-                    pull.term.next_renew = 0.0  # due now
-                wait = True
-            else:
-                wait = False
-        if not wait:
-            self._finish(pull, ok=True)
-        elif self._renewer is not None:
-            self._renewer.kick()
+            actions = event(self._table, time.monotonic()) or []
+        # Posts first: a READ on the wire is what a request waits for; renewals run beside it.
+        for a in sorted(actions, key=lambda a: not isinstance(a, Post)):
+            try:
+                self._execute(a)
+            except Exception:  # noqa: BLE001 - never lose a pull silently: the deadline still ends it
+                logger.exception("kvlink: carrying out %s failed", type(a).__name__)
 
-    def snapshot(self) -> dict:
-        """Totals since start including what get_stats() has not handed out yet."""
-        with self._lock:
-            return KVLinkStats(data={k: (list(v) if isinstance(v, list) else v)
-                                     for k, v in self.totals.data.items()}).aggregate(self._stats).data
-
-    # ----- pulls -------------------------------------------------------------------------------------
+    def _execute(self, a) -> None:
+        if isinstance(a, Post):
+            self._post(a)
+        elif isinstance(a, CancelBatch):
+            self._cancel_batch(a)
+        elif isinstance(a, Renew):
+            self._leases.run(a)
+        elif isinstance(a, Resolve):
+            self._resolver.submit(self._resolve, a.pull.spec)
 
     def _submit(self, spec: PullSpec) -> None:
-        pull = _Pull(spec, time.monotonic() + self.cfg.pull_timeout_s)
-        if not spec.local_block_ids:
-            self._finish(pull, ok=True)
-            return
+        src = spec.source
         with self._lock:
-            self._resolving[spec.request_id] = pull
-            src = spec.source
             known = (src.block_ids is not None and src.engine_id is not None and src.request_id is not None
                      and (src.bootstrap_url, src.engine_id) in self._remotes)
-        if known:
+            actions = self._table.submit(spec, time.monotonic())
+        if actions and known:
             # Sequential pairing with a peer we already talk to: nothing to ask the network, so post the
             # READ now, on vLLM's thread, instead of waking a resolver (a GIL hand-off costs up to the
             # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request).
-            self._resolve(pull)
+            self._resolve(spec)
         else:
-            self._resolver.submit(self._resolve, pull)
+            for a in actions:
+                self._execute(a)
 
-    def _resolve(self, pull: _Pull) -> None:
-        """Find the remote record and engine, check compatibility, connect; then post. On a resolver thread,
-        or inline from _submit when everything is known already (no network)."""
-        src = pull.spec.source
+    def _resolve(self, spec: PullSpec) -> None:
+        """Find the remote record and engine, check compatibility, connect, pair; then post. On a resolver
+        thread, or inline from _submit when everything is known already (no network)."""
+        src, rid = spec.source, spec.request_id
         try:
             cli = self._clients_for(src.bootstrap_url)
             engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
             lease_s = src.lease_s or self.cfg.lease_s
-            # Sequential params say nothing of how much of the lease is left: renew at once.
-            first_renewal = 0.0
+            now = time.monotonic()
+            held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
             if src.transfer_id is not None and (blocks is None or engine_id is None):
-                wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - time.monotonic()))
-                sent = time.monotonic()
+                with self._lock:
+                    pull = self._table.get(rid)
+                    wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - now)) if pull else 0.0
+                if pull is None:
+                    return  # cancelled meanwhile
                 rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(rec.block_ids[0])
-                pull.held_until = sent + rec.lease_remaining_s
-                first_renewal = min(lease_s, rec.lease_remaining_s) / 3
-            pull.remote_request_id = remote_rid
-            with self._lock:
-                pull.term = LeaseTerm(src.bootstrap_url, engine_id, remote_rid, lease_s,
-                                      time.monotonic() + first_renewal)
-            if first_renewal == 0.0 and self._renewer is not None:
-                self._renewer.kick()
+                held_until = now + rec.lease_remaining_s
+                renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)
-            skip = pull.spec.skip_remote_blocks
-            wanted = blocks[skip:skip + len(pull.spec.local_block_ids)]
-            if len(wanted) < len(pull.spec.local_block_ids):
-                raise PullFailed(f"prefill published {len(blocks)} blocks, decode needs "
-                                 f"{skip + len(pull.spec.local_block_ids)}")
-            pull.pairs = list(zip(pull.spec.local_block_ids, wanted))
-            pull.remote = remote
+            pairs = pair_blocks(rid, spec.group, spec.local_block_ids, spec.first_block, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
-            self._finish(pull, ok=False, why=_why(e))
+            self._apply(lambda t, now: t.resolve_failed(rid, _why(e), now))
             return
-        with self._wake:
-            if self._resolving.pop(pull.spec.request_id, None) is None or pull.cancelled:
-                return  # cancelled meanwhile (already reported)
-            self._ready.append(pull)
-        self._post_ready()  # on this thread: no hand-off to the puller before the READ is posted
+        lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
+        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now))
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
         key = (url, engine_id)
@@ -448,232 +421,125 @@ class KVLinkWorker:
         peer = self.engine.connect(reg.transport_addr)
         layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.block_bytes)
                   for n in self.layer_names]
-        remote = _Remote(key, peer, layers, self.block_bytes)
+        remote = _Remote(key, peer, layers)
         with self._lock:
             self._remotes[key] = remote
         logger.info("kvlink: connected to prefill engine %s tp%d at %s", engine_id, self.rank.tp_rank,
                     reg.transport_addr)
         return remote
 
-    def _leased_pulls(self) -> list[tuple[_Pull, LeaseTerm]]:
-        """LeaseRenewer: the pulls still running whose prefill request is known."""
-        with self._lock:
-            pulls = [*self._resolving.values(), *self._ready, *self._confirming.values(),
-                     *(p for f in self._inflight for p in f.pulls)]
-            return [(p, p.term) for p in pulls if p.term is not None and not p.reported]
+    def _post(self, a: Post) -> None:
+        """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
+        not one region); then the table hears it was posted, and a waiter thread blocks on it."""
+        remote: _Remote = a.remote
+        dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
+            (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
+        parts, nbytes, ndesc = [], 0, 0
+        try:
+            for region, layers in dests:
+                plan = ReadPlan.concat([build_plan(layers, list(p.pairs)) for p in a.pulls])
+                parts.append(self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
+                                              plan.remote_offsets, plan.lengths,
+                                              timeout_s=self.cfg.transfer_timeout_s))
+                nbytes, ndesc = nbytes + plan.nbytes, ndesc + len(plan)
+        except Exception as e:  # noqa: BLE001
+            for b in parts:  # parts already posted must settle before the pulls are reported
+                try:
+                    b.cancel()
+                except Exception:  # noqa: BLE001
+                    logger.exception("kvlink: cancelling part of a batch that could not be posted")
+            self._drop_remote(remote)
+            self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
+            return
+        handle = parts[0] if len(parts) == 1 else _Batches(parts)
+        nblocks = sum(len(p.pairs) for p in a.pulls) * len(remote.layers)
+        self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
+        self._waiter.submit(self._await, a.batch, handle, remote)
 
-    def _abort(self, pull: _Pull, why: str) -> None:
-        """Fail a running pull now (deadline passed, lease lost): stop its READ, recompute it."""
-        self._detach(pull.spec.request_id)
-        self._finish(pull, ok=False, why=why)
+    def _await(self, batch: int, handle: Any, remote: _Remote) -> None:
+        """Waiter thread: block on one batch (the GIL is released meanwhile), then report how it ended.
 
-    def _cancel(self, rid: str) -> None:
-        pull = self._detach(rid)
-        if pull is None:
-            return  # already reported
-        with self._lock:
-            pull.cancelled = True
-            if pull.reported:
-                return
-            pull.reported = True
-            self._stats.add("pulls_cancelled")
-            self._done.add(rid)
-
-    def _detach(self, rid: str) -> _Pull | None:
-        """Take a request out of wherever it is (resolving, ready, in flight); None if it is not there.
-
-        An in-flight batch carrying it is cancelled (nothing lands in our blocks after cancel returns) and
-        the other requests of that batch are posted again.
+        A batch that outlives transfer_timeout_s is cancelled by wait() itself; a dropped connection
+        (prefill died) fails it at once; one we cancelled ends here with an error the table ignores.
         """
-        with self._lock:
-            pull = self._resolving.pop(rid, None) or self._confirming.pop(rid, None)
-            if pull is None:
-                pull = next((p for p in self._ready if p.spec.request_id == rid), None)
-                if pull is not None:
-                    self._ready.remove(pull)
-            fl = None
-            if pull is None:
-                fl = next((f for f in self._inflight if any(p.spec.request_id == rid for p in f.pulls)), None)
-                if fl is not None:
-                    self._inflight.remove(fl)
-        if fl is not None:
-            fl.batch.cancel()
-            pull = next(p for p in fl.pulls if p.spec.request_id == rid)
-            with self._wake:
-                self._ready.extend(p for p in fl.pulls if p is not pull and not p.reported)
-                self._wake.notify()
-        return pull
+        try:
+            handle.wait(self.cfg.transfer_timeout_s + 1.0)
+        except Exception as e:  # noqa: BLE001
+            self._ended(batch, e, remote)
+        else:
+            self._apply(lambda t, now: t.batch_ended(batch, None, now))
 
-    def _finish(self, pull: _Pull, ok: bool, why: str = "") -> None:
-        rid = pull.spec.request_id
+    def _settle_finished(self) -> None:
+        """vLLM's thread, once a step: report batches that are already done (a non-blocking check), so
+        the result goes out in this step even when the waiter thread has not got the GIL back yet."""
         with self._lock:
-            self._resolving.pop(rid, None)
-            self._confirming.pop(rid, None)
-            if pull.reported:
-                return  # exactly one outcome per request
-            pull.reported = True
-            if ok:
-                self._done.add(rid)
-                self._stats.add("pulls_ok")
-                if pull.read_at:
-                    now = time.monotonic()
-                    self._stats.sample("pull_s", now - pull.submitted)
-                    self._done_at[rid] = now
-            else:
-                self._failed[rid] = pull.spec.local_block_ids
-                self._load_error_blocks.update(pull.spec.local_block_ids)
-                self._stats.add("pulls_failed")
-                if pull.remote is not None:
-                    self._remotes.pop(pull.remote.key, None)  # reconnect next time
-        if not ok:
-            logger.warning("kvlink: pull for request %s failed: %s; kv_load_failure_policy applies", rid, why)
+            posted = [(b.id, b.handle, b.remote) for b in self._table.batches()
+                      if b.handle is not None and not b.cancel_wanted]
+        for batch, handle, remote in posted:
+            try:
+                done = handle.poll()
+            except Exception as e:  # noqa: BLE001
+                self._ended(batch, e, remote)
+                continue
+            if done:
+                self._apply(lambda t, now, batch=batch: t.batch_ended(batch, None, now))
+
+    def _ended(self, batch: int, e: BaseException, remote: _Remote) -> None:
+        if _not_settled(e):
+            self._apply(lambda t, now: t.batch_unsettled(batch, _why(e), now))
+            return
+        self._drop_remote(remote)  # reconnect next time
+        self._apply(lambda t, now: t.batch_ended(batch, _why(e), now))
+
+    def _cancel_batch(self, a: CancelBatch) -> None:
+        """Ask the backend to stop a batch. Settled once cancel returns (the engine writes nothing into it
+        afterwards); a backend that cannot stop it says NotSettled, and the ticker asks again."""
+        try:
+            a.handle.cancel()
+        except Exception as e:  # noqa: BLE001
+            if _not_settled(e):
+                return
+            logger.debug("kvlink: cancel of batch %d: %s (it had ended)", a.batch, _why(e))
+        self._apply(lambda t, now: t.cancel_settled(a.batch, now))
+
+    def _drop_remote(self, remote: _Remote) -> None:
+        with self._lock:
+            if self._remotes.get(remote.key) is remote:
+                del self._remotes[remote.key]
 
     def _run(self) -> None:
-        """Puller thread: post pulls put back by a cancel, enforce deadlines. Never polls a batch."""
+        """kvlink-pulls thread: deadlines, unsettled cancels, renewals due; sleeps until the next one."""
         self._place_thread()
         while True:
             try:
                 with self._wake:
                     if self._closed:
                         return
-                    if not self._ready:
-                        running = self._resolving or self._inflight
-                        self._wake.wait(0.1 if running else 0.5)  # deadlines are checked this often
+                    now = time.monotonic()
+                    cap = 0.1 if self._table.running() else 0.5
+                    self._wake.wait(max(0.0, min(self._table.next_wakeup(now) - now, cap)))
                     if self._closed:
                         return
-                self._post_ready()
-                self._expire()
-            except Exception:  # noqa: BLE001 - a dead puller would leave every decode request waiting
-                logger.exception("kvlink: puller round failed")
-
-    def _post_ready(self) -> None:
-        with self._lock:
-            ready, self._ready = self._ready, []
-        if ready:
-            self._post(ready)
-
-    def _expire(self) -> None:
-        """Fail every pull past its deadline, wherever it is (lookup, connect, queued, READ)."""
-        now = time.monotonic()
-        with self._lock:
-            late = [p for p in (*self._resolving.values(), *self._ready, *self._confirming.values(),
-                                *(p for f in self._inflight for p in f.pulls))
-                    if p.deadline < now and not p.reported]
-        for p in late:
-            self._abort(p, f"no KV within pull_timeout_s={self.cfg.pull_timeout_s:g} s")
-
-    def _post(self, ready: list[_Pull]) -> None:
-        by_remote: dict[tuple[str, str], list[_Pull]] = {}
-        for p in ready:
-            by_remote.setdefault(p.remote.key, []).append(p)
-        for pulls in by_remote.values():
-            remote = pulls[0].remote
-            dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
-                (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
-            for region, layers in dests:
-                plan = ReadPlan.concat([build_plan(layers, p.pairs) for p in pulls])
-                try:
-                    batch = self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
-                                             plan.remote_offsets, plan.lengths,
-                                             timeout_s=self.cfg.transfer_timeout_s)
-                except Exception as e:  # noqa: BLE001
-                    for p in pulls:
-                        self._finish(p, ok=False, why=_why(e))
-                    break
-                nblocks = sum(len(p.pairs) for p in pulls) * len(layers)
-                fl = _InFlight(batch, pulls, time.monotonic(), plan.nbytes, nblocks, len(plan))
-                with self._lock:
-                    self._inflight.append(fl)
-                self._waiter.submit(self._await, fl)
-
-    def _settle_finished(self) -> None:
-        """vLLM's thread, once a step: settle batches that are already done (a non-blocking check), so
-        the result goes out in this step even when the waiter thread has not got the GIL back yet."""
-        with self._lock:
-            inflight = list(self._inflight)
-        for fl in inflight:
-            try:
-                done, err = fl.batch.poll(), None
-            except Exception as e:  # noqa: BLE001
-                done, err = True, e
-            if done:
-                self._complete(fl, err)  # at most once per batch: the waiter's call then finds it gone
-
-    def _await(self, fl: _InFlight) -> None:
-        """Waiter thread: block on one batch (the GIL is released meanwhile), then settle its pulls.
-
-        A batch that is cancelled (abort, shutdown) returns here with an error and is ignored below; one
-        that outlives transfer_timeout_s is cancelled by wait() itself; a dropped connection (prefill died)
-        fails it at once.
-        """
-        err = None
-        try:
-            fl.batch.wait(self.cfg.transfer_timeout_s + 1.0)
-        except Exception as e:  # noqa: BLE001
-            err = e
-        try:
-            self._complete(fl, err)
-        except Exception:  # noqa: BLE001 - never lose a pull silently
-            logger.exception("kvlink: settling a batch failed")
-            for p in fl.pulls:
-                self._finish(p, ok=False, why="internal error settling the batch")
-
-    def _complete(self, fl: _InFlight, err: BaseException | None) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if fl not in self._inflight:
-                return  # cancelled meanwhile: its pulls were reported or posted again
-            self._inflight.remove(fl)
-            # A request counts as done only when every batch carrying it is done.
-            others = {p.spec.request_id for f in self._inflight for p in f.pulls}
-        if err is None:
-            with self._lock:
-                self._stats.add("batches")
-                self._stats.add("bytes_pulled", fl.nbytes)
-                self._stats.add("blocks_pulled", fl.nblocks)
-                self._stats.add("descriptors", fl.ndesc)
-                self._stats.sample("transfer_s", now - fl.started)
-            for p in fl.pulls:
-                if p.spec.request_id not in others:
-                    if self.cfg.debug_corrupt_kv:
-                        self._corrupt(p)
-                    p.read_at = now
-                    self._settle_lease(p)
-        else:
-            for p in fl.pulls:
-                self._finish(p, ok=False, why=_why(err))
-            with self._lock:  # drop sibling batches of failed requests
-                failed = {p.spec.request_id for p in fl.pulls}
-                siblings = [f for f in self._inflight if any(p.spec.request_id in failed for p in f.pulls)]
-                for f in siblings:
-                    self._inflight.remove(f)
-            for f in siblings:
-                f.batch.cancel()
-
-    def _corrupt(self, pull: _Pull) -> None:
-        import torch
-
-        ids = torch.tensor([lb for lb, _ in pull.pairs], dtype=torch.long)
-        g = torch.Generator().manual_seed(0)
-        for t in self.kv_caches.values():
-            t[ids] = torch.randn(t[ids].shape, generator=g).to(t.dtype)
+                self._apply(lambda t, now: t.tick(now))
+            except Exception:  # noqa: BLE001 - a dead ticker would leave pulls without deadlines
+                logger.exception("kvlink: pull ticker round failed")
 
     # ----- shutdown ----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         with self._wake:
             self._closed = True
-            inflight, self._inflight = self._inflight, []
+            cancels = self._table.close()
             self._wake.notify_all()
-        for fl in inflight:
+        for a in cancels:
             try:
-                fl.batch.cancel()
+                a.handle.cancel()
             except Exception:  # noqa: BLE001
                 pass
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self._waiter.shutdown(wait=False, cancel_futures=True)  # cancel above (or close below) ends waits
-        if self._renewer is not None:
-            self._renewer.stop()
+        if self._leases is not None:
+            self._leases.stop()
         if self._heartbeater is not None:
             self._heartbeater.stop()
         if self._clients is not None:

@@ -30,20 +30,18 @@ class Pair:
 
 @pytest.fixture
 def make_backend() -> Iterator:
-    """Factory: open_backend(kind, EngineConfig(...)) on 127.0.0.1, closed after the test."""
-    from kvlink.transport import EngineConfig, open_backend
+    """Factory: open_backend(kind, EngineConfig(...), options) on 127.0.0.1, closed after the test."""
+    from kvlink.backends import MooncakeConfig, open_backend
+    from kvlink.transport import EngineConfig
 
     made = []
 
-    def make(kind: str, settings=None, **kw):
+    def make(kind: str, options=None, **kw):
         kw.setdefault("token", TOKEN)
         kw.setdefault("op_timeout_s", 20.0)
-        if settings is not None:
-            from kvlink.backends.mooncake import MooncakeBackend
-
-            b = MooncakeBackend(EngineConfig(**kw), settings)
-        else:
-            b = open_backend(kind, EngineConfig(**kw))
+        if kind == "mooncake" and options is None:
+            options = MooncakeConfig()  # defaults, whatever the environment of the test run
+        b = open_backend(kind, EngineConfig(**kw), options)
         made.append(b)
         return b
 
@@ -60,9 +58,9 @@ def make_backend() -> Iterator:
 def make_pair(make_backend):
     from kvlink.transport import Access
 
-    def build(kind: str, size: int = SIZE, settings=None) -> Pair:
-        target = make_backend(kind, settings=settings, name="target")
-        init = make_backend(kind, settings=settings, name="initiator", listen=None)
+    def build(kind: str, size: int = SIZE, options=None) -> Pair:
+        target = make_backend(kind, options=options, name="target")
+        init = make_backend(kind, options=options, name="initiator", listen=None)
         src = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
         dst = np.zeros(size, dtype=np.uint8)
         rsrc = target.register(src, Access.READ | Access.WRITE)

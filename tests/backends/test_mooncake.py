@@ -5,6 +5,7 @@ cancel (no late writes), close, and the side channel's authentication."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -12,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from kvlink.backends import MooncakeConfig, open_backend
 from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, KVLinkError, OutOfRange, ProtocolError,
                            TimeoutError_, UnknownRegion)
-from kvlink.transport import Access, Backend, EngineConfig, Unsupported, open_backend
+from kvlink.transport import Access, Backend, EngineConfig, Unsupported
 
 
 def submit_and_wait(fn, *a, **kw):
@@ -53,19 +55,55 @@ def test_kind_capabilities_and_protocol(make_backend):
 
 def test_what_mooncake_cannot_do_is_refused():
     with pytest.raises(Unsupported):
-        open_backend("mooncake", EngineConfig(crc=True))
+        open_backend("mooncake", EngineConfig(crc=True), MooncakeConfig())
     with pytest.raises(Unsupported):
-        open_backend("mooncake", EngineConfig(same_host="require"))
+        open_backend("mooncake", EngineConfig(same_host="require"), MooncakeConfig())
 
 
-def test_settings_validated():
-    from kvlink.backends.mooncake import MooncakeSettings
+# -- configuration -----------------------------------------------------------------------------
+def test_config_validated_naming_the_field():
+    assert MooncakeConfig().protocol == "tcp"
+    assert MooncakeConfig(protocol="rdma").protocol == "rdma"  # passed through to Mooncake
+    for field, bad in (("protocol", "tcp; rm"), ("max_queued", 1), ("max_queued", True), ("settle_s", 0),
+                       ("transfer_timeout_s", 4), ("transfer_timeout_s", 30.5), ("host", ""), ("host", "a b"),
+                       ("device", "mlx\n")):
+        with pytest.raises(ValueError, match=field):
+            MooncakeConfig(**{field: bad})
 
-    assert MooncakeSettings().protocol == "tcp"
-    assert MooncakeSettings(protocol="rdma").protocol == "rdma"  # passed through to Mooncake
-    for bad in ({"protocol": "tcp; rm"}, {"max_queued": 1}, {"settle_s": 0}):
-        with pytest.raises(ValueError):
-            MooncakeSettings(**bad)
+
+def test_config_from_the_environment():
+    env = {"KVLINK_MOONCAKE_PROTOCOL": "rdma", "KVLINK_MOONCAKE_DEVICE": "mlx5_0", "KVLINK_MOONCAKE_HOST": "10.0.0.2",
+           "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "64", "MC_TRANSFER_TIMEOUT": "60"}
+    assert MooncakeConfig.from_env(env) == MooncakeConfig(protocol="rdma", device="mlx5_0", host="10.0.0.2",
+                                                          max_queued=64, transfer_timeout_s=60)
+    assert MooncakeConfig.from_env({}) == MooncakeConfig()
+    with pytest.raises(ValueError, match="MC_TRANSFER_TIMEOUT='soon' is not a whole number"):
+        MooncakeConfig.from_env({"MC_TRANSFER_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="environment: transfer_timeout_s"):
+        MooncakeConfig.from_env({"MC_TRANSFER_TIMEOUT": "2"})
+
+
+def test_opened_by_name_the_environment_is_read_once(monkeypatch):
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "45")
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "512")
+    b = open_backend("mooncake", EngineConfig(token=b"t" * 16, name="by-name"))
+    try:
+        assert b.mooncake == MooncakeConfig(max_queued=512, transfer_timeout_s=45)
+    finally:
+        b.close()
+
+
+def test_config_reaches_mooncake(make_pair, monkeypatch):
+    """max_queued and transfer_timeout_s are exported to Mooncake at construction: batches are cut in chunks
+    of max_queued / 2, and Mooncake (which reads its environment then) accepts them."""
+    for var in ("MC_TRANSFER_TIMEOUT", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test
+    p = make_pair("mooncake", options=MooncakeConfig(max_queued=64, transfer_timeout_s=7))
+    assert os.environ["MC_TRANSFER_TIMEOUT"] == "7" and os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "64"
+    offs = np.arange(100, dtype=np.uint64) * 4096
+    p.init.read(p.peer, p.rdst, offs, p.rsrc.id, offs, 4096).wait()
+    check_copied(p.dst, p.src, offs, offs, np.full(100, 4096, dtype=np.uint64))
+    assert p.init.stats()["chunks"] == 4  # 32 + 32 + 32 + 4
 
 
 # -- data paths, same checks on both backends --------------------------------------------------
@@ -262,11 +300,11 @@ def test_wait_timeout_cancels_and_settles(make_pair):
 
 
 def test_stopped_peer_reports_not_settled_then_settles(make_backend, mc_target):
-    from kvlink.backends.mooncake import MooncakeSettings, NotSettled
+    from kvlink.backends.mooncake import NotSettled
     from kvlink.bench.workloads import expected, gather
 
     t = mc_target()
-    init = make_backend("mooncake", settings=MooncakeSettings(settle_s=0.3), name="i", listen=None)
+    init = make_backend("mooncake", options=MooncakeConfig(settle_s=0.3), name="i", listen=None)
     dst = np.zeros(64 << 20, dtype=np.uint8)
     rdst = init.register(dst)
     peer = init.connect(t.address)

@@ -100,15 +100,6 @@ def test_heartbeater_waits_for_a_server_that_is_not_up_yet(make_registration, to
             assert late.table.num_engine_ranks == 1
 
 
-def test_keep_registered_helper(client, make_registration):
-    beater = client.keep_registered(make_registration("K"), lease_s=5.0, interval_s=0.05)
-    try:
-        wait_for(beater.registered.is_set)
-        assert client.get_engine("K").engine_id == "K"
-    finally:
-        beater.stop()
-
-
 def test_reregistered_callback_survives_a_failed_first_attempt(make_registration, token):
     srv = BootstrapServer(BootstrapConfig(token=token)).start()
     port = srv.port

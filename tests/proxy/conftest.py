@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvlink.proxy.config import ProxyConfig
 from kvlink.proxy.router import SERVE_OPTIONS, build_app
+from kvlink.vllm.params import RemoteSource, refusal
 
 
 class AppThread:
@@ -44,7 +45,8 @@ class AppThread:
 
 
 class FakeBackend:
-    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, error500, hang, stream_break.
+    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, bad_params (prefill answers a malformed
+    remote_block_ids), refuse (prefill kept no KV), error500, bad_request, hang, stream_break, unhealthy.
     ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
 
     def __init__(self, name: str, behavior: str = "ok"):
@@ -77,10 +79,13 @@ class FakeBackend:
         if self.behavior == "bad_request":
             return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         params = body.get("kv_transfer_params") or {}
-        if params.get("do_remote_decode") and self.behavior != "no_params":
-            out_params = {"do_remote_prefill": True, "remote_engine_id": self.name,
-                          "remote_request_id": "req-1", "remote_block_ids": [1, 2],
-                          "remote_bootstrap_addr": "http://127.0.0.1:1"}
+        if params.get("do_remote_decode") and self.behavior == "refuse":
+            out_params = refusal("publish failed: bootstrap unreachable")
+        elif params.get("do_remote_decode") and self.behavior != "no_params":
+            out_params = RemoteSource(bootstrap_url="http://127.0.0.1:1", engine_id=self.name, request_id="req-1",
+                                      block_ids=(1, 2), num_tokens=32, lease_s=30.0).to_params()
+            if self.behavior == "bad_params":
+                out_params["remote_block_ids"] = [1, -2]
         else:
             out_params = None
         if body.get("stream"):
@@ -143,8 +148,9 @@ class RawBackend:
                 self.requests += 1
                 if self.behavior == "drop":
                     return
-                out = json.dumps({"choices": [{"text": "hi"}], "kv_transfer_params": {
-                    "do_remote_prefill": True, "remote_request_id": "raw-1"}}).encode()
+                params = RemoteSource(bootstrap_url="http://127.0.0.1:1", engine_id="raw", request_id="raw-1",
+                                      block_ids=(1,)).to_params()
+                out = json.dumps({"choices": [{"text": "hi"}], "kv_transfer_params": params}).encode()
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
 

@@ -192,6 +192,36 @@ def test_prefill_without_params_is_clear_502(backends, proxy):
     assert status == 502 and "kv_producer" in json.loads(raw)["error"]["message"]
 
 
+def test_prefill_answer_is_handed_to_decode_as_sent(backends, proxy):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    (_, dec), = d.bodies
+    assert dec["kv_transfer_params"] == {
+        "do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1", "remote_engine_id": "p0",
+        "remote_request_id": "req-1", "remote_block_ids": [1, 2], "remote_num_tokens": 32, "remote_lease_s": 30.0}
+
+
+def test_prefill_with_malformed_params_is_502_naming_the_field(backends, proxy):
+    p, d = backends("p0", "bad_params"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    err = json.loads(raw)["error"]
+    assert status == 502 and err["stage"] == "prefill" and err["backend"] == p.url
+    assert "remote_block_ids" in err["message"]
+    assert d.bodies == []  # decode never sees params nobody could pull with
+
+
+def test_prefill_that_kept_no_kv_lets_decode_compute(backends, proxy, caplog):
+    p, d = backends("p0", "refuse"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    with caplog.at_level("WARNING", logger="kvlink.proxy.router"):
+        assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    (_, dec), = d.bodies
+    assert dec["kv_transfer_params"] == {"do_remote_prefill": False}
+    assert "publish failed: bootstrap unreachable" in caplog.text
+
+
 def test_backend_500_and_400(backends, proxy):
     p, d = backends("p0"), backends("d0", "error500")
     url = proxy(prefill=(p.url,), decode=(d.url,))

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+
+import numpy as np
+
+from kvlink.bench.workloads import expected
+from kvlink.transport import Engine, EngineConfig
 
 FIELDS = {"system", "workload", "blocks", "block_size", "bytes", "gbps_median", "gbps_min", "gbps_max", "p50_ms",
           "p99_ms", "iters"}
@@ -44,8 +51,7 @@ def test_bench_two_roles_with_token_file(tmp_path):
     tok = tmp_path / "token"
     tok.write_text("two-hosts-token\n")
     target = subprocess.Popen([sys.executable, "-m", "kvlink", "bench", "--role", "target", "--listen", "127.0.0.1:0",
-                               "--token-file", str(tok), "--buffer-mb", "64"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                               "--token-file", str(tok), "--buffer-mb", "64"], stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(target.stdout.readline())
         r = kvlink("bench", "--role", "initiator", "--peer", info["address"], "--raw-port", str(info["raw_port"]),
@@ -59,8 +65,35 @@ def test_bench_two_roles_with_token_file(tmp_path):
                    "--token-file", str(wrong), "--workloads", "lat-4k", *SMALL)
         assert r.returncode != 0 and "KVL_EAUTH" in r.stderr
     finally:
-        target.stdin.close()
+        target.terminate()
         target.wait(timeout=20)
+
+
+def test_bench_target_serves_with_stdin_at_eof_until_sigterm(tmp_path):
+    """Started as under nohup, systemd or `ssh -n` (stdin at end of file), the
+    target keeps serving; SIGTERM stops it cleanly."""
+    tok = tmp_path / "token"
+    tok.write_text("detached-token")
+    target = subprocess.Popen([sys.executable, "-m", "kvlink", "bench", "--role", "target", "--listen", "127.0.0.1:0",
+                               "--token-file", str(tok), "--buffer-mb", "16"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(target.stdout.readline())
+        time.sleep(1.0)  # a target that stopped at end of stdin is gone by now
+        assert target.poll() is None, target.stderr.read()
+        dst = np.zeros(4096, dtype=np.uint8)
+        with Engine(EngineConfig(listen=None, token=b"detached-token", name="probe")) as eng:
+            peer = eng.connect(info["address"])
+            eng.read(peer, eng.register(dst), 0, info["region"], 8192, dst.nbytes).wait()
+        assert np.array_equal(dst.view(np.uint64), expected(np.array([8192]), dst.nbytes, info["seed"])[0])
+        target.send_signal(signal.SIGTERM)
+        _, err = target.communicate(timeout=20)
+        assert target.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
 
 
 def test_bench_rejects_unknown_names():

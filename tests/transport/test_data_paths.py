@@ -136,15 +136,14 @@ def test_crc_on_and_off_move_the_same_bytes(pair, crc):
 def test_crc_catches_corruption_in_flight(make_engine):
     """A relay between initiator and target flips one data byte: with CRC the
     batch fails with ChecksumMismatch; without CRC the corruption goes through."""
-    from relay import CorruptingRelay
-
     from kvlink.transport import Access
+    from tests.relay import Relay
 
     target = make_engine(name="target")
     src = np.full(256 * 1024, 7, dtype=np.uint8)
     rsrc = target.register(src, Access.READ)
     for crc in (True, False):
-        relay = CorruptingRelay(target.address, flip_after=200_000)
+        relay = Relay(target.address, flip_after=200_000)
         try:
             init = make_engine(name=f"init-crc-{crc}", listen=None, crc=crc, streams=1)
             dst = np.zeros_like(src)

@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 import pytest
-import wire
 
 from kvlink.errors import Canceled, Closed, KVLinkError, PeerClosed, TimeoutError_, UnknownRegion
 from kvlink.transport import Access
+from tests.fakes import SlowTarget
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `-m tests.fakes` runs here
 
 
 def threads() -> int:
@@ -32,8 +32,8 @@ def started_receiving(dst: np.ndarray, fill: int = 0xAB, timeout: float = 5.0) -
 
 
 def test_peer_killed_mid_batch_fails_within_timeout(make_engine):
-    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); import wire; "
-                             "wire.serve_slow_forever(b'kvlink-test-token')"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes", "kvlink-test-token"], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
     try:
         address = proc.stdout.readline().strip()
         init = make_engine(name="i", listen=None, op_timeout_s=20)
@@ -54,7 +54,7 @@ def test_peer_killed_mid_batch_fails_within_timeout(make_engine):
 
 def test_stalled_peer_times_out_and_others_are_still_served(make_engine, pair):
     p = pair()
-    stalled = wire.SlowTarget(token=b"kvlink-test-token", stall=True)
+    stalled = SlowTarget(token=b"kvlink-test-token", stall=True)
     try:
         dst = np.zeros(4096, dtype=np.uint8)
         r = p.init.register(dst)
@@ -75,7 +75,7 @@ def test_stalled_peer_times_out_and_others_are_still_served(make_engine, pair):
 def test_no_late_write_after_cancel_or_timeout(make_engine, how):
     """Fill the destination after cancel/timeout returns and check that it stays
     intact while the peer keeps sending."""
-    slow = wire.SlowTarget(token=b"kvlink-test-token", chunk=2048, interval=0.002)
+    slow = SlowTarget(token=b"kvlink-test-token", chunk=2048, interval=0.002)
     try:
         init = make_engine(name="i", listen=None, streams=1)
         dst = np.zeros(4 << 20, dtype=np.uint8)
@@ -105,7 +105,7 @@ def test_no_late_write_after_cancel_or_timeout(make_engine, how):
 
 def test_close_with_batches_in_flight_neither_hangs_nor_leaks(make_engine):
     base = threads()
-    slow = wire.SlowTarget(token=b"kvlink-test-token", stall=True)
+    slow = SlowTarget(token=b"kvlink-test-token", stall=True)
     try:
         from kvlink.transport import Engine, EngineConfig
 

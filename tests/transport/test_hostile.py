@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 import pytest
-import wire
 
 from kvlink.errors import AccessDenied, AuthError, OutOfRange, UnknownRegion, VersionMismatch
 from kvlink.transport import Access, Engine, EngineConfig
+from tests import wire
 
 
 def wait_event(engine, needle: str, timeout: float = 3.0) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import struct
 
-import wire
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlink import _binding as B
+from tests import wire
 
 KNOWN = {"OK", "INPROGRESS", "KVL_EPROTO", "KVL_EVERSION", "KVL_ETOOBIG"}
 

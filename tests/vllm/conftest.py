@@ -17,3 +17,11 @@ def tiny_model() -> str:
     from kvlink.demo.tiny_model import ensure_model
 
     return str(ensure_model("tiny"))
+
+
+@pytest.fixture(scope="session")
+def swa_model() -> str:
+    """A Mistral with a 64-token sliding window on every layer (one SlidingWindowSpec KV cache group)."""
+    from kvlink.demo.tiny_model import ensure_model
+
+    return str(ensure_model("swa"))

@@ -23,6 +23,14 @@ def kv_config(role: str, **extra) -> dict:
             "kv_connector_extra_config": extra}
 
 
+def corrupting_kv_config(**extra) -> dict:
+    """A decode engine whose connector corrupts every block it pulled (negative controls, tests/vllm/corrupting.py).
+
+    Server processes import it too: Server puts the repository root on their PYTHONPATH."""
+    return dict(kv_config("kv_consumer", **extra), kv_connector="CorruptingConnector",
+                kv_connector_module_path="tests.vllm.corrupting", kv_load_failure_policy="recompute")
+
+
 def engine_kwargs(model: str, **kw) -> dict:
     base = dict(model=model, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                 block_size=BLOCK, max_model_len=2048, seed=0, max_num_seqs=64)
@@ -120,6 +128,81 @@ class Server:
         return total
 
 
+# ----- several LLMs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: test_inprocess.py, test_sliding_window.py)
+
+
+class Engines:
+    """Named in-process LLMs. vLLM keeps the worker-side connector in a process global (first engine wins), so
+    each engine's connector is captured at creation and put back before that engine runs (``generate``)."""
+
+    def __init__(self, model: str):
+        import vllm.distributed.kv_transfer.kv_transfer_state as kts
+
+        self.kts, self.model, self.llms, self.agents = kts, model, {}, {}
+
+    def make(self, name: str, kv: dict | None, **engine) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.kts._KV_CONNECTOR_AGENT = None
+        extra = {"kv_transfer_config": KVTransferConfig(**kv)} if kv else {}
+        self.llms[name] = LLM(**engine_kwargs(self.model, **extra, **engine))
+        self.agents[name] = self.kts._KV_CONNECTOR_AGENT
+        self.kts._KV_CONNECTOR_AGENT = None
+
+    def generate(self, name: str, prompts: list[list[int]], params) -> list:
+        self.kts._KV_CONNECTOR_AGENT = self.agents[name]
+        try:
+            return self.llms[name].generate([{"prompt_token_ids": p} for p in prompts], params,
+                                            use_tqdm=False)
+        finally:
+            self.kts._KV_CONNECTOR_AGENT = None
+
+    def scheduler_connector(self, name: str):
+        """The engine's scheduler-role connector (a KVLinkConnector)."""
+        return self.llms[name].llm_engine.engine_core.engine_core.scheduler.connector
+
+    def scheduler_side(self, name: str):
+        return self.scheduler_connector(name)._sched
+
+    def close(self) -> None:
+        import gc
+
+        for name in list(self.llms):
+            self.kts._KV_CONNECTOR_AGENT = self.agents[name]
+            try:
+                self.llms[name].llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self.kts._KV_CONNECTOR_AGENT = None
+        self.llms.clear()
+        gc.collect()
+
+
+def greedy(n: int = 12, params: dict | None = None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, extra_args=extra)
+
+
+def outputs(engines: Engines, name: str, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
+    """Greedy output tokens of each prompt, all in one batch, no transfer params."""
+    return [list(o.outputs[0].token_ids) for o in engines.generate(name, prompts, greedy(n))]
+
+
+def prefill(engines: Engines, prompts: list[list[int]], name: str = "pre") -> list[dict]:
+    """Run the prompts on a prefill engine (one token each); their kv_transfer_params for decode."""
+    outs = engines.generate(name, prompts, greedy(1, {"do_remote_decode": True}))
+    return [o.kv_transfer_params for o in outs]
+
+
+def decode(engines: Engines, name: str, prompts: list[list[int]], params: list[dict], n: int = 12):
+    """Decode each prompt on its own (one pull per generate call); the output tokens per prompt."""
+    return [list(engines.generate(name, [p], greedy(n, kp))[0].outputs[0].token_ids)
+            for p, kp in zip(prompts, params)]
+
+
 def complete(url, prompt, params=None, max_tokens=10, timeout=60.0, stream=False):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": stream}
@@ -147,11 +230,12 @@ def text(out):
 
 def submit_pull(worker, url: str, rid: str, pairs: list[tuple[int, int]], engine_id: str = "pre") -> None:
     """Hand a decode worker the sequential params of prefill request ``p-<rid>``: (local, remote) blocks."""
-    from kvlink.vllm.metadata import PullSpec, RemoteSource
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
 
     src = RemoteSource(bootstrap_url=url, engine_id=engine_id, request_id="p-" + rid,
                        block_ids=tuple(r for _, r in pairs), lease_s=30.0)
-    worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), skip_remote_blocks=0,
+    worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), first_block=0,
                             source=src))
 
 

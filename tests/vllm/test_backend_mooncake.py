@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.helpers import BLOCK, kv_config, token_prompts
-from tests.vllm.test_inprocess import Engines, decode, greedy
+from tests.vllm.helpers import BLOCK, Engines, decode, greedy, kv_config, token_prompts
 
 
 @pytest.fixture(scope="module")

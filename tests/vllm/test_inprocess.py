@@ -1,61 +1,18 @@
-"""Prefill and decode LLMs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), real kvlink transport.
-
-vLLM keeps the worker-side connector in a process global (first engine wins), so each engine's connector
-is captured at creation and put back before that engine runs (``Engines.generate``).
-"""
+"""Prefill and decode LLMs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tests.vllm.helpers.Engines), real
+kvlink transport."""
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
 
-from tests.vllm.helpers import BLOCK, engine_kwargs, kv_config, token_prompts
+from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, greedy, kv_config, prefill,
+                                token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 LENGTHS = [BLOCK // 3, BLOCK * 2, BLOCK * 6 + 7]  # shorter than a block, exact multiple, several blocks
-MAX_TOKENS = 12
-
-
-class Engines:
-    def __init__(self, model: str):
-        import vllm.distributed.kv_transfer.kv_transfer_state as kts
-
-        self.kts, self.model, self.llms, self.agents = kts, model, {}, {}
-
-    def make(self, name: str, kv: dict | None) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        self.kts._KV_CONNECTOR_AGENT = None
-        extra = {"kv_transfer_config": KVTransferConfig(**kv)} if kv else {}
-        self.llms[name] = LLM(**engine_kwargs(self.model, **extra))
-        self.agents[name] = self.kts._KV_CONNECTOR_AGENT
-        self.kts._KV_CONNECTOR_AGENT = None
-
-    def generate(self, name: str, prompts: list[list[int]], params) -> list:
-        self.kts._KV_CONNECTOR_AGENT = self.agents[name]
-        try:
-            return self.llms[name].generate([{"prompt_token_ids": p} for p in prompts], params,
-                                            use_tqdm=False)
-        finally:
-            self.kts._KV_CONNECTOR_AGENT = None
-
-    def scheduler_side(self, name: str):
-        return self.llms[name].llm_engine.engine_core.engine_core.scheduler.connector._sched
-
-    def close(self) -> None:
-        for name in list(self.llms):
-            self.kts._KV_CONNECTOR_AGENT = self.agents[name]
-            try:
-                self.llms[name].llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
-        self.kts._KV_CONNECTOR_AGENT = None
-        self.llms.clear()
-        gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +22,9 @@ def engines(tiny_model):
     e.make("pre", kv_config("kv_producer"))
     e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
     e.make("pre_short", kv_config("kv_producer", lease_s=1.0))
-    e.make("dec_bad", dict(kv_config("kv_consumer", debug_corrupt_kv=True), kv_load_failure_policy="recompute"))
+    e.make("dec_bad", corrupting_kv_config())
     yield e
     e.close()
-
-
-def greedy(n=MAX_TOKENS, params=None):
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": params} if params is not None else None
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, extra_args=extra)
-
-
-def prefill(engines, prompts):
-    outs = engines.generate("pre", prompts, greedy(1, {"do_remote_decode": True}))
-    return [o.kv_transfer_params for o in outs]
-
-
-def decode(engines, name, prompts, params):
-    return [list(engines.generate(name, [p], greedy(params=kp))[0].outputs[0].token_ids)
-            for p, kp in zip(prompts, params)]
 
 
 def test_decode_equals_baseline_and_blocks_are_freed(engines):

@@ -30,9 +30,11 @@ def prefill():
 
 
 def _hold(sched, cli, rid: str) -> None:
-    """What _finished_producer does for a finished request: publish it, then hold its blocks."""
+    """What _finished_producer does for a finished request, with a lease the test outlives: publish it,
+    then hold its blocks (the server answers, so the local deadline never applies)."""
     cli.publish("pre", rid, [[1, 2]], num_tokens=64, lease_s=60.0)
-    sched._held[rid] = (time.monotonic() + 600.0, 2)  # local deadline far away: only the server can free
+    with sched._held_lock:
+        sched._held.published(rid, 2)
 
 
 def _freed(sched, want: set[str], wait_s: float = 10.0) -> set[str]:
@@ -52,7 +54,7 @@ def test_requests_lost_with_a_dropped_engine_are_freed(prefill):
     cli.register_engine(reg, 60.0)  # the heartbeater registers it again
     _hold(sched, cli, "r4")  # published after: still held by the server
     assert _freed(sched, {"r1", "r2", "r3"}) == {"r1", "r2", "r3"}  # found by the periodic lookup
-    assert set(sched._held) == {"r4"}
+    assert set(sched.held_requests) == {"r4"}
     assert sched._reconcile(cli) == 0  # nothing else to free
 
 
@@ -107,7 +109,7 @@ def test_an_idle_step_waits_for_a_release_and_ends_with_it(prefill):
     assert frees == [] and took >= 0.99  # nobody released: the whole wait, no free
     threading.Timer(0.05, cli.release, ("pre", "r8", "pulled")).start()
     frees, took = _idle_step(sched)
-    assert frees == ["r8"] and took < 0.9 and not sched._held  # the release ended the wait
+    assert frees == ["r8"] and took < 0.9 and not sched.held_requests  # the release ended the wait
     _hold(sched, cli, "r9")
     threading.Timer(0.3, cli.release, ("pre", "r9", "pulled")).start()
     frees, took = _idle_step(sched, scheduled_tokens=64)  # a step with work never waits
@@ -122,3 +124,117 @@ def test_idle_step_wait_is_validated():
     for bad in (-1, 1001, "5", True):
         with pytest.raises(ConnectorConfigError, match="idle_step_wait_ms"):
             ConnectorConfig.from_extra({"idle_step_wait_ms": bad})
+
+
+def _finished(rid: str, params, status: str = "FINISHED_STOPPED"):
+    """The parts of a vLLM Request that request_finished reads."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, status=getattr(RequestStatus, status),
+                           num_computed_tokens=64, prompt_token_ids=list(range(64)))
+
+
+def test_a_finished_request_is_published_held_and_answered_with_params_decode_parses(prefill):
+    from kvlink.vllm.params import PrefillRequest, RemoteSource
+
+    sched, cli, reg = prefill
+    keep, answer = sched.request_finished(_finished("r10", PrefillRequest("t-10").to_params()), [0, 4, 5])
+    assert keep and RemoteSource.from_params(answer) == RemoteSource(
+        bootstrap_url=sched.bootstrap_url, engine_id="pre", request_id="r10", block_ids=(0, 4, 5), num_tokens=64,
+        transfer_id="t-10", lease_s=2.0)
+    assert cli.lookup_transfer("t-10").block_ids == [[0, 4, 5]]  # the null block kept by position
+    assert sched.held_requests == {"r10": 2}  # the null block holds nothing
+    cli.release("pre", "r10", "pulled")
+    assert _freed(sched, {"r10"}) == {"r10"}
+    assert sched.get_kv_connector_stats().data["released_pulled"] == 1
+
+
+def test_an_aborted_request_is_not_held(prefill):
+    sched, cli, reg = prefill
+    assert sched.request_finished(_finished("r13", {"do_remote_decode": True}, "FINISHED_ABORTED"), [1]) == (
+        False, None)
+    assert sched.held_requests == {}
+
+
+def test_malformed_prefill_params_are_refused_naming_the_field(prefill):
+    sched, cli, reg = prefill
+    for params, field in (({"do_remote_decode": True, "transfer_id": "t" * 513}, "transfer_id"),
+                          ({"do_remote_decode": True, "transfer_id": 7}, "transfer_id"),
+                          ({"do_remote_decode": "yes"}, "do_remote_decode")):
+        keep, answer = sched.request_finished(_finished("r11", params), [1])
+        assert not keep and answer["do_remote_prefill"] is False and repr(field) in answer["kvlink_error"]
+    assert sched.held_requests == {}
+    assert sched.get_kv_connector_stats().data["bad_params"] == 3
+    # 300 characters: prefill refused it before while decode accepted it; now both follow one rule.
+    keep, answer = sched.request_finished(_finished("r12", {"do_remote_decode": True, "transfer_id": "t" * 300}), [1])
+    assert keep and answer["transfer_id"] == "t" * 300
+
+
+def test_decode_refuses_malformed_params_once_and_answers_with_the_field():
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        req = _finished("d1", {"do_remote_prefill": True, "remote_bootstrap_addr": 12})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # counted once
+        keep, answer = sched.request_finished(req, [])
+        assert not keep and "'remote_bootstrap_addr'" in answer["kvlink_error"]
+        assert sched.get_kv_connector_stats().data["bad_params"] == 1
+    finally:
+        sched.shutdown()
+
+
+# ----- decode: the pull handed to the worker is decode's block table by position ---------------------------
+
+
+def _decode_request(rid: str, n_tokens: int, params: dict):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + n_tokens)),
+                   sampling_params=SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+                   pooling_params=None)
+
+
+def _blocks(ids):
+    """vLLM's own block objects for a block table; id 0 is its null block."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    blocks = []
+    for b in ids:
+        blk = KVCacheBlock(b)
+        blk.is_null = b == 0
+        blocks.append(blk)
+    return KVCacheBlocks((blocks,))
+
+
+@pytest.mark.parametrize("table, hit_tokens, ext_tokens, want_table, want_first, want_fill", [
+    # a sliding window: positions 0-2 are null (outside the window), the rest are decode's new blocks
+    ((0, 0, 0, 7, 8), 0, 150, (0, 0, 0, 7, 8), 0, (7, 8)),
+    # a prefix-cache hit of two blocks, then two blocks to pull
+    ((3, 4, 7, 8), 64, 60, (3, 4, 7, 8), 2, (7, 8)),
+    # blocks vLLM allocated past the loaded tokens are not part of the pull
+    ((5, 6, 9), 0, 40, (5, 6), 0, (5, 6)),
+])
+def test_decode_pull_is_the_block_table_by_position(table, hit_tokens, ext_tokens, want_table, want_first,
+                                                    want_fill):
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 32)
+    try:
+        n = hit_tokens + ext_tokens
+        req = _decode_request("d1", n, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
+                                        "remote_engine_id": "pre", "remote_request_id": "p1",
+                                        "remote_block_ids": list(range(20, 20 + len(table))),
+                                        "remote_num_tokens": n})
+        assert sched.get_num_new_matched_tokens(req, hit_tokens) == (ext_tokens, True)
+        sched.update_state_after_alloc(req, _blocks(table), ext_tokens)
+        (spec,) = sched.build_connector_meta(None).pulls
+        assert (spec.local_block_ids, spec.first_block, spec.blocks_to_fill) == (want_table, want_first, want_fill)
+    finally:
+        sched.shutdown()

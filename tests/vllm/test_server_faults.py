@@ -1,6 +1,6 @@
 """Fault tests against real servers: slow pulls vs short leases, hung prefill peers, concurrent pairing
 faults. One prefill + one decode server for the module; the prefill's transport is reached through a
-ThrottledRelay (advertised with ``transport_advertise``) so a pull can be held slow on purpose.
+throttling Relay (advertised with ``transport_advertise``) so a pull can be held slow on purpose.
 
 Prefill leases are short (LEASE_S) and decode's pull timeout is PULL_TIMEOUT_S; decode's bootstrap and
 connect timeouts are far longer, so only the pull timeout can end a hung pull in time. The last test
@@ -17,8 +17,9 @@ import uuid
 
 import pytest
 
-from tests.fakes_transport import StalledPeer, ThrottledRelay
+from tests.fakes import StalledPeer
 from tests.proxy.conftest import AppThread
+from tests.relay import Relay
 from tests.vllm.helpers import Server, complete, free_port, kv_config, text, token_prompts
 
 # The lease runs from prefill's publish; it must outlast the hop to decode on a loaded CI machine (a
@@ -33,7 +34,7 @@ ENGINE = "prefill-f"
 def faulty(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fault-servers")
     bport, tport = free_port(), free_port()
-    relay = ThrottledRelay(f"127.0.0.1:{tport}")
+    relay = Relay(f"127.0.0.1:{tport}")
     pre_kv = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=LEASE_S, transport_port=tport,
                             transport_advertise=relay.address), engine_id=ENGINE)
     dec_kv = dict(kv_config("kv_consumer", pull_timeout_s=PULL_TIMEOUT_S, lease_s=60.0, transport_backend="tcp",
@@ -121,8 +122,7 @@ def test_slow_pull_outlives_lease_thanks_to_renewals(faulty):
     finally:
         f["relay"].throttle(None)
     relay = f["relay"]
-    with relay._lock:
-        span, nbytes = relay.last_at - relay.first_at, relay.throttled_bytes
+    nbytes, span = relay.throttled()
     # Failures first: a failed pull recomputes, so the answer and the timing below would hide why.
     assert metric(f["dec"], "kvlink_pulls_failed_total") == failed0, failure_lines(f["dec"], log_at)
     assert metric(f["pre"], "kvlink_leases_expired_total") == expired0, "prefill freed blocks under a pull"

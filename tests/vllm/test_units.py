@@ -49,7 +49,7 @@ def test_plan_one_descriptor_per_run_and_layer():
 
 def test_remote_source_parsing():
     pytest.importorskip("vllm")
-    from kvlink.vllm.metadata import BadParams, RemoteSource
+    from kvlink.vllm.params import BadParams, RemoteSource
 
     s = RemoteSource.from_params({"remote_bootstrap_addr": "127.0.0.1:5", "transfer_id": "t"})
     assert s.bootstrap_url == "http://127.0.0.1:5" and s.block_ids is None
@@ -97,54 +97,64 @@ class _RenewClient:
         return {rid: st for rid, st in self.failed.items() if rid in request_ids}
 
 
-def _renewer(cli, terms):
-    from kvlink.vllm.lease import LeaseRenewer
+class _Table:
+    """Records the events LeaseCalls feeds to the pull table."""
 
-    lost = []
-    renewed = []
-    r = LeaseRenewer(lambda url: cli, lambda: list(terms.items()), lambda p, why: lost.append((p, why)),
-                     lambda pulls, held_until: renewed.append((sorted(pulls), held_until)), spawn=lambda f: f())
-    return r, lost, renewed
+    def __init__(self):
+        self.events = []
+
+    def apply(self, event):
+        event(self, 100.0)
+
+    def lease_held(self, group, rids, held_until, now):
+        self.events.append(("held", group, rids, held_until))
+
+    def lease_lost(self, group, rid, why, now):
+        self.events.append(("lost", group, rid, why))
+
+    def renew_failed(self, group, rids, now):
+        self.events.append(("retry", group, rids))
 
 
-def test_renewer_renews_due_pulls_grouped_per_engine():
-    from kvlink.vllm.lease import LeaseTerm
+def _renew(cli, rids=("a", "b"), request_ids=("r1", "r2")):
+    from kvlink.vllm.lease import LeaseCalls
+    from kvlink.vllm.pulls import Renew
 
+    table = _Table()
+    LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f()).run(
+        Renew(("http://b", "e1"), tuple(request_ids), tuple(rids), 3.0))
+    return table.events
+
+
+def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
     cli = _RenewClient()
-    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, next_renew=0.0),
-             "b": LeaseTerm("http://b", "e1", "r2", 3.0, next_renew=0.0),
-             "c": LeaseTerm("http://b", "e2", "r3", 3.0, next_renew=1e12)}
-    r, lost, renewed = _renewer(cli, terms)
     before = time.monotonic()
-    r.renew_due(now=100.0)
+    (ev,) = _renew(cli)
     assert cli.calls == [("e1", ["r1", "r2"], 3.0)]
-    assert lost == [] and [pulls for pulls, _ in renewed] == [["a", "b"]]
+    kind, group, rids, held_until = ev
+    assert (kind, group, rids) == ("held", ("http://b", "e1"), ("a", "b"))
     # the proof handed out: held for a lease from when the call was sent, no longer
-    assert before + 3.0 <= renewed[0][1] <= time.monotonic() + 3.0
-    assert terms["a"].next_renew > 100.0 and terms["c"].next_renew == 1e12
+    assert before + 3.0 <= held_until <= time.monotonic() + 3.0
 
 
-def test_renewer_reports_lost_leases_and_retries_unreachable():
+def test_lease_call_reports_lost_leases_and_retries_unreachable():
     from kvlink.bootstrap import RequestStatus
-    from kvlink.vllm.lease import LeaseTerm
 
-    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0), "b": LeaseTerm("http://b", "e1", "r2", 3.0, 0.0)}
-    r, lost, renewed = _renewer(_RenewClient(failed={"r2": RequestStatus.EXPIRED}), terms)
-    r.renew_due(now=100.0)
-    assert [p for p, _ in lost] == ["b"] and "expired" in lost[0][1]
-    assert [pulls for pulls, _ in renewed] == [["a"]]  # no proof for the lost one
-    terms = {"a": LeaseTerm("http://b", "e1", "r1", 3.0, 0.0)}
-    r, lost, _ = _renewer(_RenewClient(error=ConnectionError("down")), terms)
-    wait = r.renew_due(now=100.0)
-    assert lost == [] and wait <= 0.5  # retried soon; the pull's own deadline bounds it
+    events = _renew(_RenewClient(failed={"r2": RequestStatus.EXPIRED}))
+    assert [e[0] for e in events] == ["lost", "held"]
+    assert events[0][2] == "b" and "expired" in events[0][3]
+    assert events[1][2] == ("a",)  # no proof for the lost one
+    assert _renew(_RenewClient(error=ConnectionError("down"))) == [("retry", ("http://b", "e1"), ("a", "b"))]
 
 
 def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
-    """One pull's bootstrap server never answers; pulls from another server keep being renewed (on the
-    real renewer thread and pool)."""
+    """One pull's bootstrap server never answers; pulls from another server keep being renewed, through a
+    real decode worker's ticker thread, lease pool and pull table."""
     import threading
 
-    from kvlink.vllm.lease import LeaseRenewer, LeaseTerm
+    from kvlink.vllm.pulls import Lease
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+    from tests.vllm.test_pulls import spec
 
     hung, ok = threading.Event(), _RenewClient()
 
@@ -153,18 +163,25 @@ def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
             hung.wait(30)
             raise ConnectionError("hung server gave up")
 
-    renewed = []
-    terms = {"h": LeaseTerm("http://hung", "e1", "r1", 0.3, 0.0), "o": LeaseTerm("http://ok", "e2", "r2", 0.3, 0.0)}
-    r = LeaseRenewer(lambda url: _Hung() if "hung" in url else ok, lambda: list(terms.items()),
-                     lambda p, why: None, lambda pulls, held_until: renewed.extend(pulls)).start()
+    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    from kvlink.vllm.lease import LeaseCalls
+
+    w._leases = LeaseCalls(lambda url: _Hung() if "hung" in url else ok, w._apply)
+    w._thread = threading.Thread(target=w._run, daemon=True)
+    w._thread.start()
     try:
+        for rid, url in (("h", "http://hung"), ("o", "http://ok")):
+            w._apply(lambda t, now, rid=rid: t.submit(spec(rid), now) and None)
+            w._apply(lambda t, now, rid=rid, url=url: [
+                a for a in t.resolved(rid, "remote", [(1, 11)], Lease(url, "e", "p-" + rid, 0.3), 0.0, now, now)
+                if type(a).__name__ == "Renew"])
         deadline = time.monotonic() + 20
-        while renewed.count("o") < 3 and time.monotonic() < deadline:
+        while len(ok.calls) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert renewed.count("o") >= 3 and "h" not in renewed
+        assert len(ok.calls) >= 3  # renewed every third of its 0.3 s lease while the other server hangs
     finally:
         hung.set()
-        r.stop()
+        w.shutdown()
 
 
 # ----- tensor parallelism -----------------------------------------------------------------------------------

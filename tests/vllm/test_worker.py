@@ -12,7 +12,9 @@ import time
 
 import pytest
 
+from kvlink.errors import PeerClosed
 from tests import fakes_transport
+from kvlink.vllm.pulls import State
 from tests.vllm.helpers import pull_outcome, submit_pull
 
 torch = pytest.importorskip("torch")
@@ -34,9 +36,11 @@ def pair(monkeypatch):
     from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
 
-    monkeypatch.setattr(W, "transport_module", lambda: fakes_transport)
+    from kvlink.backends import register_backend, unregister_backend
+
+    register_backend("fake", lambda config, options: fakes_transport.Engine(config))
     srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0)
+    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0, transport_backend="fake")
     pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
     dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:
@@ -48,6 +52,7 @@ def pair(monkeypatch):
         dec.shutdown()
         pre.shutdown()
         srv.stop()
+        unregister_backend("fake")
 
 
 def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float = 30.0):
@@ -61,6 +66,22 @@ def _publish(url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float) -
 
     with BootstrapClient(url) as cli:
         cli.publish("pre", "p-" + rid, [[r for _, r in pairs]], num_tokens=BLOCK * len(pairs), lease_s=lease_s)
+
+
+def _posted(dec):
+    with dec._lock:
+        return [b for b in dec._table.batches() if b.handle is not None]
+
+
+def _state(dec, rid):
+    with dec._lock:
+        return dec._table.state(rid)
+
+
+def _cancel(dec, rid):
+    from kvlink.vllm.metadata import KVLinkMetadata
+
+    dec.start_load_kv(KVLinkMetadata(cancels=[rid]))
 
 
 def test_pull_copies_the_blocks_and_times_the_request(pair):
@@ -102,7 +123,7 @@ def test_dropped_connection_fails_the_pull_at_once(pair, monkeypatch):
     then, not when pull_timeout_s (60 s here) runs out; its blocks are reported for recompute."""
     pre, dec, url = pair
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.3)
-    monkeypatch.setattr(fakes_transport.Engine, "fail_with", fakes_transport.PeerGone("connection reset by peer"))
+    monkeypatch.setattr(fakes_transport.Engine, "fail_with", PeerClosed("connection reset by peer"))
     _pull(dec, url, "r2", [(1, 1), (2, 2), (3, 3)])
     assert pull_outcome(dec, "r2") == "failed"
     assert dec.take_load_error_blocks() == {1, 2, 3}
@@ -117,10 +138,10 @@ def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
     _pull(dec, url, "r4", [(1, 1)])
     deadline = time.monotonic() + 10
-    while not dec._inflight and time.monotonic() < deadline:
+    while not _posted(dec) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert dec._inflight, "the READ was never posted"
-    dec._cancel("r4")
+    assert _posted(dec), "the READ was never posted"
+    _cancel(dec, "r4")
     assert pull_outcome(dec, "r4") == "ok"  # a cancelled request is released as finished, exactly once
     time.sleep(0.8)  # the cancelled batch's waiter returns; nothing may be reported again
     _, recving, failed = dec.transfer_results()
@@ -136,7 +157,7 @@ def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
     assert pull_outcome(dec, "r5") == "ok"
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
     _pull(dec, url, "r6", [(2, 2)])
-    assert dec._inflight and dec._inflight[0].pulls[0].spec.request_id == "r6"
+    assert [b.rids for b in _posted(dec)] == [["r6"]]
     assert pull_outcome(dec, "r6") == "ok"
 
 
@@ -155,7 +176,7 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
     """A READ that beats the first renewal's round trip is not reported until the renewal proves the lease
     held; then it is reported done."""
     pre, dec, url = pair
-    real = dec._renewer._clients
+    real = dec._leases._clients
 
     class SlowRenew:
         def __init__(self, cli):
@@ -165,12 +186,12 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
             time.sleep(2.0)
             return self.cli.renew(*a, **kw)
 
-    monkeypatch.setattr(dec._renewer, "_clients", lambda u: SlowRenew(real(u)))
+    monkeypatch.setattr(dec._leases, "_clients", lambda u: SlowRenew(real(u)))
     _pull(dec, url, "r8", [(3, 3)])
     deadline = time.monotonic() + 1.5
-    while "r8" not in dec._confirming and time.monotonic() < deadline:
+    while _state(dec, "r8") is not State.CONFIRMING and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert "r8" in dec._confirming  # READ done, proof pending
+    assert _state(dec, "r8") is State.CONFIRMING  # READ done, proof pending
     _, recving, failed = dec.transfer_results()
     assert "r8" not in recving and "r8" not in failed
     assert pull_outcome(dec, "r8") == "ok"
@@ -179,3 +200,41 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
     assert stats["pull_s"][-1] >= 1.0  # the request's time includes the wait for the proof
     for name, t in dec.kv_caches.items():
         assert torch.equal(t[3], pre.kv_caches[name][3])
+
+
+def test_cancel_that_cannot_settle_is_reported_only_once_the_batch_lets_go(pair, monkeypatch):
+    """A backend whose cancel cannot stop a batch in flight (as Mooncake's): the aborted request is not
+    handed back to vLLM, which would reuse its blocks, while the batch can still write into them."""
+    from kvlink.errors import NotSettled
+
+    pre, dec, url = pair
+    _pull(dec, url, "w1", [(1, 1)])  # connect first: later pulls post on this thread
+    assert pull_outcome(dec, "w1") == "ok"
+    real_cancel = fakes_transport.Batch.cancel
+    asked = []
+
+    def cancel(self):
+        asked.append(time.monotonic())
+        if not self._done.is_set():
+            raise NotSettled("transfers in flight cannot be aborted")
+        real_cancel(self)
+
+    monkeypatch.setattr(fakes_transport.Batch, "cancel", cancel)
+    monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.8)
+    _pull(dec, url, "w2", [(4, 5)])
+    (batch,) = _posted(dec)
+    handle = batch.handle
+    _cancel(dec, "w2")
+    t0 = time.monotonic()
+    reported = None
+    while time.monotonic() - t0 < 10 and reported is None:
+        _, recving, failed = dec.transfer_results()
+        if "w2" in recving:
+            reported = time.monotonic()
+            assert handle._done.is_set(), "reported to vLLM while the batch could still write its blocks"
+        time.sleep(0.01)
+    assert reported is not None and "w2" not in failed
+    assert len(asked) >= 2  # asked again until it settled
+    for name, t in dec.kv_caches.items():  # the batch's bytes landed before the report, none after
+        assert torch.equal(t[4], pre.kv_caches[name][5])
+    assert dec.get_stats().data["pulls_cancelled"] == 1

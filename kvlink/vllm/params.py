@@ -1,0 +1,209 @@
+"""``kv_transfer_params``: the one place that parses and builds them.
+
+What travels, and who builds it here::
+
+    router  -> prefill   {"do_remote_decode": true[, "transfer_id": T]}              PrefillRequest
+    prefill -> router    where decode finds the KV (engine, request, blocks, ...)      RemoteSource.to_params
+                         or {"do_remote_prefill": false, "kvlink_error": why}         refusal
+    router  -> decode    sequential: prefill's answer, checked and rebuilt            decode_params
+                         concurrent: {"do_remote_prefill": true, "transfer_id": T,
+                                      "remote_bootstrap_addr": U[, "remote_engine_id": E]}  RemoteSource.to_params
+    decode  -> client    {"do_remote_prefill": false, "kvlink_error": why} when refused  refusal
+
+Every field has one rule (``RULES``), applied wherever the field is read; a value that breaks it raises
+:class:`BadParams` naming the field. The fields prefill publishes to the bootstrap server take their bounds
+from the bootstrap's publish body, so a value accepted here is never refused there. Keys this module does
+not know are ignored: vLLM and proxies may add their own.
+
+No vLLM import: the proxy uses this module too.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from kvlink.bootstrap.schema import PublishBody
+
+
+class BadParams(ValueError):
+    """A request's kv_transfer_params are malformed; ``field`` (also in the message) names the culprit."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class _Broken(Exception):
+    """A value broke its field's rule (``detail`` says how); ``read`` names the field."""
+
+    def __init__(self, what: str, detail: str):
+        super().__init__(detail)
+        self.what, self.detail = what, detail
+
+
+Rule = Callable[[Any], Any]  # the value as sent -> the value as used; raises _Broken
+
+
+def _typed(tp: Any, what: str, before: Rule = lambda v: v, after: Rule = lambda v: v) -> Rule:
+    def rule(value: Any) -> Any:
+        try:
+            value = msgspec.convert(before(value), tp, strict=True)
+        except msgspec.ValidationError as e:
+            raise _Broken(what, str(e)) from None
+        return after(value)
+
+    return rule
+
+
+_PUBLISHED = {f.name: f.type for f in msgspec.structs.fields(PublishBody)}
+MAX_URL_LEN = 512
+MAX_ERROR_LEN = 4096
+
+
+def _as_groups(value: Any) -> Any:
+    # vLLM's block ids come flat (one KV cache group) or as one list per group; a flat list is one group.
+    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+        return value
+    return [value] if isinstance(value, list) else value
+
+
+def _one_group(groups: list[list[int]]) -> tuple[int, ...]:
+    # Block id 0 is vLLM's null block (sliding-window models hold it by position): it is a valid id here.
+    if len(groups) != 1:
+        raise _Broken("the block ids of one KV cache group",
+                      f"{len(groups)} KV cache groups; kvlink supports one")
+    return tuple(groups[0])
+
+
+def _with_scheme(url: str) -> str:
+    return url if url.startswith(("http://", "https://")) else "http://" + url
+
+
+RULES: dict[str, Rule] = {
+    "do_remote_decode": _typed(bool, "true or false"),
+    "do_remote_prefill": _typed(bool, "true or false"),
+    "transfer_id": _typed(_PUBLISHED["transfer_id"], "a non-empty string"),
+    "remote_engine_id": _typed(_PUBLISHED["engine_id"], "a non-empty string"),
+    "remote_request_id": _typed(_PUBLISHED["request_id"], "a non-empty string"),
+    "remote_block_ids": _typed(_PUBLISHED["block_ids"], "a list of block ids (non-negative integers), flat or "
+                               "one list per KV cache group", before=_as_groups, after=_one_group),
+    "remote_num_tokens": _typed(_PUBLISHED["num_tokens"], "a non-negative integer"),
+    "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
+    "remote_bootstrap_addr": _typed(Annotated[str, Meta(min_length=1, max_length=MAX_URL_LEN, pattern=r"^\S+$")],
+                                    "an http(s) URL or host:port without spaces", after=_with_scheme),
+    "kvlink_error": _typed(Annotated[str, Meta(max_length=MAX_ERROR_LEN)], "a string"),
+}
+
+
+def read(params: Mapping[str, Any], name: str) -> Any:
+    """Field ``name`` of ``params`` checked by its rule; None when absent (or null)."""
+    value = params.get(name)
+    if value is None:
+        return None
+    try:
+        return RULES[name](value)
+    except _Broken as e:
+        raise BadParams(name, f"kv_transfer_params[{name!r}] must be {e.what} ({e.detail}), "
+                              f"got {reprlib.repr(value):.80}") from None
+
+
+def flag(params: Mapping[str, Any], name: str) -> bool:
+    """A do_remote_* flag: False when absent; BadParams unless true or false."""
+    return read(params, name) is True
+
+
+def _mapping(params: Any) -> Mapping[str, Any]:
+    if not isinstance(params, Mapping):
+        raise BadParams(None, f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    return params
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """What the router asks of prefill: compute the prompt and keep its KV for a decode engine.
+
+    ``transfer_id`` (concurrent pairing) is the name decode will look the KV up by.
+    """
+
+    transfer_id: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> PrefillRequest:
+        return cls(read(_mapping(params), "transfer_id"))
+
+    def to_params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"do_remote_decode": True}
+        if self.transfer_id is not None:
+            out["transfer_id"] = self.transfer_id
+        return out
+
+
+# RemoteSource attribute -> its kv_transfer_params name.
+_SOURCE_FIELDS = (("bootstrap_url", "remote_bootstrap_addr"), ("engine_id", "remote_engine_id"),
+                  ("request_id", "remote_request_id"), ("block_ids", "remote_block_ids"),
+                  ("num_tokens", "remote_num_tokens"), ("transfer_id", "transfer_id"),
+                  ("lease_s", "remote_lease_s"))
+_SEQUENTIAL = ("remote_engine_id", "remote_request_id", "remote_block_ids")
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a decode request's KV lives: prefill's answer, and what decode parses.
+
+    Sequential pairing gives engine id, request id and block ids; concurrent pairing gives a transfer
+    id that the bootstrap server resolves once prefill publishes.
+    """
+
+    bootstrap_url: str
+    engine_id: str | None = None
+    request_id: str | None = None
+    block_ids: tuple[int, ...] | None = None  # one KV cache group; 0 is vLLM's null block
+    num_tokens: int | None = None
+    transfer_id: str | None = None
+    lease_s: float | None = None  # prefill's lease; decode renews it while pulling
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> RemoteSource:
+        params = _mapping(params)
+        values = {attr: read(params, name) for attr, name in _SOURCE_FIELDS}
+        if values["bootstrap_url"] is None:
+            raise BadParams("remote_bootstrap_addr",
+                            "kv_transfer_params['remote_bootstrap_addr'] is required with do_remote_prefill")
+        missing = [name for name in _SEQUENTIAL if params.get(name) is None]
+        if values["transfer_id"] is None and missing:
+            raise BadParams(missing[0], f"kv_transfer_params need either transfer_id (concurrent pairing) or "
+                                        f"{', '.join(_SEQUENTIAL)} (sequential); missing {', '.join(missing)}")
+        return cls(**values)
+
+    def to_params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"do_remote_prefill": True}
+        for attr, name in _SOURCE_FIELDS:
+            value = getattr(self, attr)
+            if value is not None:
+                out[name] = list(value) if attr == "block_ids" else value
+        return out
+
+    @property
+    def key(self) -> str:
+        return self.transfer_id or f"{self.engine_id}/{self.request_id}"
+
+
+def refusal(why: str) -> dict[str, Any]:
+    """An answer that hands over no KV: a decode given it computes the prompt; ``kvlink_error`` says why."""
+    return {"do_remote_prefill": False, "kvlink_error": why[:MAX_ERROR_LEN]}
+
+
+def decode_params(prefill_answer: Any) -> dict[str, Any]:
+    """The router's decode params from prefill's answer (sequential pairing): the same source, checked and
+    rebuilt, or ``{"do_remote_prefill": False}`` when prefill kept nothing (decode computes the prompt).
+    BadParams, naming the field, when the answer is malformed."""
+    answer = _mapping(prefill_answer)
+    if not flag(answer, "do_remote_prefill"):
+        return {"do_remote_prefill": False}
+    return RemoteSource.from_params(answer).to_params()

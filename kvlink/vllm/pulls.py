@@ -1,0 +1,441 @@
+"""Decode's pulls as a pure table: events in, actions out. No threads, no transport, no vLLM.
+
+Every pull is in exactly one state:
+
+    RESOLVING --resolved--> READY --posted--> READING --batch ok--> CONFIRMING --lease held--> DONE
+        |                     |                  |  \\--batch ok, lease already proven-------------> DONE
+        |                     |                  |--batch failed------------------------------------> FAILED
+        |                     |                  '--cancel / lease lost / deadline--> SETTLING --settled--> CANCELLED|FAILED
+        '---------------------'--cancel / lease lost / deadline / resolve failed--------------------> CANCELLED|FAILED
+
+READY means paired and waiting to be posted; it is left at once by ``take_posts`` (the adapter posts what
+it returns, then reports ``posted`` or ``post_failed``). SETTLING is a pull whose outcome is decided
+(cancelled by vLLM, or failed) while its batch may still write into its blocks: it is reported to vLLM
+only when that batch has settled, because vLLM reuses the blocks of a reported request at once. A
+backend whose cancel stops a batch settles it when ``cancel`` returns; one that cannot (Mooncake) is
+asked again on every tick until it says the batch is settled, or the batch ends by itself.
+
+The other pulls of a batch that had to be cancelled for one of them are posted again; if the batch
+ended by itself meanwhile, their bytes arrived and they go on to the lease check.
+
+A READ is trusted only with proof that prefill held the blocks when it ended: it ended before
+``held_until``, the bound given by the last lease renewal (or the concurrent lookup). Renewals are
+scheduled here too: one call in flight per (bootstrap server, prefill engine) group, a new pull's
+first at once, then every third of its lease.
+
+The adapter (worker.py) holds one lock around the table, feeds it events from its threads, and carries
+out the actions it returns (``Resolve``, ``Post``, ``CancelBatch``, ``Renew``) outside that lock.
+Outcomes are collected with ``take_results`` on vLLM's thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # metadata imports vLLM; this module must not
+    from kvlink.vllm.metadata import PullSpec
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    RESOLVING = "resolving"  # lookup, first contact and pairing (I/O in the adapter)
+    READY = "ready"  # paired; waiting to be posted
+    READING = "reading"  # in a batch on the wire
+    CONFIRMING = "confirming"  # READ done; waiting for proof that the lease held
+    SETTLING = "settling"  # outcome decided; its batch may still write: waiting for it to settle
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL = (State.DONE, State.FAILED, State.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Prefill's lease on one request's blocks: renewed at ``url`` for ``engine_id``/``request_id``."""
+
+    url: str
+    engine_id: str
+    request_id: str  # prefill's id
+    lease_s: float
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return self.url, self.engine_id
+
+
+@dataclass
+class Pull:
+    spec: PullSpec
+    submitted: float
+    deadline: float
+    state: State = State.RESOLVING
+    remote: Hashable | None = None  # the adapter's key of the remote engine (set when resolved)
+    pairs: tuple[tuple[int, int], ...] = ()  # (local block, remote block)
+    lease: Lease | None = None
+    held_until: float = 0.0  # prefill provably holds the blocks until then
+    next_renew: float = 0.0
+    read_at: float = 0.0  # when its READ ended (0: not yet)
+    batch: int | None = None  # the batch carrying it (READING, SETTLING)
+    pending: tuple[State, str] | None = None  # SETTLING: the outcome to report once settled
+
+    @property
+    def rid(self) -> str:
+        return self.spec.request_id
+
+
+@dataclass
+class Batch:
+    id: int
+    remote: Hashable
+    rids: list[str]
+    started: float
+    handle: Any = None  # the transport's batch, once posted (opaque here)
+    cancel_wanted: bool = False
+    nbytes: int = 0
+    nblocks: int = 0
+    ndesc: int = 0
+
+
+# ----- actions: what the adapter does outside the lock ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """Look up, connect, pair; then report ``resolved`` or ``resolve_failed``."""
+
+    pull: Pull
+
+
+@dataclass(frozen=True)
+class Post:
+    """Post one READ of these pulls' pairs from ``remote``; then report ``posted`` or ``post_failed``."""
+
+    batch: int
+    remote: Hashable
+    pulls: tuple[Pull, ...]
+
+
+@dataclass(frozen=True)
+class CancelBatch:
+    """Cancel the transport batch; report ``cancel_settled`` when the backend says nothing writes any more."""
+
+    batch: int
+    handle: Any
+
+
+@dataclass(frozen=True)
+class Renew:
+    """Renew these leases (one call); report ``lease_held``, ``lease_lost`` or ``renew_failed``."""
+
+    group: tuple[str, str]
+    request_ids: tuple[str, ...]  # prefill's ids
+    rids: tuple[str, ...]  # ours, in the same order
+    lease_s: float
+
+
+@dataclass
+class Results:
+    """Outcomes since the last ``take_results``: done (pulled or cancelled) and failed (with their blocks)."""
+
+    done: set[str] = field(default_factory=set)
+    failed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class PullTable:
+    """All of decode's running pulls; ``now`` is always passed in (monotonic seconds)."""
+
+    def __init__(self, pull_timeout_s: float):
+        self.pull_timeout_s = pull_timeout_s
+        self._pulls: dict[str, Pull] = {}  # running (not reported yet)
+        self._batches: dict[int, Batch] = {}  # posted or being posted, not settled
+        self._batch_ids = 0
+        self._renewing: set[tuple[str, str]] = set()  # groups with a renew call in flight
+        self._results = Results()
+        self._settled_at: dict[str, float] = {}  # ok pulls not yet collected: when they settled
+        self._error_blocks: set[int] = set()  # local blocks of failed pulls, for vLLM's load-error report
+        self.counts: dict[str, int] = {}
+        self.samples: dict[str, list[float]] = {}
+
+    # ----- queries ---------------------------------------------------------------------------------------
+
+    def get(self, rid: str) -> Pull | None:
+        return self._pulls.get(rid)
+
+    def state(self, rid: str) -> State | None:
+        p = self._pulls.get(rid)
+        return p.state if p is not None else None
+
+    def running(self) -> int:
+        return len(self._pulls)
+
+    def batches(self) -> list[Batch]:
+        return list(self._batches.values())
+
+    def next_wakeup(self, now: float) -> float:
+        """The earliest deadline or renewal due among running pulls (``now + 1`` when none)."""
+        t = now + 1.0
+        for p in self._pulls.values():
+            t = min(t, p.deadline)
+            if p.lease is not None and p.state is not State.SETTLING and p.lease.group not in self._renewing:
+                t = min(t, p.next_renew)
+        return t
+
+    # ----- events ----------------------------------------------------------------------------------------
+
+    def submit(self, spec: PullSpec, now: float) -> list[Resolve]:
+        if spec.request_id in self._pulls:
+            logger.warning("kvlink: request %s submitted twice while its pull runs; ignoring the second",
+                           spec.request_id)
+            return []
+        pull = Pull(spec, submitted=now, deadline=now + self.pull_timeout_s)
+        self._pulls[pull.rid] = pull
+        if not spec.blocks_to_fill:
+            self._report(pull, State.DONE, now)  # nothing to move (everything in the prefix cache)
+            return []
+        return [Resolve(pull)]
+
+    def resolved(self, rid: str, remote: Hashable, pairs: list[tuple[int, int]], lease: Lease,
+                 held_until: float, renew_at: float, now: float) -> list[Post | Renew]:
+        """Paired and connected; ``renew_at``: when its first renewal is due (``now``: at once)."""
+        pull = self._pulls.get(rid)
+        if pull is None or pull.state is not State.RESOLVING:
+            return []  # cancelled or failed meanwhile (already reported)
+        pull.remote, pull.pairs, pull.lease = remote, tuple(pairs), lease
+        pull.held_until, pull.next_renew = max(pull.held_until, held_until), renew_at
+        pull.state = State.READY
+        return [*self.take_posts(now), *self._renewals_due(now)]
+
+    def resolve_failed(self, rid: str, why: str, now: float) -> None:
+        pull = self._pulls.get(rid)
+        if pull is not None and pull.state is State.RESOLVING:
+            self._report(pull, State.FAILED, now, why)
+
+    def take_posts(self, now: float) -> list[Post]:
+        """Every READY pull into a batch, one per remote engine; they are READING from here on."""
+        by_remote: dict[Hashable, list[Pull]] = {}
+        for p in self._pulls.values():
+            if p.state is State.READY:
+                by_remote.setdefault(p.remote, []).append(p)
+        posts = []
+        for remote, pulls in by_remote.items():
+            self._batch_ids += 1
+            b = Batch(self._batch_ids, remote, [p.rid for p in pulls], now)
+            self._batches[b.id] = b
+            for p in pulls:
+                p.state, p.batch = State.READING, b.id
+            posts.append(Post(b.id, remote, tuple(pulls)))
+        return posts
+
+    def posted(self, batch: int, handle: Any, nbytes: int, nblocks: int, ndesc: int,
+               now: float) -> list[CancelBatch]:
+        b = self._batches.get(batch)
+        if b is None:
+            return []
+        b.handle, b.nbytes, b.nblocks, b.ndesc, b.started = handle, nbytes, nblocks, ndesc, now
+        return [CancelBatch(b.id, handle)] if b.cancel_wanted else []
+
+    def post_failed(self, batch: int, why: str, now: float) -> None:
+        """Nothing was submitted: its pulls fail (or get the outcome they were waiting to report)."""
+        b = self._batches.pop(batch, None)
+        if b is None:
+            return
+        for p in self._members(b):
+            state, reason = p.pending or (State.FAILED, why)
+            self._report(p, state, now, reason)
+
+    def batch_ended(self, batch: int, error: str | None, now: float) -> list[Post | CancelBatch]:
+        """The transport says the batch finished (``error`` None) or failed.
+
+        A failure of a batch we asked to cancel is not proof that it settled (a backend that cannot stop
+        a batch reports the cancel before its memory is safe): only ``cancel_settled`` settles it then.
+        Completion of a batch already settled (cancelled, duplicate report) is ignored.
+        """
+        b = self._batches.get(batch)
+        if b is None or (error is not None and b.cancel_wanted):
+            return []
+        del self._batches[batch]
+        if error is None:
+            self._count("batches")
+            self._count("bytes_pulled", b.nbytes)
+            self._count("blocks_pulled", b.nblocks)
+            self._count("descriptors", b.ndesc)
+            self._sample("transfer_s", now - b.started)
+        actions: list[Post | CancelBatch] = []
+        for p in self._members(b):
+            if p.pending is not None:
+                self._report(p, p.pending[0], now, p.pending[1])
+            elif error is not None:
+                self._report(p, State.FAILED, now, error)
+            else:
+                p.read_at, p.batch = now, None
+                actions += self._check_lease(p, now)
+        return actions
+
+    def batch_unsettled(self, batch: int, why: str, now: float) -> list[CancelBatch]:
+        """The transport gave up on the batch but its memory may still be written (the wait timed out and
+        the backend could not stop it): its pulls fail once it settles; keep asking it to."""
+        b = self._batches.get(batch)
+        if b is None:
+            return []
+        for p in self._members(b):
+            if p.pending is None:
+                p.state, p.pending = State.SETTLING, (State.FAILED, why)
+        return self._want_cancel(b)
+
+    def cancel_settled(self, batch: int, now: float) -> list[Post]:
+        """The backend's cancel returned: nothing writes into the batch's memory any more. Pulls with an
+        outcome waiting are reported; the others (its siblings) are posted again."""
+        b = self._batches.pop(batch, None)
+        if b is None:
+            return []
+        for p in self._members(b):
+            if p.pending is not None:
+                self._report(p, p.pending[0], now, p.pending[1])
+            else:
+                p.state, p.batch = State.READY, None
+        return self.take_posts(now)
+
+    def cancel(self, rid: str, now: float) -> list[CancelBatch]:
+        """vLLM aborted the request: it is reported (finished, not failed) once nothing writes its blocks."""
+        return self._stop(rid, State.CANCELLED, "cancelled", now)
+
+    def fail(self, rid: str, why: str, now: float) -> list[CancelBatch]:
+        return self._stop(rid, State.FAILED, why, now)
+
+    def lease_held(self, group: tuple[str, str], rids: tuple[str, ...], held_until: float,
+                   now: float) -> list[Renew]:
+        """A renewal of ``rids`` succeeded: prefill holds their blocks until at least ``held_until``."""
+        self._renewing.discard(group)
+        self._count("lease_renewals", len(rids))
+        for rid in rids:
+            p = self._pulls.get(rid)
+            if p is None or p.lease is None:
+                continue
+            p.held_until = max(p.held_until, held_until)
+            p.next_renew = now + p.lease.lease_s / 3
+            if p.state is State.CONFIRMING and p.read_at < p.held_until:
+                self._report(p, State.DONE, now)
+        return self._renewals_due(now)  # pulls of this group that fell due while the call was out
+
+    def lease_lost(self, group: tuple[str, str], rid: str, why: str, now: float) -> list[CancelBatch]:
+        """Prefill no longer holds the request (expired, released): its blocks may be reused."""
+        self._renewing.discard(group)
+        return self.fail(rid, why, now)
+
+    def renew_failed(self, group: tuple[str, str], rids: tuple[str, ...], now: float) -> None:
+        """The bootstrap server did not answer: try again soon (the pull's deadline bounds it)."""
+        self._renewing.discard(group)
+        for rid in rids:
+            p = self._pulls.get(rid)
+            if p is not None and p.lease is not None:
+                p.next_renew = now + min(0.5, p.lease.lease_s / 6)
+
+    def tick(self, now: float) -> list[CancelBatch | Renew]:
+        """Deadlines, cancels still to settle, renewals due."""
+        actions: list[CancelBatch | Renew] = []
+        for p in [p for p in self._pulls.values() if p.deadline <= now and p.state is not State.SETTLING]:
+            actions += self.fail(p.rid, f"no KV within pull_timeout_s={self.pull_timeout_s:g} s", now)
+        for b in self._batches.values():
+            if b.cancel_wanted and b.handle is not None:
+                actions.append(CancelBatch(b.id, b.handle))
+        return actions + self._renewals_due(now)
+
+    def close(self) -> list[CancelBatch]:
+        """Shutdown: every posted batch is cancelled; nothing is reported any more."""
+        actions = [CancelBatch(b.id, b.handle) for b in self._batches.values() if b.handle is not None]
+        self._pulls.clear()
+        self._batches.clear()
+        return actions
+
+    # ----- results ---------------------------------------------------------------------------------------
+
+    def take_results(self, now: float) -> Results:
+        out, self._results = self._results, Results()
+        for settled in self._settled_at.values():
+            self._sample("handoff_s", now - settled)
+        self._settled_at = {}
+        return out
+
+    def take_error_blocks(self) -> set[int]:
+        blocks, self._error_blocks = self._error_blocks, set()
+        return blocks
+
+    def take_stats(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        counts, samples = self.counts, self.samples
+        self.counts, self.samples = {}, {}
+        return counts, samples
+
+    # ----- internals -------------------------------------------------------------------------------------
+
+    def _members(self, b: Batch) -> list[Pull]:
+        return [p for p in (self._pulls.get(rid) for rid in b.rids) if p is not None and p.batch == b.id]
+
+    def _stop(self, rid: str, state: State, why: str, now: float) -> list[CancelBatch]:
+        p = self._pulls.get(rid)
+        if p is None or p.state is State.SETTLING:
+            return []
+        if p.state is not State.READING:
+            self._report(p, state, now, why)
+            return []
+        p.state, p.pending = State.SETTLING, (state, why)
+        return self._want_cancel(self._batches[p.batch])
+
+    def _want_cancel(self, b: Batch) -> list[CancelBatch]:
+        if b.cancel_wanted:
+            return []  # already asked; tick asks again while it has not settled
+        b.cancel_wanted = True
+        return [CancelBatch(b.id, b.handle)] if b.handle is not None else []
+
+    def _check_lease(self, p: Pull, now: float) -> list[Renew]:
+        if p.read_at < p.held_until:
+            self._report(p, State.DONE, now)
+            return []
+        p.state = State.CONFIRMING
+        p.next_renew = now  # due now
+        self._count("lease_proof_waits")
+        return self._renewals_due(now)
+
+    def _renewals_due(self, now: float) -> list[Renew]:
+        groups: dict[tuple[str, str], list[Pull]] = {}
+        for p in self._pulls.values():
+            if (p.lease is not None and p.next_renew <= now and p.state is not State.SETTLING
+                    and p.lease.group not in self._renewing):
+                groups.setdefault(p.lease.group, []).append(p)
+        actions = []
+        for group, pulls in groups.items():
+            self._renewing.add(group)
+            actions.append(Renew(group, tuple(p.lease.request_id for p in pulls), tuple(p.rid for p in pulls),
+                                 max(p.lease.lease_s for p in pulls)))
+        return actions
+
+    def _report(self, p: Pull, state: State, now: float, why: str = "") -> None:
+        """The one place a pull leaves the table: exactly one outcome per request."""
+        del self._pulls[p.rid]
+        p.state, p.batch, p.pending = state, None, None
+        if state is State.DONE:
+            self._results.done.add(p.rid)
+            self._count("pulls_ok")
+            if p.read_at:
+                self._sample("pull_s", now - p.submitted)
+                self._settled_at[p.rid] = now
+        elif state is State.CANCELLED:
+            self._results.done.add(p.rid)
+            self._count("pulls_cancelled")
+        else:
+            self._results.failed[p.rid] = p.spec.blocks_to_fill
+            self._error_blocks.update(p.spec.blocks_to_fill)
+            self._count("pulls_failed")
+            logger.warning("kvlink: pull for request %s failed: %s; kv_load_failure_policy applies", p.rid, why)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def _sample(self, key: str, v: float) -> None:
+        self.samples.setdefault(key, []).append(v)

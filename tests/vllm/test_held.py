@@ -1,0 +1,208 @@
+"""Prefill's held-request table driven event by event against a fake clock: no threads, no server, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlink.bootstrap.schema import Outcome, RequestRecord, RequestStatus
+from kvlink.vllm.held import DEADLINE_FACTOR, DEADLINE_SLACK_S, Freed, HeldTable
+
+LEASE = 10.0
+DEADLINE = LEASE * DEADLINE_FACTOR + DEADLINE_SLACK_S  # after publishing
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def table(clock):
+    return HeldTable(LEASE, clock=clock)
+
+
+def record(rid: str) -> RequestRecord:
+    return RequestRecord(engine_id="pre", request_id=rid, block_ids=[[1]], num_tokens=16, lease_remaining_s=5.0)
+
+
+def test_an_outcome_frees_once_and_what_follows_is_ignored(table):
+    table.published("r1", 3)
+    assert (len(table), table.num_blocks) == (1, 3)
+    assert table.released("r1", Outcome.PULLED)
+    assert (len(table), table.num_blocks) == (0, 0)
+    assert not table.released("r1", Outcome.ABANDONED)  # a late or duplicate outcome
+    assert table.looked_up({"r1": RequestStatus.EXPIRED}) == 0  # a late lookup answer
+    assert table.tick() == [Freed("r1", Outcome.PULLED)]
+    assert table.tick() == []  # handed over once
+    assert not table.released("never-held", Outcome.PULLED)
+
+
+@pytest.mark.parametrize("outcome,counter", [(Outcome.PULLED, "released_pulled"),
+                                             (Outcome.ABANDONED, "released_abandoned"),
+                                             (Outcome.EXPIRED, "leases_expired")])
+def test_each_polled_outcome_has_its_counter(table, outcome, counter):
+    table.published("r", 1)
+    table.released("r", outcome)
+    (freed,) = table.tick()
+    assert freed.outcome is outcome and freed.counter == counter and not freed.by_deadline
+
+
+def test_outcomes_arrive_as_strings_too(table):
+    table.published("r", 1)
+    assert table.released("r", "abandoned")
+    assert table.tick()[0].outcome is Outcome.ABANDONED
+
+
+def test_lookup_frees_what_the_server_no_longer_holds(table):
+    for rid in ("gone", "expired", "live"):
+        table.published(rid, 1)
+    answer = {"gone": RequestStatus.UNKNOWN, "expired": RequestStatus.EXPIRED, "live": record("live")}
+    assert table.looked_up(answer) == 2
+    assert sorted((f.request_id, f.outcome, f.counter) for f in table.tick()) == [
+        ("expired", Outcome.EXPIRED, "leases_expired"), ("gone", Outcome.EXPIRED, "leases_expired")]
+    assert "live" in table and len(table) == 1
+
+
+def test_released_in_one_lookup_frees_nothing_and_in_the_next_frees_as_unreported(table):
+    table.published("r", 2)
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0  # its outcome may be on its way
+    assert table.tick() == [] and "r" in table
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 1  # it was lost (a dropped engine)
+    (freed,) = table.tick()
+    assert freed == Freed("r", None) and freed.counter == "released_unreported"
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0
+
+
+def test_a_release_between_poll_and_lookup_is_counted_as_its_outcome(table):
+    table.published("r", 1)
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0
+    assert table.released("r", Outcome.PULLED)  # the next poll brings the outcome
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0  # second sighting: already freed
+    assert [f.counter for f in table.tick()] == ["released_pulled"]
+
+
+def test_the_two_sightings_must_be_in_a_row(table):
+    table.published("r", 1)
+    table.looked_up({"r": RequestStatus.RELEASED})
+    table.looked_up({"r": record("r")})  # not released in between (or not asked about)
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 1
+
+
+def test_local_deadline_frees_only_while_the_server_cannot_be_reached(table, clock):
+    table.published("r", 4)
+    clock.now += DEADLINE + 100
+    table.reached()  # the server answers: it tracks decode's renewals, the local deadline does not count
+    assert table.tick() == [] and "r" in table
+    clock.now += LEASE  # no answer for exactly a lease: not yet
+    assert table.tick() == []
+    clock.now += 0.01
+    assert table.tick() == [Freed("r", Outcome.EXPIRED, by_deadline=True)]
+    assert table.tick() == [] and table.num_blocks == 0
+
+
+def test_an_unreachable_server_frees_nothing_before_the_deadline(table, clock):
+    table.unreachable()
+    table.published("early", 1)
+    clock.now += DEADLINE - 1  # the server has been silent for longer than a lease
+    table.published("late", 1)
+    assert table.tick() == []
+    clock.now += 2
+    assert [f.request_id for f in table.tick()] == ["early"]
+    clock.now += DEADLINE
+    assert [f.request_id for f in table.tick()] == ["late"]
+
+
+def test_an_outcome_after_a_deadline_free_is_ignored(table, clock):
+    table.published("r", 1)
+    clock.now += DEADLINE + 1
+    assert table.tick()[0].by_deadline
+    assert not table.released("r", Outcome.PULLED)
+    assert table.tick() == []
+
+
+def test_lookups_are_due_every_half_lease_and_at_once_after_a_failure(table, clock):
+    assert not table.lookup_due()
+    clock.now += LEASE / 2
+    assert table.lookup_due()
+    table.looked_up({})
+    assert not table.lookup_due()
+    table.unreachable()
+    assert table.lookup_due()  # the server may have restarted and lost outcomes
+    table.looked_up({})
+    clock.now += LEASE / 2 - 0.01
+    assert not table.lookup_due()
+
+
+def test_has_frees_is_what_ends_an_idle_wait(table):
+    table.published("r", 1)
+    assert not table.has_frees()
+    table.released("r", Outcome.PULLED)
+    assert table.has_frees()
+    table.tick()
+    assert not table.has_frees()
+
+
+def test_publishing_an_id_again_replaces_it(table):
+    table.published("r", 3)
+    table.looked_up({"r": RequestStatus.RELEASED})
+    table.published("r", 5)  # a new life: the old sighting does not count
+    assert table.num_blocks == 5 and table.blocks_by_request() == {"r": 5}
+    assert table.looked_up({"r": RequestStatus.RELEASED}) == 0
+
+
+NAMES = [f"r{i}" for i in range(6)] + ["never-published"]
+answers = st.sampled_from(list(RequestStatus)) | st.builds(record, st.just("r"))  # a record: still held
+events = st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.integers(1, 4)),
+    st.tuples(st.just("release"), st.sampled_from(NAMES), st.sampled_from(list(Outcome))),
+    st.tuples(st.just("lookup"), st.dictionaries(st.sampled_from(NAMES), answers)),
+    st.tuples(st.just("reached")), st.tuples(st.just("unreachable")),
+    st.tuples(st.just("advance"), st.floats(0, 2 * DEADLINE)),
+    st.tuples(st.just("tick")),
+), max_size=60)
+
+
+@given(events)
+def test_every_publish_is_freed_at_most_once_and_the_gauges_add_up(evs):
+    """vLLM's request ids are unique: each publish is a new id, freed at most once, never unless held."""
+    clock = Clock()
+    table = HeldTable(LEASE, clock=clock)
+    published: list[str] = []
+    freed: set[str] = set()
+
+    def take() -> None:
+        for f in table.tick():
+            assert f.request_id in published and f.request_id not in freed, f"{f.request_id} freed twice"
+            freed.add(f.request_id)
+
+    for ev in evs:
+        kind = ev[0]
+        if kind == "publish" and len(published) < len(NAMES) - 1:
+            published.append(NAMES[len(published)])
+            table.published(published[-1], ev[1])
+        elif kind == "release":
+            table.released(ev[1], ev[2])
+        elif kind == "lookup":
+            table.looked_up(ev[1])
+        elif kind == "advance":
+            clock.now += ev[1]
+            take()
+        elif kind == "tick":
+            take()
+        elif kind in ("reached", "unreachable"):
+            getattr(table, kind)()
+        assert set(table.request_ids()) <= set(published) - freed
+        assert table.num_blocks == sum(table.blocks_by_request().values())
+    take()
+    assert set(table.request_ids()) == set(published) - freed  # nothing decided and not handed over

@@ -1,0 +1,146 @@
+"""A sliding-window model through prefill and decode engines in one process (issue 9).
+
+Every layer of the swa model attends to the last 64 tokens, so vLLM builds one KV cache group of
+SlidingWindowSpec and its block tables hold the null block (id 0) at positions outside the window. Decode's
+table for a long prompt is mostly null: kvlink must pair decode's and prefill's blocks by token position and
+move only the blocks decode will read. Each prompt is decoded alone so that a wrong one is named, with the
+numbers that tell why.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, kv_config, outputs, prefill,
+                                token_prompts)
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+WINDOW = 64
+LAYERS = 2
+# Inside one block, up to the window, one past it, then far beyond it (most of the table null).
+LENGTHS = [3, 40, 63, 64, 65, 96, 200, 700]
+
+
+@pytest.fixture(scope="module")
+def engines(swa_model):
+    e = Engines(swa_model)
+    e.make("base", None)
+    e.make("pre", kv_config("kv_producer"))
+    e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("dec_bad", corrupting_kv_config())
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def dec_tables(engines, monkeypatch):
+    """Decode's block table of each request as vLLM first hands it to the connector (when it allocates for
+    the load; it calls again once the load is done): a list of ([block id or 0 for null, ...],
+    [in the local prefix cache, ...], external tokens), in order."""
+    seen, rids = [], set()
+    conn = engines.scheduler_connector("dec")
+    real = conn.update_state_after_alloc
+
+    def spy(request, blocks, num_external_tokens):
+        if request.request_id not in rids:
+            rids.add(request.request_id)
+            group = blocks.blocks[0]
+            seen.append(([0 if b.is_null else b.block_id for b in group],
+                         [not b.is_null and b.block_hash is not None for b in group], num_external_tokens))
+        return real(request, blocks, num_external_tokens)
+
+    monkeypatch.setattr(conn, "update_state_after_alloc", spy)
+    return seen
+
+
+def blocks_to_move(ids: list[int], cached: list[bool], external: int) -> tuple[int, int]:
+    """(first position decode lacks, number of real blocks from there to the prompt's end): worked out from
+    vLLM's own table, independently of kvlink. Blocks allocated for the load have no hash yet; a hash marks a
+    local prefix-cache hit, which always comes first."""
+    first = max((i + 1 for i, c in enumerate(cached) if c), default=0)
+    end = -(-(first * BLOCK + external) // BLOCK)
+    return first, sum(1 for b in ids[first:end] if b != 0)
+
+
+def stat_delta(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ("pulls_ok", "pulls_failed", "blocks_pulled")}
+
+
+def check_pull(engines, dec_tables, prompt, want, kp, label) -> list[str]:
+    """Decode one prompt on "dec"; what went wrong, if anything, as readable lines."""
+    worker = engines.agents["dec"]._worker
+    before = worker.snapshot()
+    start = len(dec_tables)
+    got = decode(engines, "dec", [prompt], [kp])[0]
+    d = stat_delta(before, worker.snapshot())
+    if len(dec_tables) - start != 1:
+        return [f"{label}: {len(dec_tables) - start} pulls seen by the connector, expected 1"]
+    ids, cached, external = dec_tables[-1]
+    first, real = blocks_to_move(ids, cached, external)
+    problems = []
+    if got != want:
+        problems.append(f"{label}: decode output {got} != single engine {want}")
+    if d["pulls_ok"] != 1 or d["pulls_failed"] != 0:
+        problems.append(f"{label}: pulls ok {d['pulls_ok']}, failed {d['pulls_failed']}")
+    if d["blocks_pulled"] != real * LAYERS:
+        problems.append(f"{label}: {d['blocks_pulled']} blocks pulled, expected {real} per layer x {LAYERS}")
+    if problems:
+        problems.append(f"    decode table {ids}, first position to pull {first}, external tokens {external}, "
+                        f"prefill table {kp.get('remote_block_ids')}")
+    return problems
+
+
+def test_swa_model_has_one_sliding_window_group(engines):
+    """The precondition of every test below: vLLM runs the model with windowed KV (null blocks in tables)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    sched = engines.llms["dec"].llm_engine.engine_core.engine_core.scheduler
+    groups = sched.kv_cache_config.kv_cache_groups
+    assert len(groups) == 1 and isinstance(groups[0].kv_cache_spec, SlidingWindowSpec), groups
+    assert groups[0].kv_cache_spec.sliding_window == WINDOW and len(groups[0].layer_names) == LAYERS
+
+
+def test_decode_equals_single_engine_below_at_and_beyond_the_window(engines, dec_tables):
+    prompts = token_prompts(LENGTHS, seed=21)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, prompts)
+    problems = []
+    for n, p, w, kp in zip(LENGTHS, prompts, want, params):
+        problems += check_pull(engines, dec_tables, p, w, kp, f"{n} tokens")
+    assert not problems, "\n".join(problems)
+    # The test means something only if decode's tables really held null blocks for the long prompts, so
+    # that moving only the window is fewer blocks than the prompt has.
+    for n, table in zip(LENGTHS, dec_tables):
+        if n >= WINDOW + 2 * BLOCK:
+            assert 0 in table[0] and blocks_to_move(*table)[1] < -(-n // BLOCK), (n, table[0])
+
+
+def test_pull_after_a_local_prefix_cache_hit(engines, dec_tables):
+    """Decode already holds the first blocks (it computed the shared prefix itself); the pull fills only
+    the positions after its hit, and the hit's in-window blocks are read as they are. (vLLM offers a
+    window model's hit when the earlier prompt ended at the shared prefix; one that ran on past it was
+    not offered here.)"""
+    shared = token_prompts([6 * BLOCK], seed=31)[0]
+    second = shared + token_prompts([20], seed=33)[0]
+    assert outputs(engines, "dec", [shared]) == outputs(engines, "base", [shared])  # now in decode's cache
+    want = outputs(engines, "base", [second])[0]
+    kp = prefill(engines, [second])[0]
+    problems = check_pull(engines, dec_tables, second, want, kp, f"{len(second)} tokens after a local hit")
+    assert not problems, "\n".join(problems)
+    ids, cached, _ = dec_tables[-1]
+    assert any(cached), f"no local prefix-cache hit: decode table {ids}"
+
+
+def test_corrupted_pull_changes_output(engines):
+    """Negative control: decode's output depends on exactly the blocks the pull wrote."""
+    prompts = token_prompts([700], seed=41)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, prompts)
+    worker = engines.agents["dec_bad"]._worker
+    before = worker.snapshot()
+    got = decode(engines, "dec_bad", prompts, params)
+    assert stat_delta(before, worker.snapshot())["pulls_ok"] == 1
+    assert got != want
