@@ -66,7 +66,8 @@ class HeldTable:
         self._held: dict[str, _Held] = {}
         self._released_seen: set[str] = set()  # held ids the last lookup found released
         self._frees: list[Freed] = []  # decided, not yet handed over by tick()
-        self.num_blocks = 0  # held now, over all requests
+        self._freeing: dict[str, int] = {}  # their blocks: vLLM still holds them until tick() hands them over
+        self.num_blocks = 0  # held now (vLLM has not been told to free them), over all requests
         now = clock()
         self._reached_at = now  # the server's last answer
         self._lookup_at = now + lease_s / 2
@@ -115,6 +116,8 @@ class HeldTable:
             for rid in [rid for rid, h in self._held.items() if h.deadline < now]:
                 self._free(rid, Outcome.EXPIRED, by_deadline=True)
         frees, self._frees = self._frees, []
+        self.num_blocks -= sum(self._freeing.values())
+        self._freeing = {}
         return frees
 
     # ----- questions --------------------------------------------------------------------------------
@@ -129,10 +132,11 @@ class HeldTable:
         return list(self._held)
 
     def blocks_by_request(self) -> dict[str, int]:
-        return {rid: h.num_blocks for rid, h in self._held.items()}
+        """Blocks vLLM keeps for decode now: held, or freed but not yet handed over by tick()."""
+        return {**self._freeing, **{rid: h.num_blocks for rid, h in self._held.items()}}
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._freeing)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._held
@@ -143,7 +147,7 @@ class HeldTable:
         held = self._held.pop(request_id, None)
         if held is None:
             return False
-        self.num_blocks -= held.num_blocks
+        self._freeing[request_id] = held.num_blocks
         self._released_seen.discard(request_id)
         self._frees.append(Freed(request_id, outcome, by_deadline))
         return True

@@ -238,3 +238,65 @@ def test_cancel_that_cannot_settle_is_reported_only_once_the_batch_lets_go(pair,
     for name, t in dec.kv_caches.items():  # the batch's bytes landed before the report, none after
         assert torch.equal(t[4], pre.kv_caches[name][5])
     assert dec.get_stats().data["pulls_cancelled"] == 1
+
+
+@pytest.fixture
+def mooncake_pair():
+    """Prefill and decode workers over real Mooncake transfer engines (TCP on loopback) whose cancel gives
+    up waiting at once: a batch in flight cannot be stopped, as with Mooncake on RDMA."""
+    pytest.importorskip("mooncake")
+    from kvlink.backends import register_backend, unregister_backend
+    from kvlink.backends.mooncake import MooncakeBackend
+    from kvlink.backends.mooncake_config import MooncakeConfig
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    register_backend("mooncake-stubborn", lambda config, options: MooncakeBackend(
+        config, MooncakeConfig(max_queued=4, settle_s=0.001)))
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(pull_timeout_s=60.0, transport_backend="mooncake-stubborn")
+    pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    n = 512
+    try:
+        src = torch.randint(-100, 100, (2, n, HEADS, BLOCK, HEAD2)).to(torch.bfloat16)
+        pre.register_kv_caches({f"model.layers.{i}.self_attn.attn": src[i] for i in range(2)})
+        dst = torch.zeros_like(src)  # one allocation, layer after layer, as vLLM lays it out
+        dec.register_kv_caches({f"model.layers.{i}.self_attn.attn": dst[i] for i in range(2)})
+        pre._ensure_registered(srv.url)
+        yield pre, dec, srv.url, n
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()
+        unregister_backend("mooncake-stubborn")
+
+
+def test_mooncake_cancel_mid_read_is_reported_only_once_the_batch_settled(mooncake_pair):
+    pre, dec, url, n = mooncake_pair
+    _pull(dec, url, "m1", [(1, 1)])  # first contact
+    assert pull_outcome(dec, "m1") == "ok"
+    # reversed remote ids: no two blocks coalesce, so the READ is many small chunks one after another
+    pairs = [(i, n - i) for i in range(1, n)]
+    _pull(dec, url, "m2", pairs)
+    (batch,) = _posted(dec)
+    handle = batch.handle
+    _cancel(dec, "m2")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, recving, failed = dec.transfer_results()
+        if "m2" in recving:
+            assert handle.settled, "reported to vLLM while Mooncake could still write its blocks"
+            break
+        time.sleep(0.002)
+    else:
+        pytest.fail("the cancelled pull was never reported")
+    snap = {name: t.clone() for name, t in dec.kv_caches.items()}
+    time.sleep(0.3)
+    for name, t in dec.kv_caches.items():
+        assert torch.equal(t, snap[name]), "bytes landed in the blocks after they went back to vLLM"
+    _pull(dec, url, "m3", [(3, 7)])  # the engine keeps serving
+    assert pull_outcome(dec, "m3") == "ok"
+    for name, t in dec.kv_caches.items():
+        assert torch.equal(t[3], pre.kv_caches[name][7])
