@@ -33,10 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvlink.demo.servers import ProxyProc, Stack, VLLMServer, free_port, kvlink_config  # noqa: E402
-from kvlink.demo.tiny_model import ensure_model  # noqa: E402
+from kvlink.demo.servers import ProxyProc, Stack, VLLMServer, free_port, kvlink_config
+from kvlink.demo.tiny_model import ensure_model
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -1,5 +1,8 @@
-"""Fakes shared by the test suites, each here once: a clock, an HTTP server, peers that hang or trickle.
-The in-process transport is in fakes_transport.py, the network relay (corrupting, throttling) in relay.py."""
+"""Fakes shared by the test suites, each here once: a clock, a bootstrap client and a pull table with
+scripted answers, an HTTP server, peers that hang or trickle. The other fakes live beside this module:
+the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
+fakes_vllm_server.py, a connector corrupting what it pulled in fakes_connector.py; the network relay
+(corrupting, throttling) is relay.py."""
 
 from __future__ import annotations
 
@@ -32,6 +35,66 @@ class FakeClock:
         with self._lock:
             self._now += seconds
             return self._now
+
+
+class FakeBootstrapClient:
+    """A bootstrap client with scripted answers, for what decode asks a bootstrap server: lease renewals and
+    the prefill engine's registration.
+
+    ``renew`` records each call in ``renewals`` as (engine_id, request_ids, lease_s), then, in this order:
+    blocks until ``hang_until`` is set and fails as a client that gave up on a hung server would
+    (ConnectionError); sleeps ``delay_s`` (a slow server); raises ``error`` (an unreachable one); hands the
+    call to ``then`` (a real client behind the slow server); else answers the leases in ``lost``
+    (request id -> RequestStatus) that were asked about. ``get_engine`` answers ``engine`` (an
+    EngineRegistration) and refuses when none is scripted.
+    """
+
+    def __init__(self, lost: dict | None = None, error: Exception | None = None,
+                 hang_until: threading.Event | None = None, delay_s: float = 0.0, then: object = None,
+                 engine: object = None) -> None:
+        self.lost, self.error, self.hang_until, self.delay_s = lost or {}, error, hang_until, delay_s
+        self.then, self.engine = then, engine
+        self.renewals: list[tuple[str, list[str], float]] = []
+
+    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> dict:
+        self.renewals.append((engine_id, list(request_ids), lease_s))
+        if self.hang_until is not None:
+            self.hang_until.wait(30)
+            raise ConnectionError("the bootstrap server never answered")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        if self.then is not None:
+            return self.then.renew(engine_id, request_ids, lease_s)
+        return {rid: status for rid, status in self.lost.items() if rid in request_ids}
+
+    def get_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> object:
+        if self.engine is None:
+            raise ConnectionError(f"no registration of {engine_id} scripted in this fake")
+        return self.engine
+
+
+class RecordingPullTable:
+    """Stands in for decode's pull table (kvlink.vllm.pulls.PullTable) behind an ``apply`` callback: runs
+    each event at time ``now`` and records the lease events as tuples: ("held", group, rids, held_until),
+    ("lost", group, rid, why), ("retry", group, rids)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+        self.events: list[tuple] = []
+
+    def apply(self, event: Callable[[RecordingPullTable, float], object]) -> None:
+        event(self, self.now)
+
+    def lease_held(self, group: tuple, rids: tuple, held_until: float, now: float) -> None:
+        self.events.append(("held", group, rids, held_until))
+
+    def lease_lost(self, group: tuple, rid: str, why: str, now: float) -> None:
+        self.events.append(("lost", group, rid, why))
+
+    def renew_failed(self, group: tuple, rids: tuple, now: float) -> None:
+        self.events.append(("retry", group, rids))
 
 
 Reply = tuple[int, dict]

@@ -2,9 +2,10 @@
 
 Engines find each other through a module-level table keyed by address; READ/WRITE copy bytes with
 ctypes.memmove between registered regions, on a background thread so batches complete asynchronously.
-The configuration, access flags, capabilities and errors are kvlink's own (kvlink.transport,
-kvlink.errors): code under test sees what the real engine would give it. Tests register it as a backend
-(``kvlink.backends.register_backend("fake", lambda config, options: Engine(config))``) or use ``Engine``.
+The configuration, access flags, capabilities, descriptor checks and errors are kvlink's own
+(kvlink.transport, kvlink.errors): code under test sees what the real engine would give it. Tests register
+it as a backend (``kvlink.backends.register_backend("fake", Engine)``: it takes ``(config, options)``) or
+use ``Engine``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, ConnectError, OutOfRange, PeerClosed,
+from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, ConnectError, NotSettled, PeerClosed,
                            TimeoutError_, UnknownRegion)
 from kvlink.transport import Access, Capabilities, EngineConfig
+from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
 from kvlink.transport.region import memory_for
 
 __all__ = ["Batch", "Engine", "Peer", "Region"]
@@ -49,8 +51,10 @@ class Peer:
 
 
 class Batch:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, cancel_cannot_stop: bool = False):
         self.nbytes = nbytes
+        self.cancels = 0  # calls to cancel()
+        self._cancel_cannot_stop = cancel_cannot_stop
         self._done = threading.Event()
         self._error: Exception | None = None
         self._cancelled = threading.Event()
@@ -69,9 +73,13 @@ class Batch:
 
     def cancel(self) -> bool:
         """As the native Batch: True if this call stopped the batch (poll/wait then raise Canceled), False if
-        it had already finished (its outcome stands)."""
+        it had already finished (its outcome stands). With ``Engine.cancel_cannot_stop`` (as Mooncake's), a
+        batch in flight is not stopped: NotSettled, until it has finished by itself."""
+        self.cancels += 1
         if self._done.is_set():
             return False
+        if self._cancel_cannot_stop:
+            raise NotSettled("fake transport: a batch in flight cannot be stopped (cancel_cannot_stop)")
         self._cancelled.set()
         self._done.wait(5)
         return isinstance(self._error, Canceled)
@@ -81,14 +89,17 @@ class Batch:
 
 
 class Engine:
-    # Test hooks: delay every batch by this many seconds; fail every batch with this error.
+    # Test hooks: delay every batch by this many seconds; fail every batch with this error; a cancel cannot
+    # stop a batch in flight (raises NotSettled until it has finished, as with Mooncake).
     delay_s = 0.0
     fail_with: Exception | None = None
+    cancel_cannot_stop = False
 
     kind = "fake"
 
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, options: Any = None):
         self.config = cfg = config or EngineConfig()
+        self.options = options  # what open_backend was given; the fake takes no options of its own
         self.capabilities = Capabilities()
         if cfg.listen is None:
             self.address: str | None = None  # initiator-only, as the real engine
@@ -124,12 +135,11 @@ class Engine:
 
     def _xfer(self, peer: Peer, local: Region, lo: Any, rids: Any, ro: Any, ln: Any, write: bool) -> Batch:
         self._check_open()
-        lo = np.asarray(lo, np.uint64).reshape(-1)
-        n = len(lo)
-        rids = np.broadcast_to(np.asarray(rids, np.uint32), (n,))
-        ro = np.asarray(ro, np.uint64).reshape(-1)
-        ln = np.broadcast_to(np.asarray(ln, np.uint64), (n,))
-        b = Batch(int(ln.sum()))
+        if not write and not local.writable:
+            raise ValueError("the destination region of a READ must be writable memory")
+        d = check_descriptors(local.length, lo, rids, ro, ln)  # what the engine refuses before submitting
+        n, lo, rids, ro, ln = len(d), d.local_offsets, d.each_region(), d.remote_offsets, d.each_length()
+        b = Batch(d.nbytes, self.cancel_cannot_stop)
         need = Access.WRITE if write else Access.READ
 
         def run() -> None:
@@ -144,18 +154,21 @@ class Engine:
                     remote = _ENGINES.get(peer.address)
                 if remote is None or remote._closed:
                     raise PeerClosed(f"peer {peer.address} closed the connection")
+                # Remote checks need the peer's table: the real engine's target makes them, reported at wait.
+                remote_lengths = np.empty(n, np.uint64)
                 for i in range(n):
-                    if b._cancelled.is_set():
-                        raise Canceled("batch canceled")
                     rr = remote._regions.get(int(rids[i]))
                     if rr is None:
                         raise UnknownRegion(f"descriptor {i}: peer {peer.address} has no region {int(rids[i])}")
                     if not rr.access & need:
                         raise AccessDenied(f"descriptor {i}: region {rr.id} does not allow {need.name}")
+                    remote_lengths[i] = rr.length
+                check_remote_bounds(d, remote_lengths)
+                for i in range(n):
+                    if b._cancelled.is_set():
+                        raise Canceled("batch canceled")
+                    rr = remote._regions[int(rids[i])]
                     a, o, m = int(lo[i]), int(ro[i]), int(ln[i])
-                    if a + m > local.length or o + m > rr.length:
-                        raise OutOfRange(f"descriptor {i}: {m} B at local {a} / remote {o} runs past a region "
-                                         f"(local {local.length} B, remote {rr.length} B)")
                     src, dst = (rr.addr + o, local.addr + a) if not write else (local.addr + a, rr.addr + o)
                     ctypes.memmove(dst, src, m)
             except Exception as e:  # noqa: BLE001 - reported through the batch, as the engine would

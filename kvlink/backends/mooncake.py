@@ -158,6 +158,7 @@ class MooncakeBatch:
         self._stop = False                # cancel requested; guarded by _cond
         self._settled = False             # the worker is done with it; guarded by _cond
         self._unsafe = False              # Mooncake gave up while slices may be queued
+        self._stopped_unreported = False  # cancel stopped it; no cancel() has returned True yet; guarded by _cond
 
     # -- worker side -------------------------------------------------------------------
     def _finish(self, state: int, error: KVLinkError | None, unsafe: bool = False) -> None:
@@ -208,22 +209,30 @@ class MooncakeBatch:
         self.cancel()
         raise TimeoutError_(f"mooncake batch not finished within {t:.3f} s; canceled")
 
-    def cancel(self, timeout_s: float | None = None) -> None:
+    def cancel(self, timeout_s: float | None = None) -> bool:
         """Submit no further chunk and wait (bounded by timeout_s, default the
         backend's settle_s) until the chunk in flight settles. Once this
         returns, nothing is written into the batch's local memory again; if
-        it cannot settle in time, NotSettled is raised."""
+        it cannot settle in time, NotSettled is raised (call again later).
+
+        Returns True if cancelling stopped the batch (poll/wait raise
+        Canceled), False if it had already ended (its outcome stands). As
+        with the native engine, one call returns True for a stopped batch:
+        the first that returns, so after NotSettled the call that settles it."""
         t = self._backend.mooncake.settle_s if timeout_s is None else timeout_s
         with self._cond:
             self._stop = True
             if self._state == self.PENDING:
                 self._state, self._error = self.CANCELED, Canceled("mooncake batch canceled")
+                self._stopped_unreported = True
             if not self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t)):
                 raise NotSettled(f"mooncake cannot abort submitted transfers and the chunk in flight did not "
                                  f"settle within {t:.3f} s: its local memory may still be written; keep it alive "
                                  "and call cancel() again")
             if self._unsafe:
                 self._raise()
+            stopped, self._stopped_unreported = self._stopped_unreported, False
+            return stopped
 
     def __enter__(self) -> MooncakeBatch:
         return self

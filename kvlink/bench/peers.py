@@ -12,6 +12,10 @@ that is how these APIs are used, and it is a benchmark.
 
 Their packages live in ``bench/.peers/`` (``bash bench/install_peers.sh``),
 outside the project's environment; ``KVLINK_BENCH_PEERS`` points elsewhere.
+Mooncake's address and per-peer queue limit come from the environment as for
+kvlink's Mooncake backend (:meth:`kvlink.backends.MooncakeConfig.from_env`:
+``KVLINK_MOONCAKE_HOST``, ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``), read once
+per side; the comparison runs over TCP whatever protocol they name.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import os
 import socket
 import sys
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvlink.backends import MooncakeConfig
 from kvlink.bench.runner import Runner
 from kvlink.bench.workloads import Workload
 
@@ -33,7 +39,6 @@ if TYPE_CHECKING:
 
 PEER_SYSTEMS = ("mooncake", "nixl-tcp", "nixl")
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
-MOONCAKE_CHUNK = 1024  # Mooncake's default per-peer queue (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
 NIXL_TARGET_AGENT = "kvlink-bench-target"
 
 
@@ -85,8 +90,9 @@ class PeerTargets:
         self.info: dict[str, Any] = {"buffer_addr": buf.ctypes.data}
         self._mc = self._nixl = self._nixl_reg = None
         if "mooncake" in systems:
+            mc = MooncakeConfig.from_env()
             self._mc = _import_mooncake()()
-            mc_host = os.environ.get("KVLINK_MOONCAKE_HOST", host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+            mc_host = mc.host or (host if host not in ("0.0.0.0", "::") else "127.0.0.1")
             if self._mc.initialize(mc_host, "P2PHANDSHAKE", "tcp", "") != 0:
                 raise RuntimeError("mooncake: initialize failed")
             if self._mc.register_memory(buf.ctypes.data, buf.nbytes) != 0:
@@ -121,7 +127,7 @@ class PeerClients:
             if "mooncake_session" not in self.info:
                 raise PeerMissing("the target hosts no Mooncake engine (start it with --peers mooncake)")
             eng = _import_mooncake()()
-            if eng.initialize(os.environ.get("KVLINK_MOONCAKE_HOST", "127.0.0.1"), "P2PHANDSHAKE", "tcp", "") != 0:
+            if eng.initialize(self.mooncake_config.host or "127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
                 raise RuntimeError("mooncake: initialize failed")
             dst = self.ini.dst
             if eng.register_memory(dst.ctypes.data, dst.nbytes) != 0:
@@ -131,6 +137,11 @@ class PeerClients:
                 raise RuntimeError(f"mooncake: first read from {session} failed")
             self._mc = eng
         return self._mc
+
+    @cached_property
+    def mooncake_config(self) -> MooncakeConfig:
+        """The initiator's Mooncake settings, read from the environment once."""
+        return MooncakeConfig.from_env()
 
     def nixl(self, system: str) -> tuple[Any, Any]:
         """(agent, registration) for 'nixl' (UCX defaults) or 'nixl-tcp' (UCX_TLS=tcp on lo)."""
@@ -189,7 +200,7 @@ def peer_runner(ini: Initiator, system: str, w: Workload, r_offs: np.ndarray, l_
         la = (l_offs + np.uint64(ini.dst.ctypes.data)).tolist()
         ra = (r_offs + np.uint64(pc.info["buffer_addr"])).tolist()
         lens = [bs] * len(la)
-        c = MOONCAKE_CHUNK
+        c = pc.mooncake_config.max_queued  # one batch per Mooncake's per-peer queue limit
 
         def op() -> None:
             for k in range(0, len(la), c):

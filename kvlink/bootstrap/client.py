@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -31,6 +31,32 @@ _encode = msgspec.json.Encoder().encode
 _error_decoder = msgspec.json.Decoder(s.ErrorAnswer)
 # A reused keep-alive connection the server closed while idle fails like this on first use.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+MAX_URL_LEN = 512
+
+
+def canonical_url(url: str) -> str:
+    """The one rule for a bootstrap server's address, wherever one is given (client, kv_transfer_params).
+
+    ``http(s)://host[:port]`` or ``host:port`` (http assumed), at most MAX_URL_LEN characters, no whitespace.
+    A path, query, fragment or user part is refused: the client would ignore it, and talk to another server
+    than the one meant. Returns ``scheme://host[:port]``; ValueError says what is wrong.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"bootstrap url must be a string, not {type(url).__name__}")
+    if not 0 < len(url) <= MAX_URL_LEN:
+        raise ValueError(f"bootstrap url must have 1 to {MAX_URL_LEN} characters, not {len(url)}")
+    if any(c.isspace() for c in url):
+        raise ValueError(f"bootstrap url must have no whitespace: {url[:80]!r}")
+    try:
+        parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+        parsed.port  # noqa: B018 - raises when the port is not a number from 0 to 65535
+    except ValueError as e:  # also a malformed IPv6 literal
+        raise ValueError(f"bootstrap url {url[:80]!r} is malformed: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"bootstrap url must be http(s)://host[:port] or host:port, not {url[:80]!r}")
+    if parsed.path not in ("", "/") or parsed.query or parsed.fragment or "@" in parsed.netloc:
+        raise ValueError(f"bootstrap url must be only scheme://host[:port] (no path, query or user), not {url[:80]!r}")
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, "", "", ""))
 
 
 class _OneWriteMixin:
@@ -114,18 +140,19 @@ class BootstrapClient:
         max_backoff_s: float = 1.0,
         max_idle_connections: int = 16,
     ) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise InvalidField(f"bootstrap url must be http(s)://host:port, not {url!r}", field="url")
+        try:
+            self.url = canonical_url(url)
+        except ValueError as e:
+            raise InvalidField(str(e), field="url") from None
         if timeout_s <= 0:
             raise InvalidField("timeout_s must be positive", field="timeout_s")
-        self.url = url.rstrip("/")
+        parsed = urllib.parse.urlsplit(self.url)
         self.timeout_s = float(timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        self._pool = _Pool(parsed.scheme, parsed.hostname, port, max_idle_connections)
+        self._pool = _Pool(parsed.scheme, parsed.hostname or "", port, max_idle_connections)
         self._headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -215,10 +242,13 @@ class BootstrapClient:
         failed.update((rid, RequestStatus.UNKNOWN) for rid in answer.unknown)
         return failed
 
-    def release(self, engine_id: str, request_id: str, outcome: Literal["pulled", "abandoned"] | Outcome) -> bool:
-        """Report a request pulled or abandoned. Idempotent (returns True if it already was; the first outcome
-        wins). RequestExpired if its lease ran out first: blocks read after that may be garbage."""
-        outcome = outcome.value if isinstance(outcome, Outcome) else outcome
+    def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
+        """Report a request ``Outcome.PULLED`` or ``Outcome.ABANDONED``. Idempotent (returns True if it already
+        was; the first outcome wins). RequestExpired if its lease ran out first: blocks read after that may be
+        garbage."""
+        if not isinstance(outcome, Outcome):
+            # Strings are the wire's business (the server decodes them into Outcome); in Python it is the enum.
+            raise InvalidField(f"outcome must be an Outcome, got {outcome!r}", field="outcome")
         body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome)
         return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -58,6 +58,10 @@ class Outcome(str, enum.Enum):
     PULLED = "pulled"
     ABANDONED = "abandoned"
     EXPIRED = "expired"
+
+
+# What decode may report; EXPIRED is the server's own verdict.
+RELEASE_OUTCOMES = frozenset({Outcome.PULLED, Outcome.ABANDONED})
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -185,7 +189,11 @@ class RenewBody(_Strict, kw_only=True):
 class ReleaseBody(_Strict, kw_only=True):
     engine_id: EngineId
     request_id: RequestId
-    outcome: Literal["pulled", "abandoned"]
+    outcome: Outcome  # on the wire its value: "pulled" or "abandoned"
+
+    def __post_init__(self) -> None:
+        if self.outcome not in RELEASE_OUTCOMES:
+            raise ValueError(f"invalid `outcome`: {self.outcome.value!r} is not pulled or abandoned")
 
 
 class AbandonTransferBody(_Strict, kw_only=True):

@@ -41,6 +41,7 @@ from kvlink.bootstrap.schema import (
     EngineRegistration,
     LookupAnswer,
     Outcome,
+    RELEASE_OUTCOMES,
     PollReleasedAnswer,
     ReleasedRequest,
     RenewAnswer,
@@ -308,13 +309,12 @@ class PairingTable:
             (by_status[tomb[0]] if tomb is not None else answer.unknown).append(request_id)
         return answer
 
-    def release(self, engine_id: str, request_id: str, outcome: Outcome | str) -> bool:
+    def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
         """Decode is done with a request. Returns True if it was already released (idempotent; the first
         outcome wins). RequestExpired if its lease ran out first: the blocks may have been reused."""
         now = self._sweep()
-        outcome = Outcome(outcome)
-        if outcome is Outcome.EXPIRED:
-            raise InvalidField("outcome must be pulled or abandoned", field="outcome")
+        if not isinstance(outcome, Outcome) or outcome not in RELEASE_OUTCOMES:  # "pulled" == PULLED: check the type
+            raise InvalidField(f"outcome must be pulled or abandoned, not {outcome!r}", field="outcome")
         engine = self._engine(engine_id)
         request = engine.requests.pop(request_id, None)
         if request is None:

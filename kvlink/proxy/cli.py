@@ -42,7 +42,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                        decode=tuple(u.rstrip("/") for u in args.decode),
                        host=args.host, port=args.port, mode=args.mode, timeout_s=args.timeout,
                        connect_timeout_s=args.connect_timeout,
-                       prefill_bootstrap=tuple(u.rstrip("/") for u in args.prefill_bootstrap),
+                       prefill_bootstrap=tuple(args.prefill_bootstrap),
                        prefill_engine_ids=tuple(args.prefill_engine_id))
 
 

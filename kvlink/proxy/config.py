@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlink.vllm.params import BadParams, check
+
 MODES = ("sequential", "concurrent")
 
 
@@ -14,7 +16,9 @@ class ProxyConfig:
     ``prefill_bootstrap`` and ``prefill_engine_ids`` are only used in concurrent mode: they are the
     bootstrap URL and engine id of each prefill server, in the same order as ``prefill`` (a single
     value applies to all). Without an engine id the decode side learns it from the bootstrap server
-    by transfer id.
+    by transfer id. Both follow the rules of the kv_transfer_params fields they become
+    (``remote_bootstrap_addr``, ``remote_engine_id``): a value decode would refuse is refused here, at
+    start-up; bootstrap URLs are kept in their checked form.
     """
 
     prefill: tuple[str, ...]
@@ -32,9 +36,13 @@ class ProxyConfig:
             raise ValueError("at least one --prefill URL is required")
         if not self.decode:
             raise ValueError("at least one --decode URL is required")
-        for url in (*self.prefill, *self.decode, *self.prefill_bootstrap):
+        for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
+        object.__setattr__(self, "prefill_bootstrap", _checked("--prefill-bootstrap", "remote_bootstrap_addr",
+                                                               self.prefill_bootstrap))
+        object.__setattr__(self, "prefill_engine_ids", _checked("--prefill-engine-id", "remote_engine_id",
+                                                                self.prefill_engine_ids))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
@@ -59,3 +67,10 @@ class ProxyConfig:
         if not ids:
             return None
         return ids[0] if len(ids) == 1 else ids[prefill_index]
+
+
+def _checked(option: str, field: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        return tuple(check(field, v) for v in values)
+    except BadParams as e:
+        raise ValueError(f"{option}: {e}") from None

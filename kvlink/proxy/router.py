@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from kvlink.proxy.config import ProxyConfig
-from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, decode_params
+from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, decode_params, flag, read
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +152,13 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
                            "running with KVLinkConnector as kv_producer?")
     try:
         dec_params = decode_params(params)
+        kept = flag(dec_params, "do_remote_prefill")
+        why = None if kept else read(params, "kvlink_error")
     except BadParams as e:
         raise BackendError("prefill", prefill, f"answer has bad kv_transfer_params: {e}") from None
-    if not dec_params["do_remote_prefill"]:
+    if not kept:
         logger.warning("prefill %s kept no KV for this request (%.300s); decode computes the prompt", prefill,
-                       params.get("kvlink_error", "no reason given"))
+                       why or "no reason given")
     dec = copy.deepcopy(body)
     dec["kv_transfer_params"] = dec_params
     return await _relay(request, st, cfg, decode, path, dec)

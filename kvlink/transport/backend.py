@@ -46,13 +46,24 @@ class RegionLike(Protocol):
 
 @runtime_checkable
 class BatchLike(Protocol):
+    """One READ or WRITE in flight.
+
+    ``poll()`` is True once it finished (and raises its error if it failed); ``wait(timeout_s)`` blocks
+    until then. ``cancel()`` returns True if cancelling stopped the batch (``poll``/``wait`` then raise
+    :class:`~kvlink.errors.Canceled`), False if it had already ended (its outcome stands); exactly one call
+    returns True for a batch that cancel stopped. Once ``cancel()`` returns, nothing is written into the
+    batch's local memory again. A backend that cannot stop a transfer in flight (``capabilities.cancel`` is
+    False) raises :class:`~kvlink.errors.NotSettled` while it still may: keep the memory alive and call
+    ``cancel()`` again; the call that returns reports whether the batch was stopped.
+    """
+
     nbytes: int
 
     def poll(self) -> bool: ...
 
     def wait(self, timeout_s: float | None = ...) -> None: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self) -> bool: ...
 
 
 @runtime_checkable

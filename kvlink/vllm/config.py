@@ -5,7 +5,7 @@ An unknown key or a bad value stops start-up with a message that names it and li
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvlink.bootstrap.config import is_loopback
@@ -57,6 +57,10 @@ class ConnectorConfig:
     # release instead (a release ends the wait at once), so the idle engine stops competing with decode
     # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
     idle_step_wait_ms: float = 10.0
+    # transport_backend "mooncake": MooncakeConfig's keys (protocol, device, host, max_queued, settle_s,
+    # transfer_timeout_s). Unset: read once from KVLINK_MOONCAKE_* / MC_* environment variables.
+    mooncake: dict | None = None
+    mooncake_config: Any = field(default=None, init=False, repr=False, compare=False)  # built from the above
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -102,12 +106,17 @@ class ConnectorConfig:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1000:
             raise ConnectorConfigError("kv_connector_extra_config['idle_step_wait_ms'] must be a number "
                                        f"0..1000, got {v!r}")
+        if self.mooncake is not None and not isinstance(self.mooncake, dict):
+            raise ConnectorConfigError("kv_connector_extra_config['mooncake'] must be an object of Mooncake "
+                                       f"settings, got {self.mooncake!r}")
+        if self.transport_backend == "mooncake" or self.mooncake is not None:
+            object.__setattr__(self, "mooncake_config", _mooncake_config(self.mooncake))
         if self.release_poll_s > 5:
             raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.init]
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -135,6 +144,27 @@ class ConnectorConfig:
     @property
     def transport_token_bytes(self) -> bytes | None:
         return self.transport_token.encode() if self.transport_token else None
+
+
+def _mooncake_config(settings: dict | None):
+    from dataclasses import fields as dc_fields
+
+    from kvlink.backends.mooncake_config import MooncakeConfig
+
+    if settings is None:
+        try:
+            return MooncakeConfig.from_env()
+        except ValueError as e:
+            raise ConnectorConfigError(f"Mooncake settings from the environment: {e}") from None
+    valid = [f.name for f in dc_fields(MooncakeConfig)]
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ConnectorConfigError(f"unknown kv_connector_extra_config['mooncake'] key(s) {unknown}; valid keys: "
+                                   f"{', '.join(valid)}")
+    try:
+        return MooncakeConfig(**settings)
+    except ValueError as e:
+        raise ConnectorConfigError(f"kv_connector_extra_config['mooncake']: {e}") from None
 
 
 def _is_hostport(addr: str) -> bool:

@@ -83,7 +83,7 @@ class HeldTable:
 
     def released(self, request_id: str, outcome: Outcome) -> bool:
         """The poll delivered an outcome; True when it freed the request (False: not held, or freed)."""
-        return self._free(request_id, Outcome(outcome))
+        return self._free(request_id, outcome)
 
     def looked_up(self, answer: Mapping[str, object]) -> int:
         """A reconcile lookup answered (the whole of it: the two-sighting rule needs every id at once).

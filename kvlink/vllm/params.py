@@ -10,9 +10,10 @@ What travels, and who builds it here::
                                       "remote_bootstrap_addr": U[, "remote_engine_id": E]}  RemoteSource.to_params
     decode  -> client    {"do_remote_prefill": false, "kvlink_error": why} when refused  refusal
 
-Every field has one rule (``RULES``), applied wherever the field is read; a value that breaks it raises
-:class:`BadParams` naming the field. The fields prefill publishes to the bootstrap server take their bounds
-from the bootstrap's publish body, so a value accepted here is never refused there. Keys this module does
+Every field has one rule (``RULES``), applied wherever the field is read and whenever a ``RemoteSource`` is
+built; a value that breaks it raises :class:`BadParams` naming the field. The fields prefill publishes to the
+bootstrap server take their bounds from the bootstrap's publish body, and the bootstrap address is checked by
+the bootstrap client's own rule, so a value accepted here is never refused there. Keys this module does
 not know are ignored: vLLM and proxies may add their own.
 
 No vLLM import: the proxy uses this module too.
@@ -28,6 +29,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from kvlink.bootstrap.client import canonical_url
 from kvlink.bootstrap.schema import PublishBody
 
 
@@ -62,7 +64,6 @@ def _typed(tp: Any, what: str, before: Rule = lambda v: v, after: Rule = lambda 
 
 
 _PUBLISHED = {f.name: f.type for f in msgspec.structs.fields(PublishBody)}
-MAX_URL_LEN = 512
 MAX_ERROR_LEN = 4096
 
 
@@ -81,8 +82,12 @@ def _one_group(groups: list[list[int]]) -> tuple[int, ...]:
     return tuple(groups[0])
 
 
-def _with_scheme(url: str) -> str:
-    return url if url.startswith(("http://", "https://")) else "http://" + url
+def _bootstrap_url(url: Any) -> str:
+    # The bootstrap client's own rule, so an address accepted here is one the client can use.
+    try:
+        return canonical_url(url)
+    except ValueError as e:
+        raise _Broken("an http(s) URL or host:port", str(e)) from None
 
 
 RULES: dict[str, Rule] = {
@@ -95,22 +100,25 @@ RULES: dict[str, Rule] = {
                                "one list per KV cache group", before=_as_groups, after=_one_group),
     "remote_num_tokens": _typed(_PUBLISHED["num_tokens"], "a non-negative integer"),
     "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
-    "remote_bootstrap_addr": _typed(Annotated[str, Meta(min_length=1, max_length=MAX_URL_LEN, pattern=r"^\S+$")],
-                                    "an http(s) URL or host:port without spaces", after=_with_scheme),
+    "remote_bootstrap_addr": _bootstrap_url,
     "kvlink_error": _typed(Annotated[str, Meta(max_length=MAX_ERROR_LEN)], "a string"),
 }
 
 
-def read(params: Mapping[str, Any], name: str) -> Any:
-    """Field ``name`` of ``params`` checked by its rule; None when absent (or null)."""
-    value = params.get(name)
-    if value is None:
-        return None
+def check(name: str, value: Any) -> Any:
+    """``value`` checked by field ``name``'s rule, as used (a URL with its scheme, block ids as a tuple).
+    BadParams, naming the field, when it breaks the rule."""
     try:
         return RULES[name](value)
     except _Broken as e:
         raise BadParams(name, f"kv_transfer_params[{name!r}] must be {e.what} ({e.detail}), "
                               f"got {reprlib.repr(value):.80}") from None
+
+
+def read(params: Mapping[str, Any], name: str) -> Any:
+    """Field ``name`` of ``params`` checked by its rule; None when absent (or null)."""
+    value = params.get(name)
+    return None if value is None else check(name, value)
 
 
 def flag(params: Mapping[str, Any], name: str) -> bool:
@@ -157,7 +165,8 @@ class RemoteSource:
     """Where a decode request's KV lives: prefill's answer, and what decode parses.
 
     Sequential pairing gives engine id, request id and block ids; concurrent pairing gives a transfer
-    id that the bootstrap server resolves once prefill publishes.
+    id that the bootstrap server resolves once prefill publishes. Every field given is checked by its rule
+    however the source is built (parsed here, or built by prefill or the router): BadParams names the field.
     """
 
     bootstrap_url: str
@@ -168,18 +177,24 @@ class RemoteSource:
     transfer_id: str | None = None
     lease_s: float | None = None  # prefill's lease; decode renews it while pulling
 
+    def __post_init__(self) -> None:
+        for attr, name in _SOURCE_FIELDS:
+            value = getattr(self, attr)
+            if value is not None:
+                # A tuple of block ids is the checked form; its rule reads the list that travels.
+                object.__setattr__(self, attr, check(name, list(value) if isinstance(value, tuple) else value))
+        if self.bootstrap_url is None:
+            raise BadParams("remote_bootstrap_addr",
+                            "kv_transfer_params['remote_bootstrap_addr'] is required with do_remote_prefill")
+        missing = [name for attr, name in _SOURCE_FIELDS if name in _SEQUENTIAL and getattr(self, attr) is None]
+        if self.transfer_id is None and missing:
+            raise BadParams(missing[0], f"kv_transfer_params need either transfer_id (concurrent pairing) or "
+                                        f"{', '.join(_SEQUENTIAL)} (sequential); missing {', '.join(missing)}")
+
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> RemoteSource:
         params = _mapping(params)
-        values = {attr: read(params, name) for attr, name in _SOURCE_FIELDS}
-        if values["bootstrap_url"] is None:
-            raise BadParams("remote_bootstrap_addr",
-                            "kv_transfer_params['remote_bootstrap_addr'] is required with do_remote_prefill")
-        missing = [name for name in _SEQUENTIAL if params.get(name) is None]
-        if values["transfer_id"] is None and missing:
-            raise BadParams(missing[0], f"kv_transfer_params need either transfer_id (concurrent pairing) or "
-                                        f"{', '.join(_SEQUENTIAL)} (sequential); missing {', '.join(missing)}")
-        return cls(**values)
+        return cls(**{attr: params.get(name) for attr, name in _SOURCE_FIELDS})
 
     def to_params(self) -> dict[str, Any]:
         out: dict[str, Any] = {"do_remote_prefill": True}

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int):
-        self.cfg, self.engine_id, self.role, self.block_size = cfg, engine_id, role, block_size
+        self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
         self.is_producer = role in ("kv_producer", "kv_both")
         self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
@@ -287,7 +287,6 @@ class KVLinkScheduler:
 
     def _release_async(self, src: RemoteSource, outcome: Outcome) -> None:
         """Tell prefill (through its bootstrap server) that decode is done with a request."""
-        outcome = Outcome(outcome)  # "pulled" / "abandoned" are accepted too
         self._count(COUNTER_OF[outcome])
         # Decode may give up a concurrent request before prefill has published it: the report then waits
         # (bounded) for the publish, so prefill's blocks do not wait for their lease.
@@ -308,7 +307,7 @@ class KVLinkScheduler:
             (self._wait_pool if waits else self._pool).submit(work)
 
     def update_connector_output(self, output: Any) -> None:
-        failed = set(getattr(output, "failed_recving", None) or ())
+        failed = set(output.failed_recving or ())
         for rid in output.finished_recving or ():
             src = self._pulls.pop(rid, None)
             if src is None:

@@ -24,7 +24,7 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
 # transfer_s: one sample per batched READ, post to completion; pull_s: one per request, from the worker
 # receiving the pull (start_load_kv) to its KV in place and trusted (lookup, connect, queueing and any
 # wait for the lease proof included); handoff_s: one per pulled request, from its KV in place and trusted to
-# vLLM collecting it (get_finished): the wait for vLLM's next engine step, which kvlink does not control.
+# vLLM collecting it (get_transfer_results): the wait for vLLM's next engine step, which kvlink does not control.
 SERIES = ("transfer_s", "pull_s", "handoff_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
@@ -93,7 +93,7 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 "pull_s": ("kvlink_pull_seconds", "kvlink: one request's pull, from the decode worker receiving "
                                                   "it to its KV in place", _BUCKETS + [30, 60]),
                 "handoff_s": ("kvlink_handoff_seconds", "kvlink: from a request's KV in place to vLLM's engine "
-                                                        "step collecting it (get_finished)", _BUCKETS)}
+                                                        "step collecting it (get_transfer_results)", _BUCKETS)}
         self._hists = {}
         for k, (name, doc, buckets) in docs.items():
             h = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)

@@ -48,7 +48,7 @@ from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, pair_blocks
+from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stats import KVLinkStats
 
@@ -125,13 +125,12 @@ class KVLinkWorker:
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
-        self._lock = threading.Lock()  # guards the table, _remotes, _frees, _stats
+        self._lock = threading.Lock()  # guards the table, _remotes, _frees, totals
         self._wake = threading.Condition(self._lock)
         self._table = PullTable(cfg.pull_timeout_s)
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
-        self._stats = KVLinkStats()
         self.totals = KVLinkStats()  # since start, never reset (tests, demo)
         self._closed = False
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve",
@@ -168,6 +167,7 @@ class KVLinkWorker:
                 raise RuntimeError("kvlink: all KV cache layers must have the same shape and dtype")
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
+        _request_amx_permission()
         num_blocks, kv_heads, block_size, last = first.shape
         self.block_bytes = first[0].numel() * first.element_size()
         layout = f"cpu:[blocks,{kv_heads},{block_size},{last}]"
@@ -181,7 +181,8 @@ class KVLinkWorker:
             token=self.cfg.transport_token_bytes,
             name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
-            connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure))
+            connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure),
+            self.cfg.mooncake_config if self.cfg.transport_backend == "mooncake" else None)
         if self.role in ("kv_producer", "kv_both"):
             self._layer_regions = {n: self.engine.register(t, access=Access.READ)
                                    for n, t in kv_caches.items()}
@@ -292,7 +293,7 @@ class KVLinkWorker:
 
     def get_stats(self) -> KVLinkStats | None:
         with self._lock:
-            stats, self._stats = self._stats, KVLinkStats()
+            stats = KVLinkStats()
             counts, samples = self._table.take_stats()
             for k, n in counts.items():
                 stats.add(k, n)
@@ -315,7 +316,7 @@ class KVLinkWorker:
         """Totals since start including what get_stats() has not handed out yet."""
         with self._lock:
             pending = KVLinkStats(data={k: (list(v) if isinstance(v, list) else v)
-                                        for k, v in self.totals.data.items()}).aggregate(self._stats)
+                                        for k, v in self.totals.data.items()})
             for k, n in self._table.counts.items():
                 pending.add(k, n)
             return pending.data
@@ -547,6 +548,25 @@ class KVLinkWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for AMX tile permission in this worker process, before its first forward.
+
+    vLLM CPU's attention picks its AMX kernel when the CPU has AMX, but never asks the kernel for the
+    permission (arch_prctl ARCH_REQ_XCOMP_PERM) that AMX needs; oneDNN asks as a side effect of a large
+    bf16 matmul. A decode engine's first forward is one token (the prompt's KV was pulled), too small for
+    that, so its first attention call dies with SIGILL (seen on a Sapphire Rapids VM). Asking here is
+    harmless where AMX is absent or already permitted.
+    """
+    import torch
+
+    try:
+        if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+            logger.warning("kvlink: this CPU has AMX but the kernel refused AMX permission; vLLM's CPU "
+                           "attention may fail with SIGILL")
+    except (AttributeError, RuntimeError) as e:  # an older or newer torch without these helpers
+        logger.debug("kvlink: cannot request AMX permission: %s", e)
 
 
 def _why(e: BaseException) -> str:

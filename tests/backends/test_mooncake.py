@@ -272,8 +272,9 @@ def test_cancel_stops_and_nothing_lands_afterwards(make_pair):
     n = 16384
     offs = np.arange(n, dtype=np.uint64) * 4096
     b = p.init.read(p.peer, p.rdst, offs, p.rsrc.id, offs, 4096)
-    b.cancel()
+    assert b.cancel() is True  # this call stopped it
     assert b.settled
+    assert b.cancel() is False  # already ended, by the first cancel
     snap = p.dst.copy()
     time.sleep(0.3)
     assert np.array_equal(snap, p.dst), "bytes landed after cancel returned"
@@ -282,6 +283,14 @@ def test_cancel_stops_and_nothing_lands_afterwards(make_pair):
     copied = sum(np.array_equal(p.dst[o:o + 4096], p.src[o:o + 4096]) for o in range(0, 64 << 20, 4096 * 64))
     assert copied < (64 << 20) // (4096 * 64), "cancel did not stop the batch early"
     assert p.init.stats()["canceled"] == 1
+
+
+def test_cancel_of_a_finished_batch_leaves_its_outcome(make_pair, kind):
+    p = make_pair(kind)
+    b = p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096)
+    b.wait()
+    assert b.cancel() is False  # it had already ended: nothing stopped
+    assert b.poll() and np.array_equal(p.dst[:4096], p.src[:4096])
 
 
 def test_wait_timeout_cancels_and_settles(make_pair):
@@ -317,8 +326,8 @@ def test_stopped_peer_reports_not_settled_then_settles(make_backend, mc_target):
         assert not b.settled
     finally:
         t.cont()
-    b.cancel(timeout_s=20)  # now the chunk in flight settles
-    assert b.settled
+    assert b.cancel(timeout_s=20) is True  # now the chunk in flight settles: the first cancel to return
+    assert b.settled and b.cancel() is False
     snap = dst.copy()
     time.sleep(0.3)
     assert np.array_equal(snap, dst)

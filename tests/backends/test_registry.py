@@ -7,18 +7,12 @@ import pytest
 
 from kvlink.backends import BACKENDS, MooncakeConfig, open_backend, register_backend, unregister_backend
 from kvlink.transport import Engine, EngineConfig
-
-
-class FakeBackend:
-    kind = "fake"
-
-    def __init__(self, config, options):
-        self.config, self.options = config, options
+from tests import fakes_transport
 
 
 @pytest.fixture
 def fake_kind():
-    register_backend("fake-test", FakeBackend)
+    register_backend("fake-test", fakes_transport.Engine)
     yield "fake-test"
     if "fake-test" in BACKENDS:
         unregister_backend("fake-test")
@@ -50,21 +44,22 @@ def test_unknown_kind_names_the_known_ones():
 def test_a_registered_kind_is_opened_with_config_and_options(fake_kind):
     cfg, opts = EngineConfig(name="f"), object()
     assert fake_kind in BACKENDS
-    b = open_backend(fake_kind, cfg, opts)
-    assert isinstance(b, FakeBackend) and b.config is cfg and b.options is opts
-    assert isinstance(open_backend(fake_kind).config, EngineConfig)  # a default config when none is given
+    with open_backend(fake_kind, cfg, opts) as b:
+        assert isinstance(b, fakes_transport.Engine) and b.config is cfg and b.options is opts
+    with open_backend(fake_kind) as b:
+        assert b.config == EngineConfig() and b.options is None  # a default config when none is given
 
 
 def test_registration_refuses_duplicates_and_bad_names(fake_kind):
     with pytest.raises(ValueError, match="already registered"):
-        register_backend(fake_kind, FakeBackend)
+        register_backend(fake_kind, fakes_transport.Engine)
     with pytest.raises(ValueError, match="already registered"):
-        register_backend("tcp", FakeBackend)
+        register_backend("tcp", fakes_transport.Engine)
     register_backend(fake_kind, lambda c, o: "replaced", replace_existing=True)
     assert open_backend(fake_kind) == "replaced"
     for bad in ("", " x", "a b", None):
         with pytest.raises(ValueError, match="kind"):
-            register_backend(bad, FakeBackend)
+            register_backend(bad, fakes_transport.Engine)
     with pytest.raises(TypeError, match="callable"):
         register_backend("fake-other", "not a factory")
 
@@ -80,7 +75,7 @@ def test_unregister(fake_kind):
 
 def test_the_registry_view_is_read_only():
     with pytest.raises(TypeError):
-        BACKENDS["x"] = FakeBackend  # type: ignore[index]
+        BACKENDS["x"] = fakes_transport.Engine  # type: ignore[index]
 
 
 def test_mooncake_options_must_be_its_config():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from kvlink.bootstrap import BootstrapClient, RequestRecord, RequestStatus
+from kvlink.bootstrap import BootstrapClient, Outcome, RequestRecord, RequestStatus
 
 N_CLIENTS = 200
 
@@ -27,7 +27,7 @@ def test_200_concurrent_clients(server, token, make_registration):
             assert found[f"missing-{i}"] is RequestStatus.UNKNOWN
             assert isinstance(cli.lookup_transfer(f"t-{i}-0"), RequestRecord)
             assert cli.get_engine(engine, tp_rank=rank).transport_addr == f"127.0.0.1:{6000 + i}"
-            cli.release(engine, rids[0], "pulled")
+            cli.release(engine, rids[0], Outcome.PULLED)
             return engine
 
     with ThreadPoolExecutor(max_workers=N_CLIENTS) as pool:

@@ -62,6 +62,9 @@ def registered(raw):
         ("/v1/engine/register", reg_body(layers=[{"name": "l0"}]), "registration.layers[0].region_id"),
         ("/v1/engine/register", {"registration": reg_body()["registration"]}, "lease_s"),
         ("/v1/request/release", {"engine_id": "P", "request_id": "r", "outcome": "expired"}, "outcome"),
+        ("/v1/request/release", {"engine_id": "P", "request_id": "r", "outcome": "PULLED"}, "outcome"),
+        ("/v1/request/release", {"engine_id": "P", "request_id": "r", "outcome": 1}, "outcome"),
+        ("/v1/request/release", {"engine_id": "P", "request_id": "r"}, "outcome"),
         ("/v1/request/lookup", {"engine_id": "P", "request_ids": []}, "request_ids"),
         ("/v1/request/lookup", {"engine_id": "P", "request_ids": ["r"] * 513}, "request_ids"),
         ("/v1/request/lookup", {"engine_id": "P", "request_ids": ["r"], "wait_s": 1e9}, "wait_s"),
@@ -76,6 +79,19 @@ def test_bad_fields_are_named(raw, registered, path, body, field):
     assert answer["code"] == "invalid"
     assert answer["field"] == field
     assert answer["error"]
+
+
+def test_outcomes_travel_as_their_strings(raw, registered):
+    """The wire format of an outcome is its value; the Outcome enum is only Python's view of it."""
+    publish = {"engine_id": "P", "block_ids": [[1]], "num_tokens": 16, "lease_s": 30.0}
+    for rid in ("p", "a"):
+        assert raw.post("/v1/request/publish", publish | {"request_id": rid})[0] == 200
+    for rid, outcome in (("p", "pulled"), ("a", "abandoned")):
+        status, answer = raw.post("/v1/request/release", {"engine_id": "P", "request_id": rid, "outcome": outcome})
+        assert (status, answer) == (200, {"already_released": False})
+    status, answer = raw.post("/v1/request/poll_released", {"engine_id": "P"})
+    assert status == 200
+    assert [(r["request_id"], r["outcome"]) for r in answer["released"]] == [("p", "pulled"), ("a", "abandoned")]
 
 
 @pytest.mark.parametrize("body", [b"{", b"", b"\xff\xfe\x00garbage", b"null", b"[1, 2]", b'"a string"',

@@ -54,10 +54,12 @@ def test_full_pairing_flow(client, make_registration):
     assert client.lookup_transfer("xfer-1") == record
 
     assert client.renew("P", ["prefill-req-1-abc", "nope"], lease_s=60.0) == {"nope": RequestStatus.UNKNOWN}
-    assert client.release("P", "prefill-req-1-abc", "pulled") is False
-    assert client.release("P", "prefill-req-1-abc", "pulled") is True  # idempotent (vllm#50565)
+    assert client.release("P", "prefill-req-1-abc", Outcome.PULLED) is False
+    assert client.release("P", "prefill-req-1-abc", Outcome.PULLED) is True  # idempotent (vllm#50565)
     client.release("P", "prefill-req-2-def", Outcome.ABANDONED)
-    assert client.poll_released("P") == [("prefill-req-1-abc", "pulled"), ("prefill-req-2-def", "abandoned")]
+    polled = client.poll_released("P")
+    assert polled == [("prefill-req-1-abc", Outcome.PULLED), ("prefill-req-2-def", Outcome.ABANDONED)]
+    assert all(type(outcome) is Outcome for _, outcome in polled)  # an enum, not the string that travelled
     assert client.poll_released("P") == []  # each reported once
     assert client.lookup("P", ["prefill-req-1-abc"]) == {"prefill-req-1-abc": RequestStatus.RELEASED}
     with pytest.raises(RequestReleased):
@@ -73,7 +75,7 @@ def test_expiry_is_reported_to_both_sides(client, clock, engine):
         client.lookup_transfer("t1")
     assert err.value.status == 410 and err.value.field == "transfer_id"
     with pytest.raises(RequestExpired):
-        client.release(engine, "r1", "pulled")
+        client.release(engine, "r1", Outcome.PULLED)
     assert client.poll_released(engine) == [("r1", Outcome.EXPIRED)]
     assert client.poll_released(engine) == []
 
@@ -93,7 +95,7 @@ def test_errors_map_to_exceptions(client, engine, make_registration):
     with pytest.raises(UnknownRequest):
         client.lookup_transfer("never")
     with pytest.raises(UnknownRequest):
-        client.release(engine, "never", "abandoned")
+        client.release(engine, "never", Outcome.ABANDONED)
     with pytest.raises(UnknownEngine):
         client.lookup_transfer("never", wait_s=5.0, engine_id="nobody")  # fast, no wait
 
@@ -111,8 +113,27 @@ def test_client_validates_before_sending(make_registration):
     with pytest.raises(InvalidField) as err:
         cli.register_engine(bad, lease_s=1.0)
     assert err.value.field == "registration.layers[0].block_bytes"
-    with pytest.raises(InvalidField):
-        BootstrapClient("ftp://x", timeout_s=1.0)
+    with pytest.raises(InvalidField) as err:
+        cli.release("P", "r", "pulled")  # the string is the wire's form; in Python an outcome is the enum
+    assert err.value.field == "outcome"
+    with pytest.raises(InvalidField) as err:
+        cli.release("P", "r", Outcome.EXPIRED)  # the server's verdict, never decode's report
+    assert err.value.field == "outcome"
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "", "http://", "http://a b:1", "http://h:1/prefix", "http://h:1?q=1",
+                                 "http://u@h:1", "h:99999", "h:port", "http://[::1", "h" * 513])
+def test_client_refuses_a_url_it_would_not_talk_to_as_given(url):
+    with pytest.raises(InvalidField) as err:
+        BootstrapClient(url, timeout_s=1.0)
+    assert err.value.field == "url"
+
+
+@pytest.mark.parametrize("url,canonical", [("http://h:1", "http://h:1"), ("http://h:1/", "http://h:1"),
+                                           ("h:1", "http://h:1"), ("HTTPS://h", "https://h"),
+                                           ("[::1]:7", "http://[::1]:7")])
+def test_client_url_canonical_form(url, canonical):
+    assert BootstrapClient(url, timeout_s=1.0).url == canonical
 
 
 def test_wrong_token_is_unauthorized(server, engine):
@@ -276,7 +297,7 @@ def test_stop_ends_long_polls(make_registration):
 def test_metrics_need_the_token_and_count(client, server, engine, token):
     client.publish(engine, "r1", [[1]], 16, lease_s=30.0)
     client.lookup(engine, ["r1", "r2"])
-    client.release(engine, "r1", "pulled")
+    client.release(engine, "r1", Outcome.PULLED)
     with pytest.raises(UnknownRequest):
         client.lookup_transfer("x")
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)

@@ -12,6 +12,7 @@ from kvlink.bootstrap import (
     BootstrapServer,
     BootstrapUnavailable,
     Heartbeater,
+    Outcome,
     UnknownEngine,
 )
 
@@ -57,8 +58,8 @@ def test_restart_engines_reregister_via_heartbeat(make_registration, token):
             assert decode.lookup("P", ["r1"])["r1"].value == "unknown"
             # The outcome cursor starts again with the new server.
             prefill.publish("P", "r2", [[2]], 16, lease_s=30.0)
-            decode.release("P", "r2", "pulled")
-            assert prefill.poll_released("P") == [("r2", "pulled")]
+            decode.release("P", "r2", Outcome.PULLED)
+            assert prefill.poll_released("P") == [("r2", Outcome.PULLED)]
         finally:
             for b in beaters:
                 b.stop()

@@ -135,7 +135,7 @@ def test_grouped_lookup_sorts_every_id_into_one_bucket(table, clock, engine):
     table.publish(engine, "ready", [[1, 2], [3]], 40, lease_s=50.0)
     table.publish(engine, "expires", [[4]], 16, lease_s=5.0)
     table.publish(engine, "pulled", [[5]], 16, lease_s=50.0)
-    table.release(engine, "pulled", "pulled")
+    table.release(engine, "pulled", Outcome.PULLED)
     clock.advance(6)
     answer = table.lookup(engine, ["ready", "expires", "pulled", "never", "ready"])
     assert [r.request_id for r in answer.ready] == ["ready"]
@@ -165,7 +165,7 @@ def test_transfer_id_is_bound_to_one_live_request(table, engine):
     with pytest.raises(Conflict) as err:
         table.publish(engine, "r2", [[2]], 16, transfer_id="t1")
     assert err.value.field == "transfer_id"
-    table.release(engine, "r1", "abandoned")
+    table.release(engine, "r1", Outcome.ABANDONED)
     table.publish(engine, "r2", [[2]], 16, transfer_id="t1")  # free again once released
     assert table.lookup_transfer("t1").request_id == "r2"
 
@@ -177,7 +177,7 @@ def test_lookup_transfer_statuses(table, clock, engine):
     clock.advance(5)
     assert table.lookup_transfer("t") is RequestStatus.EXPIRED
     table.publish(engine, "r2", [[1]], 16, lease_s=5.0, transfer_id="u")
-    table.release(engine, "r2", "pulled")
+    table.release(engine, "r2", Outcome.PULLED)
     assert table.lookup_transfer("u") is RequestStatus.RELEASED
 
 
@@ -220,7 +220,7 @@ def test_default_request_lease(table, clock, engine):
 def test_renew_extends_and_reports_what_it_could_not(table, clock, engine):
     table.publish(engine, "a", [[1]], 16, lease_s=5.0)
     table.publish(engine, "b", [[2]], 16, lease_s=5.0)
-    table.release(engine, "b", "abandoned")
+    table.release(engine, "b", Outcome.ABANDONED)
     answer = table.renew(engine, ["a", "b", "zzz"], lease_s=20.0)
     assert (answer.renewed, answer.released, answer.unknown, answer.expired) == (["a"], ["b"], ["zzz"], [])
     clock.advance(19)
@@ -238,8 +238,8 @@ def test_renew_never_shortens_a_lease(table, clock, engine):
 
 def test_release_is_idempotent_first_outcome_wins(table, engine):
     table.publish(engine, "r1", [[1]], 16)
-    assert table.release(engine, "r1", "pulled") is False
-    assert table.release(engine, "r1", "abandoned") is True
+    assert table.release(engine, "r1", Outcome.PULLED) is False
+    assert table.release(engine, "r1", Outcome.ABANDONED) is True
     assert outcomes(table, engine) == [("r1", Outcome.PULLED)]
 
 
@@ -247,20 +247,22 @@ def test_release_after_expiry_tells_decode(table, clock, engine):
     table.publish(engine, "r1", [[1]], 16, lease_s=5.0)
     clock.advance(5)
     with pytest.raises(RequestExpired) as err:
-        table.release(engine, "r1", "pulled")
+        table.release(engine, "r1", Outcome.PULLED)
     assert err.value.field == "request_id"
     with pytest.raises(UnknownRequest):
-        table.release(engine, "never", "pulled")
+        table.release(engine, "never", Outcome.PULLED)
     with pytest.raises(InvalidField):
-        table.release(engine, "r1", "expired")
+        table.release(engine, "r1", Outcome.EXPIRED)
+    with pytest.raises(InvalidField):  # "pulled" == Outcome.PULLED, but the table takes the enum only
+        table.release(engine, "r1", "pulled")
 
 
 def test_outcomes_are_reported_until_acknowledged(table, clock, engine):
     table.publish(engine, "p", [[1]], 16, lease_s=5.0)
     table.publish(engine, "a", [[2]], 16, lease_s=5.0)
     table.publish(engine, "e", [[3]], 16, lease_s=5.0)
-    table.release(engine, "p", "pulled")
-    table.release(engine, "a", "abandoned")
+    table.release(engine, "p", Outcome.PULLED)
+    table.release(engine, "a", Outcome.ABANDONED)
     clock.advance(5)
     first = table.poll_released(engine, None, 0).released
     assert [(r.request_id, r.outcome) for r in first] == [
@@ -304,7 +306,7 @@ def test_pending_outcomes_are_bounded(clock, make_registration):
     table.register_engine(make_registration("E"), 600.0)
     for i in range(8):
         table.publish("E", f"r{i}", [[i]], 16)
-        table.release("E", f"r{i}", "pulled")
+        table.release("E", f"r{i}", Outcome.PULLED)
     assert [r.request_id for r in table.poll_released("E").released] == [f"r{i}" for i in range(3, 8)]
     assert table.stats.outcomes_dropped == 3
 
@@ -325,7 +327,7 @@ def test_renewals_do_not_grow_the_lease_heap(table, clock, engine):
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("publish"), st.integers(0, 9), st.floats(0.5, 20.0)),
-        st.tuples(st.just("release"), st.integers(0, 9), st.sampled_from(["pulled", "abandoned"])),
+        st.tuples(st.just("release"), st.integers(0, 9), st.sampled_from([Outcome.PULLED, Outcome.ABANDONED])),
         st.tuples(st.just("renew"), st.integers(0, 9), st.floats(0.5, 20.0)),
         st.tuples(st.just("advance"), st.floats(0.0, 10.0)),
         st.tuples(st.just("poll")),

@@ -1,161 +1,15 @@
-"""Shared fixtures for proxy tests: tiny fake vLLM backends and a proxy, each on its own thread."""
+"""Shared fixtures for proxy tests: fake vLLM servers (tests/fakes_vllm_server.py) and a proxy, each on its own
+thread."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import socket
-import threading
 
 import pytest
-from aiohttp import web
 
 from kvlink.proxy.config import ProxyConfig
-from kvlink.proxy.router import SERVE_OPTIONS, build_app
-from kvlink.vllm.params import RemoteSource, refusal
-
-
-class AppThread:
-    """Run an aiohttp app on 127.0.0.1:<ephemeral> in a background thread, served as
-    ``kvlink proxy`` serves it (a client that goes away cancels its handler)."""
-
-    def __init__(self, app: web.Application):
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._app = app
-        self.thread = threading.Thread(target=self._main, daemon=True)
-        self.thread.start()
-        self._ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _main(self):
-        asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self._app, shutdown_timeout=0.5, **SERVE_OPTIONS)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self.loop.run_forever()
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(20)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-class FakeBackend:
-    """A fake vLLM OpenAI server. ``behavior``: ok, no_params, bad_params (prefill answers a malformed
-    remote_block_ids), refuse (prefill kept no KV), error500, bad_request, hang, stream_break, unhealthy.
-    ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
-
-    def __init__(self, name: str, behavior: str = "ok"):
-        self.name, self.behavior, self.bodies, self.cancelled = name, behavior, [], 0
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_post("/v1/chat/completions", self.complete)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        self.server = AppThread(app)
-        self.url = self.server.url
-
-    async def health(self, request):
-        return web.Response(status=200 if self.behavior != "unhealthy" else 500)
-
-    async def models(self, request):
-        return web.json_response({"data": [{"id": "tiny"}]})
-
-    async def complete(self, request):
-        body = await request.json()
-        self.bodies.append((request.path, body))
-        if self.behavior == "hang":
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        if self.behavior == "error500":
-            return web.json_response({"error": "boom"}, status=500)
-        if self.behavior == "bad_request":
-            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
-        params = body.get("kv_transfer_params") or {}
-        if params.get("do_remote_decode") and self.behavior == "refuse":
-            out_params = refusal("publish failed: bootstrap unreachable")
-        elif params.get("do_remote_decode") and self.behavior != "no_params":
-            out_params = RemoteSource(bootstrap_url="http://127.0.0.1:1", engine_id=self.name, request_id="req-1",
-                                      block_ids=(1, 2), num_tokens=32, lease_s=30.0).to_params()
-            if self.behavior == "bad_params":
-                out_params["remote_block_ids"] = [1, -2]
-        else:
-            out_params = None
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i in range(3):
-                await resp.write(f"data: {json.dumps({'i': i, 'from': self.name})}\n\n".encode())
-                if self.behavior == "stream_break" and i == 1:
-                    request.transport.close()
-                    return resp
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        return web.json_response({"from": self.name, "choices": [{"text": "hi"}],
-                                  "kv_transfer_params": out_params, "got": params})
-
-    def stop(self):
-        self.server.stop()
-
-
-class RawBackend:
-    """A keep-alive HTTP/1.1 backend on raw sockets, for what an HTTP framework will not do.
-    ``behavior``: "answer" replies to every request with a prefill-style JSON answer and keeps the
-    connection; "drop" reads the request and closes without answering. ``connections`` counts the
-    connections accepted, ``requests`` the requests read."""
-
-    def __init__(self, behavior: str = "answer"):
-        self.behavior, self.connections, self.requests = behavior, 0, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
-        buf = b""
-        with conn:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    if not (chunk := conn.recv(65536)):
-                        return
-                    buf += chunk
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
-                                  if ln.lower().startswith(b"content-length:")))
-                while len(buf) < length:
-                    if not (chunk := conn.recv(65536)):
-                        return
-                    buf += chunk
-                buf = buf[length:]
-                self.requests += 1
-                if self.behavior == "drop":
-                    return
-                params = RemoteSource(bootstrap_url="http://127.0.0.1:1", engine_id="raw", request_id="raw-1",
-                                      block_ids=(1,)).to_params()
-                out = json.dumps({"choices": [{"text": "hi"}], "kv_transfer_params": params}).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
-
-    def stop(self):
-        self.sock.close()
+from kvlink.proxy.router import build_app
+from tests.fakes_vllm_server import AppThread, FakeVLLMServer
 
 
 def free_port() -> int:
@@ -169,7 +23,7 @@ def backends():
     made = []
 
     def make(name, behavior="ok"):
-        b = FakeBackend(name, behavior)
+        b = FakeVLLMServer(name, behavior)
         made.append(b)
         return b
 

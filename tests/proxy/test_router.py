@@ -126,10 +126,10 @@ def test_idle_backend_connections_are_not_reused_past_the_keepalive(backends, pr
     """vLLM closes a connection idle for 5 s; the proxy must never send a request on one idle that
     long, or it races the close and fails a request the backend never saw."""
     from kvlink.proxy import router
-    from tests.proxy.conftest import RawBackend
+    from tests.fakes_vllm_server import RawVLLMServer
     assert router.BACKEND_KEEPALIVE_S < 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
     monkeypatch.setattr(router, "BACKEND_KEEPALIVE_S", 0.3)
-    pre, d = RawBackend(), backends("d0")
+    pre, d = RawVLLMServer(), backends("d0")
     try:
         url = proxy(prefill=(pre.url,), decode=(d.url,)) + "/v1/completions"
         assert post(url, {"prompt": "x"})[0] == 200
@@ -143,8 +143,8 @@ def test_idle_backend_connections_are_not_reused_past_the_keepalive(backends, pr
 
 
 def test_request_the_backend_read_is_never_sent_twice(backends, proxy):
-    from tests.proxy.conftest import RawBackend
-    pre, d = RawBackend("drop"), backends("d0")
+    from tests.fakes_vllm_server import RawVLLMServer
+    pre, d = RawVLLMServer("drop"), backends("d0")
     try:
         status, _, raw = post(proxy(prefill=(pre.url,), decode=(d.url,)) + "/v1/completions",
                               {"prompt": "x"})
@@ -266,3 +266,22 @@ def test_config_validation():
         ProxyConfig(prefill=("http://a",), decode=("http://b",), mode="fast")
     with pytest.raises(ValueError, match="http"):
         ProxyConfig(prefill=("a:1",), decode=("http://b",))
+
+
+@pytest.mark.parametrize("kw,option,field", [
+    ({"prefill_engine_ids": ("e" * 257,)}, "--prefill-engine-id", "remote_engine_id"),
+    ({"prefill_engine_ids": ("",)}, "--prefill-engine-id", "remote_engine_id"),
+    ({"prefill_bootstrap": ("http://b:1/kv",)}, "--prefill-bootstrap", "remote_bootstrap_addr"),
+    ({"prefill_bootstrap": ("ftp://b:1",)}, "--prefill-bootstrap", "remote_bootstrap_addr"),
+])
+def test_pairing_options_follow_the_params_rules_at_start_up(kw, option, field):
+    """They become decode's kv_transfer_params: a value decode would refuse is refused when the proxy starts,
+    not on every concurrent request."""
+    kw = {"prefill_bootstrap": ("http://b:1",)} | kw
+    with pytest.raises(ValueError, match=f"{option}.*{field}"):
+        ProxyConfig(prefill=("http://a",), decode=("http://d",), mode="concurrent", **kw)
+
+
+def test_prefill_bootstrap_is_kept_in_the_form_decode_gets():
+    cfg = ProxyConfig(prefill=("http://a",), decode=("http://d",), mode="concurrent", prefill_bootstrap=("b:1/",))
+    assert cfg.bootstrap_for(0) == "http://b:1"

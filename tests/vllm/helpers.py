@@ -24,11 +24,11 @@ def kv_config(role: str, **extra) -> dict:
 
 
 def corrupting_kv_config(**extra) -> dict:
-    """A decode engine whose connector corrupts every block it pulled (negative controls, tests/vllm/corrupting.py).
+    """A decode engine whose connector corrupts every block it pulled (negative controls, tests/fakes_connector.py).
 
     Server processes import it too: Server puts the repository root on their PYTHONPATH."""
     return dict(kv_config("kv_consumer", **extra), kv_connector="CorruptingConnector",
-                kv_connector_module_path="tests.vllm.corrupting", kv_load_failure_policy="recompute")
+                kv_connector_module_path="tests.fakes_connector", kv_load_failure_policy="recompute")
 
 
 def engine_kwargs(model: str, **kw) -> dict:

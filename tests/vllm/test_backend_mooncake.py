@@ -1,6 +1,6 @@
 """The connector end to end on real vLLM with the Mooncake transfer engine as
 its transport backend (`transport_backend: mooncake`): the connector code is
-the same; only the backend behind kvlink.transport.open_backend changes."""
+the same; only the backend behind kvlink.backends.open_backend changes."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvlink.bootstrap import BootstrapClient, InvalidField
+from kvlink.bootstrap.client import canonical_url
 from kvlink.bootstrap.schema import PublishBody, checked
 from kvlink.vllm.params import (
     RULES,
@@ -30,7 +32,7 @@ ids = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=
 block_lists = st.lists(st.integers(0, (1 << 62) - 1), max_size=40)
 sources = st.builds(
     RemoteSource,
-    bootstrap_url=st.sampled_from([URL, "https://bootstrap.example:443/kv"]),
+    bootstrap_url=st.sampled_from([URL, "https://bootstrap.example:443"]),
     engine_id=ids,
     request_id=ids,
     block_ids=block_lists.map(tuple),
@@ -103,6 +105,44 @@ def test_bootstrap_addr_without_scheme_gets_http():
     assert src.to_params()["remote_bootstrap_addr"] == "http://127.0.0.1:5"
 
 
+def test_the_bootstrap_addr_rule_is_the_bootstrap_clients():
+    """What decode will hand to BootstrapClient is checked by the client's own rule, in its canonical form."""
+    for url in ("http://h:1/", "h:1", "HTTPS://h", "[::1]:7", "http://a:1/kv", "ftp://a", "u@h:1"):
+        try:
+            canonical = canonical_url(url)
+        except ValueError:
+            with pytest.raises(BadParams) as e:
+                RemoteSource(bootstrap_url=url, transfer_id="t")
+            assert e.value.field == "remote_bootstrap_addr"
+            with pytest.raises(InvalidField):
+                BootstrapClient(url)
+        else:
+            assert RemoteSource(bootstrap_url=url, transfer_id="t").bootstrap_url == canonical
+            assert BootstrapClient(canonical).url == canonical
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"bootstrap_url": URL, "engine_id": "e" * 257, "transfer_id": "t"}, "remote_engine_id"),
+    ({"bootstrap_url": "not a url", "transfer_id": "t"}, "remote_bootstrap_addr"),
+    ({"bootstrap_url": URL, "transfer_id": ""}, "transfer_id"),
+    ({"bootstrap_url": URL, "transfer_id": "t", "lease_s": 0.0}, "remote_lease_s"),
+    ({"bootstrap_url": URL, "engine_id": "e", "request_id": "r", "block_ids": (1, -1)}, "remote_block_ids"),
+    ({"bootstrap_url": None, "transfer_id": "t"}, "remote_bootstrap_addr"),
+    ({"bootstrap_url": URL, "engine_id": "e", "request_id": "r"}, "remote_block_ids"),
+])
+def test_a_source_built_directly_obeys_the_same_rules(kw, field):
+    """The router builds a RemoteSource itself (concurrent pairing): a value decode would refuse fails here."""
+    with pytest.raises(BadParams) as e:
+        RemoteSource(**kw)
+    assert e.value.field == field
+
+
+def test_a_source_built_directly_is_kept_in_its_checked_form():
+    src = RemoteSource(bootstrap_url="127.0.0.1:5/", engine_id="e", request_id="r", block_ids=(0, 3))
+    assert src.bootstrap_url == "http://127.0.0.1:5" and src.block_ids == (0, 3)
+    assert src == RemoteSource.from_params(src.to_params())
+
+
 def test_transfer_id_has_one_rule_on_both_sides():
     """It used to be 256 characters on prefill and 512 on decode: a transfer id prefill accepted could be
     refused by decode, or the other way round."""
@@ -122,7 +162,7 @@ def test_transfer_id_has_one_rule_on_both_sides():
 
 BAD_VALUES = {
     "do_remote_prefill": ["yes", 1, [True]],
-    "remote_bootstrap_addr": [12, "", "http://a b", "h" * 513, ["http://a"]],
+    "remote_bootstrap_addr": [12, "", "http://a b", "h" * 513, ["http://a"], "ftp://a", "http://a:1/kv", "a:x"],
     "remote_engine_id": [5, "", "e" * 257, {"id": "e"}],
     "remote_request_id": [5, "", "r" * 513],
     "remote_block_ids": ["not-a-list", [-1], [1, True], [1.0], [1 << 62], [[1], 2], [1, [2]], [[1], [2]]],

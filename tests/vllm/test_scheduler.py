@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from kvlink.bootstrap import Outcome
+
 pytest.importorskip("vllm")
 
 
@@ -61,7 +63,7 @@ def test_requests_lost_with_a_dropped_engine_are_freed(prefill):
 def test_normal_outcomes_still_come_from_the_poll(prefill):
     sched, cli, reg = prefill
     _hold(sched, cli, "r5")
-    cli.release("pre", "r5", "pulled")
+    cli.release("pre", "r5", Outcome.PULLED)
     assert _freed(sched, {"r5"}, wait_s=1.0) == {"r5"}  # well before the first lookup (half a lease)
     assert sched.get_kv_connector_stats().data["released_pulled"] == 1
 
@@ -71,7 +73,7 @@ def test_a_release_between_poll_and_lookup_is_not_counted_expired(prefill):
     released while its outcome is still queued for the next poll. That is not a lease expiry."""
     sched, cli, reg = prefill
     _hold(sched, cli, "r6")
-    cli.release("pre", "r6", "pulled")
+    cli.release("pre", "r6", Outcome.PULLED)
     assert sched._reconcile(cli) == 0  # first sighting: the poll delivers the outcome
     assert _freed(sched, {"r6"}) == {"r6"}
     stats = sched.get_kv_connector_stats().data
@@ -81,7 +83,7 @@ def test_a_release_between_poll_and_lookup_is_not_counted_expired(prefill):
 def test_a_release_whose_outcome_was_lost_is_freed_on_the_second_lookup(prefill):
     sched, cli, reg = prefill
     _hold(sched, cli, "r7")
-    cli.release("pre", "r7", "abandoned")
+    cli.release("pre", "r7", Outcome.ABANDONED)
     assert sched._reconcile(cli) == 0
     assert sched._reconcile(cli) == 1  # still released a lookup later: freed even if no poll ever says so
     assert "r7" in _freed(sched, {"r7"})
@@ -107,11 +109,11 @@ def test_an_idle_step_waits_for_a_release_and_ends_with_it(prefill):
     _hold(sched, cli, "r8")
     frees, took = _idle_step(sched)
     assert frees == [] and took >= 0.99  # nobody released: the whole wait, no free
-    threading.Timer(0.05, cli.release, ("pre", "r8", "pulled")).start()
+    threading.Timer(0.05, cli.release, ("pre", "r8", Outcome.PULLED)).start()
     frees, took = _idle_step(sched)
     assert frees == ["r8"] and took < 0.9 and not sched.held_requests  # the release ended the wait
     _hold(sched, cli, "r9")
-    threading.Timer(0.3, cli.release, ("pre", "r9", "pulled")).start()
+    threading.Timer(0.3, cli.release, ("pre", "r9", Outcome.PULLED)).start()
     frees, took = _idle_step(sched, scheduled_tokens=64)  # a step with work never waits
     assert frees == [] and took < 0.3
     assert _freed(sched, {"r9"}) == {"r9"}
@@ -145,7 +147,7 @@ def test_a_finished_request_is_published_held_and_answered_with_params_decode_pa
         transfer_id="t-10", lease_s=2.0)
     assert cli.lookup_transfer("t-10").block_ids == [[0, 4, 5]]  # the null block kept by position
     assert sched.held_requests == {"r10": 2}  # the null block holds nothing
-    cli.release("pre", "r10", "pulled")
+    cli.release("pre", "r10", Outcome.PULLED)
     assert _freed(sched, {"r10"}) == {"r10"}
     assert sched.get_kv_connector_stats().data["released_pulled"] == 1
 

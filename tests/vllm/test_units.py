@@ -8,6 +8,7 @@ import pytest
 
 from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvlink.vllm.plan import LayerMap, build_plan, coalesce
+from tests.fakes import FakeBootstrapClient, RecordingPullTable
 
 
 def test_unknown_key_names_it_and_lists_valid_keys():
@@ -86,51 +87,21 @@ def test_kv_role_and_extra_config_checked_at_startup():
 # ----- lease renewal (pure: fake bootstrap client) --------------------------------------------------------
 
 
-class _RenewClient:
-    def __init__(self, failed=None, error=None):
-        self.calls, self.failed, self.error = [], failed or {}, error
-
-    def renew(self, engine_id, request_ids, lease_s):
-        self.calls.append((engine_id, list(request_ids), lease_s))
-        if self.error is not None:
-            raise self.error
-        return {rid: st for rid, st in self.failed.items() if rid in request_ids}
-
-
-class _Table:
-    """Records the events LeaseCalls feeds to the pull table."""
-
-    def __init__(self):
-        self.events = []
-
-    def apply(self, event):
-        event(self, 100.0)
-
-    def lease_held(self, group, rids, held_until, now):
-        self.events.append(("held", group, rids, held_until))
-
-    def lease_lost(self, group, rid, why, now):
-        self.events.append(("lost", group, rid, why))
-
-    def renew_failed(self, group, rids, now):
-        self.events.append(("retry", group, rids))
-
-
 def _renew(cli, rids=("a", "b"), request_ids=("r1", "r2")):
     from kvlink.vllm.lease import LeaseCalls
     from kvlink.vllm.pulls import Renew
 
-    table = _Table()
+    table = RecordingPullTable()
     LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f()).run(
         Renew(("http://b", "e1"), tuple(request_ids), tuple(rids), 3.0))
     return table.events
 
 
 def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
-    cli = _RenewClient()
+    cli = FakeBootstrapClient()
     before = time.monotonic()
     (ev,) = _renew(cli)
-    assert cli.calls == [("e1", ["r1", "r2"], 3.0)]
+    assert cli.renewals == [("e1", ["r1", "r2"], 3.0)]
     kind, group, rids, held_until = ev
     assert (kind, group, rids) == ("held", ("http://b", "e1"), ("a", "b"))
     # the proof handed out: held for a lease from when the call was sent, no longer
@@ -140,11 +111,11 @@ def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
 def test_lease_call_reports_lost_leases_and_retries_unreachable():
     from kvlink.bootstrap import RequestStatus
 
-    events = _renew(_RenewClient(failed={"r2": RequestStatus.EXPIRED}))
+    events = _renew(FakeBootstrapClient(lost={"r2": RequestStatus.EXPIRED}))
     assert [e[0] for e in events] == ["lost", "held"]
     assert events[0][2] == "b" and "expired" in events[0][3]
     assert events[1][2] == ("a",)  # no proof for the lost one
-    assert _renew(_RenewClient(error=ConnectionError("down"))) == [("retry", ("http://b", "e1"), ("a", "b"))]
+    assert _renew(FakeBootstrapClient(error=ConnectionError("down"))) == [("retry", ("http://b", "e1"), ("a", "b"))]
 
 
 def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
@@ -156,17 +127,11 @@ def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
     from kvlink.vllm.worker import KVLinkWorker, RankInfo
     from tests.vllm.test_pulls import spec
 
-    hung, ok = threading.Event(), _RenewClient()
-
-    class _Hung:
-        def renew(self, engine_id, request_ids, lease_s):
-            hung.wait(30)
-            raise ConnectionError("hung server gave up")
-
+    hung, ok = threading.Event(), FakeBootstrapClient()
     w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     from kvlink.vllm.lease import LeaseCalls
 
-    w._leases = LeaseCalls(lambda url: _Hung() if "hung" in url else ok, w._apply)
+    w._leases = LeaseCalls(lambda url: FakeBootstrapClient(hang_until=hung) if "hung" in url else ok, w._apply)
     w._thread = threading.Thread(target=w._run, daemon=True)
     w._thread.start()
     try:
@@ -176,9 +141,9 @@ def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
                 a for a in t.resolved(rid, "remote", [(1, 11)], Lease(url, "e", "p-" + rid, 0.3), 0.0, now, now)
                 if type(a).__name__ == "Renew"])
         deadline = time.monotonic() + 20
-        while len(ok.calls) < 3 and time.monotonic() < deadline:
+        while len(ok.renewals) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(ok.calls) >= 3  # renewed every third of its 0.3 s lease while the other server hangs
+        assert len(ok.renewals) >= 3  # renewed every third of its 0.3 s lease while the other server hangs
     finally:
         hung.set()
         w.shutdown()
@@ -193,17 +158,14 @@ def test_unequal_tp_is_refused_with_a_clear_message():
     from kvlink.bootstrap import EngineRegistration
     from kvlink.vllm.worker import KVLinkWorker, PullFailed, RankInfo
 
-    class Cli:
-        def get_engine(self, engine_id, tp_rank=0, dp_rank=0):
-            return EngineRegistration(engine_id=engine_id, tp_rank=tp_rank, tp_size=2,
-                                      transport_addr="127.0.0.1:9", layers=[], protocol_version=1,
-                                      compat_hash="x")
-
+    cli = FakeBootstrapClient(engine=EngineRegistration(engine_id="pre", tp_rank=0, tp_size=2,
+                                                        transport_addr="127.0.0.1:9", layers=[],
+                                                        protocol_version=1, compat_hash="x"))
     w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:
         with pytest.raises(PullFailed, match=r"prefill engine pre runs TP=2, this decode TP=1: kvlink "
                                              r"supports equal TP only"):
-            w._remote(Cli(), "http://b", "pre")
+            w._remote(cli, "http://b", "pre")
     finally:
         w.shutdown()
 
@@ -258,3 +220,15 @@ def test_kvlink_logger_borrows_vllms_handlers_once():
         ours.setLevel(saved[1])
         ours.propagate = saved[2]
         theirs.setLevel(saved[4])
+
+
+def test_mooncake_settings_are_validated_at_startup_naming_the_key():
+    cfg = ConnectorConfig.from_extra({"transport_backend": "mooncake", "mooncake": {"settle_s": 2.0}})
+    assert cfg.mooncake_config.settle_s == 2.0 and "mooncake_config" not in ConnectorConfig.valid_keys()
+    with pytest.raises(ConnectorConfigError, match=r"unknown kv_connector_extra_config\['mooncake'\] key\(s\) "
+                                                   r"\['bogus'\]; valid keys: protocol"):
+        ConnectorConfig.from_extra({"transport_backend": "mooncake", "mooncake": {"bogus": 1}})
+    with pytest.raises(ConnectorConfigError, match=r"\['mooncake'\]: max_queued must be an int >= 2"):
+        ConnectorConfig.from_extra({"transport_backend": "mooncake", "mooncake": {"max_queued": 1}})
+    with pytest.raises(ConnectorConfigError, match="must be an object"):
+        ConnectorConfig.from_extra({"mooncake": "tcp"})

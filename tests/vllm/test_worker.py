@@ -14,6 +14,7 @@ import pytest
 
 from kvlink.errors import PeerClosed
 from tests import fakes_transport
+from tests.fakes import FakeBootstrapClient
 from kvlink.vllm.pulls import State
 from tests.vllm.helpers import pull_outcome, submit_pull
 
@@ -38,7 +39,7 @@ def pair(monkeypatch):
 
     from kvlink.backends import register_backend, unregister_backend
 
-    register_backend("fake", lambda config, options: fakes_transport.Engine(config))
+    register_backend("fake", fakes_transport.Engine)
     srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0, transport_backend="fake")
     pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
@@ -177,16 +178,7 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
     held; then it is reported done."""
     pre, dec, url = pair
     real = dec._leases._clients
-
-    class SlowRenew:
-        def __init__(self, cli):
-            self.cli = cli
-
-        def renew(self, *a, **kw):
-            time.sleep(2.0)
-            return self.cli.renew(*a, **kw)
-
-    monkeypatch.setattr(dec._leases, "_clients", lambda u: SlowRenew(real(u)))
+    monkeypatch.setattr(dec._leases, "_clients", lambda u: FakeBootstrapClient(delay_s=2.0, then=real(u)))
     _pull(dec, url, "r8", [(3, 3)])
     deadline = time.monotonic() + 1.5
     while _state(dec, "r8") is not State.CONFIRMING and time.monotonic() < deadline:
@@ -205,21 +197,10 @@ def test_read_faster_than_the_renewal_waits_for_its_proof(pair, monkeypatch):
 def test_cancel_that_cannot_settle_is_reported_only_once_the_batch_lets_go(pair, monkeypatch):
     """A backend whose cancel cannot stop a batch in flight (as Mooncake's): the aborted request is not
     handed back to vLLM, which would reuse its blocks, while the batch can still write into them."""
-    from kvlink.errors import NotSettled
-
     pre, dec, url = pair
     _pull(dec, url, "w1", [(1, 1)])  # connect first: later pulls post on this thread
     assert pull_outcome(dec, "w1") == "ok"
-    real_cancel = fakes_transport.Batch.cancel
-    asked = []
-
-    def cancel(self):
-        asked.append(time.monotonic())
-        if not self._done.is_set():
-            raise NotSettled("transfers in flight cannot be aborted")
-        real_cancel(self)
-
-    monkeypatch.setattr(fakes_transport.Batch, "cancel", cancel)
+    monkeypatch.setattr(fakes_transport.Engine, "cancel_cannot_stop", True)
     monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.8)
     _pull(dec, url, "w2", [(4, 5)])
     (batch,) = _posted(dec)
@@ -234,7 +215,7 @@ def test_cancel_that_cannot_settle_is_reported_only_once_the_batch_lets_go(pair,
             assert handle._done.is_set(), "reported to vLLM while the batch could still write its blocks"
         time.sleep(0.01)
     assert reported is not None and "w2" not in failed
-    assert len(asked) >= 2  # asked again until it settled
+    assert handle.cancels >= 2  # asked again until it settled
     for name, t in dec.kv_caches.items():  # the batch's bytes landed before the report, none after
         assert torch.equal(t[4], pre.kv_caches[name][5])
     assert dec.get_stats().data["pulls_cancelled"] == 1

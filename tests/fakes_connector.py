@@ -4,7 +4,7 @@ An equality test (decode output == single engine) also passes when decode never 
 example because it recomputed the prompt. Decoding from noise written over exactly the blocks a pull filled
 must change the output; that proves the blocks decode reads are the ones kvlink wrote.
 
-Load it with ``kv_connector="CorruptingConnector", kv_connector_module_path="tests.vllm.corrupting"``
+Load it with ``kv_connector="CorruptingConnector", kv_connector_module_path="tests.fakes_connector"``
 (``tests.vllm.helpers.corrupting_kv_config``); the repository root must be importable (pytest's pythonpath
 in-process; ``Server`` sets PYTHONPATH for server processes). It exists only in the tests.
 """
@@ -38,12 +38,6 @@ class CorruptingConnector(KVLinkConnector):
         results = super().get_transfer_results(finished_req_ids)
         self._corrupt(results.finished_recving or set(), results.failed_recving or set())
         return results
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Older vLLM: a failed pull is also in the receiving set, and its blocks are recomputed anyway.
-        sending, recving = super().get_finished(finished_req_ids)
-        self._corrupt(recving or set(), set())
-        return sending, recving
 
     def _corrupt(self, recving: set[str], failed: set[str]) -> None:
         import torch
