@@ -1,11 +1,13 @@
 """Fakes shared by the test suites, each here once: a clock, a bootstrap client and a pull table with
-scripted answers, an HTTP server, peers that hang or trickle. The other fakes live beside this module:
+scripted answers, an HTTP server and a raw HTTP client, peers that hang or trickle. The other fakes live
+beside this module:
 the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
 fakes_vllm_server.py, a connector corrupting what it pulled in fakes_connector.py; the network relay
 (corrupting, throttling) is relay.py."""
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import socket
@@ -150,6 +152,51 @@ class ScriptedHTTPServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
+
+
+class _OwnToken:
+    """RawHTTP.request's default token: the client's own (None is taken: it sends no Authorization header)."""
+
+
+_OWN_TOKEN = _OwnToken()
+
+
+class RawHTTP:
+    """HTTP requests as they are written, to a server on 127.0.0.1: what a typed client would never send
+    (bad bodies, wrong or missing tokens, odd headers). Answers are (status, JSON body, or {"raw": text})."""
+
+    def __init__(self, port: int, token: str | None = None) -> None:
+        self.port = port
+        self.token = token
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None, *,
+                token: str | None | _OwnToken = _OWN_TOKEN, headers: dict[str, str] | None = None) -> Reply:
+        """``token``: the bearer token to send, None for no Authorization header; this client's own if left out."""
+        if isinstance(token, _OwnToken):
+            token = self.token
+        if isinstance(body, dict):
+            body = json.dumps(body)
+        if isinstance(body, str):
+            body = body.encode()
+        all_headers = {"Content-Type": "application/json"}
+        if token is not None:
+            all_headers["Authorization"] = f"Bearer {token}"
+        all_headers.update(headers or {})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=all_headers)
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(data) if data else {}
+        except ValueError:
+            parsed = {"raw": data.decode("latin-1")}
+        return response.status, parsed
+
+    def post(self, path: str, body: bytes | str | dict | None = None, **kw) -> Reply:
+        return self.request("POST", path, body, **kw)
 
 
 class StalledPeer:

@@ -69,7 +69,9 @@ class KVLinkConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
         self.engine_id = engine_id_of(vllm_config)
         self.kv_role = kv.kv_role
-        block_size = vllm_config.cache_config.block_size
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        # Tokens per block of the group kvlink pairs (a group's spec may differ from cache_config's, e.g. MLA).
+        block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
         self._sched: KVLinkScheduler | None = None
         self._worker: KVLinkWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

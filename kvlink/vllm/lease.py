@@ -55,6 +55,13 @@ class LeaseCalls:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _call(self, a: Renew) -> None:
+        try:
+            self._renew(a)
+        except Exception:  # noqa: BLE001 - the group must not stay "in flight" for good: retry it
+            logger.exception("kvlink: lease renewal at %s failed", a.group[0])
+            self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
+
+    def _renew(self, a: Renew) -> None:
         url, engine_id = a.group
         sent = time.monotonic()
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -26,8 +27,9 @@ class PullSpec:
     first_block: int
     source: RemoteSource
     group: int = 0  # the KV cache group these ids belong to (named in errors)
+    num_blocks: int | None = None  # positions the loaded tokens cover; local_block_ids must have as many
 
-    @property
+    @cached_property
     def blocks_to_fill(self) -> tuple[int, ...]:
         """The local blocks this pull writes: not null, not in the prefix cache."""
         return tuple(b for b in self.local_block_ids[self.first_block:] if b != NULL_BLOCK)

@@ -26,12 +26,15 @@ class PairingError(ValueError):
 
 
 def pair_blocks(request_id: str, group: int, local: tuple[int, ...], first: int,
-                remote: tuple[int, ...]) -> list[tuple[int, int]]:
+                remote: tuple[int, ...], num_blocks: int | None = None) -> list[tuple[int, int]]:
     """[(local block, remote block)] for every position >= ``first`` where decode holds a real block.
 
     ``local`` is decode's table for the tokens pulled, ``remote`` prefill's published table; both are by
-    position, null blocks included.
+    position, null blocks included. ``num_blocks``: how many positions the tokens pulled cover.
     """
+    if num_blocks is not None and len(local) != num_blocks:
+        raise PairingError(f"request {request_id} group {group}: decode's table has {len(local)} blocks for "
+                           f"tokens that cover {num_blocks}")
     if len(remote) < len(local):
         raise PairingError(f"request {request_id} group {group}: prefill published {len(remote)} blocks, "
                            f"decode's table for the tokens it pulls has {len(local)}")

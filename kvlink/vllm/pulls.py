@@ -31,7 +31,6 @@ Outcomes are collected with ``take_results`` on vLLM's thread.
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # metadata imports vLLM; this module must not
     from kvlink.vllm.metadata import PullSpec
 
-logger = logging.getLogger(__name__)
+CANCEL_RETRY_S = (0.1, 5.0)  # a cancel that did not settle is asked again after this, doubling up to the max
+UNSETTLED_WARN_S = 30.0  # a batch still unsettled this long after its first cancel is reported in the log
 
 
 class State(enum.Enum):
@@ -98,6 +98,10 @@ class Batch:
     started: float
     handle: Any = None  # the transport's batch, once posted (opaque here)
     cancel_wanted: bool = False
+    cancel_since: float = 0.0  # when the cancel was first wanted
+    next_cancel_at: float = 0.0  # when to ask the backend again (it could not settle)
+    cancel_retry_s: float = CANCEL_RETRY_S[0]
+    warned: bool = False
     nbytes: int = 0
     nblocks: int = 0
     ndesc: int = 0
@@ -162,6 +166,7 @@ class PullTable:
         self._error_blocks: set[int] = set()  # local blocks of failed pulls, for vLLM's load-error report
         self.counts: dict[str, int] = {}
         self.samples: dict[str, list[float]] = {}
+        self._messages: list[str] = []  # for the log; the adapter writes them after releasing its lock
 
     # ----- queries ---------------------------------------------------------------------------------------
 
@@ -178,21 +183,30 @@ class PullTable:
     def batches(self) -> list[Batch]:
         return list(self._batches.values())
 
+    def batch(self, batch: int) -> Batch | None:
+        return self._batches.get(batch)
+
     def next_wakeup(self, now: float) -> float:
-        """The earliest deadline or renewal due among running pulls (``now + 1`` when none)."""
+        """The earliest deadline, renewal or cancel retry due (``now + 1`` when none). A SETTLING pull's
+        deadline is spent: only its batch's cancel retry wakes the ticker for it."""
         t = now + 1.0
         for p in self._pulls.values():
+            if p.state is State.SETTLING:
+                continue
             t = min(t, p.deadline)
-            if p.lease is not None and p.state is not State.SETTLING and p.lease.group not in self._renewing:
+            if p.lease is not None and p.lease.group not in self._renewing:
                 t = min(t, p.next_renew)
+        for b in self._batches.values():
+            if b.cancel_wanted and b.handle is not None:
+                t = min(t, b.next_cancel_at)
         return t
 
     # ----- events ----------------------------------------------------------------------------------------
 
     def submit(self, spec: PullSpec, now: float) -> list[Resolve]:
         if spec.request_id in self._pulls:
-            logger.warning("kvlink: request %s submitted twice while its pull runs; ignoring the second",
-                           spec.request_id)
+            self._messages.append(f"kvlink: request {spec.request_id} submitted twice while its pull runs; "
+                                  "ignoring the second")
             return []
         pull = Pull(spec, submitted=now, deadline=now + self.pull_timeout_s)
         self._pulls[pull.rid] = pull
@@ -250,7 +264,7 @@ class PullTable:
             state, reason = p.pending or (State.FAILED, why)
             self._report(p, state, now, reason)
 
-    def batch_ended(self, batch: int, error: str | None, now: float) -> list[Post | CancelBatch]:
+    def batch_ended(self, batch: int, error: str | None, now: float) -> list[Renew]:
         """The transport says the batch finished (``error`` None) or failed.
 
         A failure of a batch we asked to cancel is not proof that it settled (a backend that cannot stop
@@ -267,7 +281,6 @@ class PullTable:
             self._count("blocks_pulled", b.nblocks)
             self._count("descriptors", b.ndesc)
             self._sample("transfer_s", now - b.started)
-        actions: list[Post | CancelBatch] = []
         for p in self._members(b):
             if p.pending is not None:
                 self._report(p, p.pending[0], now, p.pending[1])
@@ -275,8 +288,8 @@ class PullTable:
                 self._report(p, State.FAILED, now, error)
             else:
                 p.read_at, p.batch = now, None
-                actions += self._check_lease(p, now)
-        return actions
+                self._check_lease(p, now)
+        return self._renewals_due(now)
 
     def batch_unsettled(self, batch: int, why: str, now: float) -> list[CancelBatch]:
         """The transport gave up on the batch but its memory may still be written (the wait timed out and
@@ -287,7 +300,7 @@ class PullTable:
         for p in self._members(b):
             if p.pending is None:
                 p.state, p.pending = State.SETTLING, (State.FAILED, why)
-        return self._want_cancel(b)
+        return self._want_cancel(b, now)
 
     def cancel_settled(self, batch: int, now: float) -> list[Post]:
         """The backend's cancel returned: nothing writes into the batch's memory any more. Pulls with an
@@ -325,8 +338,8 @@ class PullTable:
         return self._renewals_due(now)  # pulls of this group that fell due while the call was out
 
     def lease_lost(self, group: tuple[str, str], rid: str, why: str, now: float) -> list[CancelBatch]:
-        """Prefill no longer holds the request (expired, released): its blocks may be reused."""
-        self._renewing.discard(group)
+        """Prefill no longer holds the request (expired, released): its blocks may be reused. The group's
+        call is still out until ``lease_held`` (with the ids it did renew) ends it."""
         return self.fail(rid, why, now)
 
     def renew_failed(self, group: tuple[str, str], rids: tuple[str, ...], now: float) -> None:
@@ -343,8 +356,15 @@ class PullTable:
         for p in [p for p in self._pulls.values() if p.deadline <= now and p.state is not State.SETTLING]:
             actions += self.fail(p.rid, f"no KV within pull_timeout_s={self.pull_timeout_s:g} s", now)
         for b in self._batches.values():
-            if b.cancel_wanted and b.handle is not None:
+            if b.cancel_wanted and b.handle is not None and b.next_cancel_at <= now:
                 actions.append(CancelBatch(b.id, b.handle))
+                b.next_cancel_at = now + b.cancel_retry_s
+                b.cancel_retry_s = min(CANCEL_RETRY_S[1], b.cancel_retry_s * 2)
+                if not b.warned and now - b.cancel_since >= UNSETTLED_WARN_S:
+                    b.warned = True
+                    self._messages.append(
+                        f"kvlink: a READ cancelled {now - b.cancel_since:.0f} s ago has still not settled (the "
+                        f"backend cannot stop it); requests {sorted(b.rids)} keep their blocks until it does")
         return actions + self._renewals_due(now)
 
     def close(self) -> list[CancelBatch]:
@@ -362,6 +382,10 @@ class PullTable:
             self._sample("handoff_s", now - settled)
         self._settled_at = {}
         return out
+
+    def take_messages(self) -> list[str]:
+        messages, self._messages = self._messages, []
+        return messages
 
     def take_error_blocks(self) -> set[int]:
         blocks, self._error_blocks = self._error_blocks, set()
@@ -385,22 +409,22 @@ class PullTable:
             self._report(p, state, now, why)
             return []
         p.state, p.pending = State.SETTLING, (state, why)
-        return self._want_cancel(self._batches[p.batch])
+        return self._want_cancel(self._batches[p.batch], now)
 
-    def _want_cancel(self, b: Batch) -> list[CancelBatch]:
+    def _want_cancel(self, b: Batch, now: float) -> list[CancelBatch]:
         if b.cancel_wanted:
             return []  # already asked; tick asks again while it has not settled
-        b.cancel_wanted = True
+        b.cancel_wanted, b.cancel_since, b.next_cancel_at = True, now, now + b.cancel_retry_s
         return [CancelBatch(b.id, b.handle)] if b.handle is not None else []
 
-    def _check_lease(self, p: Pull, now: float) -> list[Renew]:
+    def _check_lease(self, p: Pull, now: float) -> None:
+        """Its READ ended: done if the lease provably held until then, else wait for a renewal (due now)."""
         if p.read_at < p.held_until:
             self._report(p, State.DONE, now)
-            return []
+            return
         p.state = State.CONFIRMING
-        p.next_renew = now  # due now
+        p.next_renew = now
         self._count("lease_proof_waits")
-        return self._renewals_due(now)
 
     def _renewals_due(self, now: float) -> list[Renew]:
         groups: dict[tuple[str, str], list[Pull]] = {}
@@ -432,7 +456,7 @@ class PullTable:
             self._results.failed[p.rid] = p.spec.blocks_to_fill
             self._error_blocks.update(p.spec.blocks_to_fill)
             self._count("pulls_failed")
-            logger.warning("kvlink: pull for request %s failed: %s; kv_load_failure_policy applies", p.rid, why)
+            self._messages.append(f"kvlink: pull for request {p.rid} failed: {why}; kv_load_failure_policy applies")
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + n

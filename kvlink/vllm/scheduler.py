@@ -265,7 +265,7 @@ class KVLinkScheduler:
         end = -(-(local_hit + num_external_tokens) // self.block_size)
         table = tuple(0 if b.is_null else b.block_id for b in blocks.blocks[0][:end])
         self._pulls[rid] = src
-        self._new_pulls.append(PullSpec(rid, table, local_hit // self.block_size, src))
+        self._new_pulls.append(PullSpec(rid, table, local_hit // self.block_size, src, num_blocks=end))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id

@@ -18,6 +18,8 @@ Threads, why each exists, and what it may touch (everything shared is in the tab
   (registration, compat check, connect) and pairing; then posts. Touches the bootstrap clients, the
   transport's connect, ``_remotes`` (under the lock).
 - kvlink-wait (pool of 8): blocks on one posted batch each (the GIL is released) and reports its end.
+- kvlink-cancel (one): asks the backend to stop batches the table wants cancelled; a backend's cancel may
+  wait for a chunk in flight (Mooncake), which must not stall vLLM's thread or the ticker.
 - kvlink-pulls (one): deadlines, cancels that have not settled yet, renewals due; sleeps until the next.
 - kvlink-lease (pool, one call per (bootstrap server, prefill engine) group): lease renewals, so a hung
   bootstrap server delays only its own pulls (lease.py).
@@ -80,29 +82,50 @@ class _Remote:
 
 
 class _Batches:
-    """Several transport batches (one READ per layer when the destination is not one region) as one."""
+    """Several transport batches (one READ per layer when the destination is not one region) as one.
+
+    It fails only once every part has stopped: a part's error cancels the others first, so nothing
+    reports the pulls failed (and vLLM reuses their blocks) while another part still writes into them.
+    """
 
     def __init__(self, parts: list[Any]):
         self.parts = parts
 
     def poll(self) -> bool:
-        return all([b.poll() for b in self.parts])  # every part polled: each raises its own error
+        done, error = True, None
+        for b in self.parts:
+            try:
+                done = b.poll() and done
+            except Exception as e:  # noqa: BLE001 - poll every part, then stop them all
+                error = error or e
+        if error is not None:
+            self._stop_all(error)
+        return done
 
     def wait(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
         for b in self.parts:
-            b.wait(max(0.0, end - time.monotonic()))
+            try:
+                b.wait(max(0.0, end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001
+                self._stop_all(e)
 
-    def cancel(self) -> None:
-        errors = []
+    def _stop_all(self, error: BaseException) -> None:
+        self.cancel()  # NotSettled from here: the table keeps the pulls until a later cancel settles
+        raise error
+
+    def cancel(self) -> bool:
+        stopped, unsettled = False, None
         for b in self.parts:
             try:
-                b.cancel()
-            except Exception as e:  # noqa: BLE001 - cancel every part, then say what did not settle
-                errors.append(e)
-        unsettled = [e for e in errors if _not_settled(e)]
-        if unsettled:
-            raise unsettled[0]
+                stopped = bool(b.cancel()) or stopped
+            except NotSettled as e:
+                unsettled = unsettled or e
+            except Exception:  # noqa: BLE001 - a part that failed by itself has stopped writing
+                pass
+        if unsettled is not None:
+            raise unsettled
+        return stopped
 
 
 def _not_settled(e: BaseException) -> bool:
@@ -137,6 +160,9 @@ class KVLinkWorker:
                                             initializer=self._place_thread)
         self._waiter = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-wait",
                                           initializer=self._place_thread)
+        # A backend's cancel may wait for a chunk in flight (Mooncake: up to settle_s): never on vLLM's thread.
+        self._canceller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-cancel",
+                                             initializer=self._place_thread)
         self._leases: LeaseCalls | None = None
         self._bytes_local_seen = 0
         self._thread: threading.Thread | None = None
@@ -337,18 +363,29 @@ class KVLinkWorker:
             if self._closed:
                 return
             actions = event(self._table, time.monotonic()) or []
+            messages = self._table.take_messages()
+        for m in messages:
+            logger.warning("%s", m)
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list) -> None:
         # Posts first: a READ on the wire is what a request waits for; renewals run beside it.
         for a in sorted(actions, key=lambda a: not isinstance(a, Post)):
             try:
                 self._execute(a)
-            except Exception:  # noqa: BLE001 - never lose a pull silently: the deadline still ends it
+            except Exception as e:  # noqa: BLE001 - the table hears of it, so no pull is left waiting
                 logger.exception("kvlink: carrying out %s failed", type(a).__name__)
+                if isinstance(a, Resolve):
+                    self._apply(lambda t, now, rid=a.pull.rid, e=e: t.resolve_failed(rid, _why(e), now))
+                elif isinstance(a, Renew):
+                    self._apply(lambda t, now, a=a: t.renew_failed(a.group, a.rids, now))
+                # A Post reports its own failures (_post); a CancelBatch is asked again by the ticker.
 
     def _execute(self, a) -> None:
         if isinstance(a, Post):
             self._post(a)
         elif isinstance(a, CancelBatch):
-            self._cancel_batch(a)
+            self._canceller.submit(self._cancel_batch, a)
         elif isinstance(a, Renew):
             self._leases.run(a)
         elif isinstance(a, Resolve):
@@ -366,8 +403,7 @@ class KVLinkWorker:
             # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request).
             self._resolve(spec)
         else:
-            for a in actions:
-                self._execute(a)
+            self._carry_out(actions)
 
     def _resolve(self, spec: PullSpec) -> None:
         """Find the remote record and engine, check compatibility, connect, pair; then post. On a resolver
@@ -390,7 +426,7 @@ class KVLinkWorker:
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)
-            pairs = pair_blocks(rid, spec.group, spec.local_block_ids, spec.first_block, blocks)
+            pairs = pair_blocks(rid, spec.group, spec.local_block_ids, spec.first_block, blocks, spec.num_blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             self._apply(lambda t, now: t.resolve_failed(rid, _why(e), now))
             return
@@ -422,9 +458,8 @@ class KVLinkWorker:
         peer = self.engine.connect(reg.transport_addr)
         layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.block_bytes)
                   for n in self.layer_names]
-        remote = _Remote(key, peer, layers)
-        with self._lock:
-            self._remotes[key] = remote
+        with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
+            remote = self._remotes.setdefault(key, _Remote(key, peer, layers))
         logger.info("kvlink: connected to prefill engine %s tp%d at %s", engine_id, self.rank.tp_rank,
                     reg.transport_addr)
         return remote
@@ -433,10 +468,10 @@ class KVLinkWorker:
         """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
         not one region); then the table hears it was posted, and a waiter thread blocks on it."""
         remote: _Remote = a.remote
-        dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
-            (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
         parts, nbytes, ndesc = [], 0, 0
         try:
+            dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
+                (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
             for region, layers in dests:
                 plan = ReadPlan.concat([build_plan(layers, list(p.pairs)) for p in a.pulls])
                 parts.append(self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
@@ -444,13 +479,14 @@ class KVLinkWorker:
                                               timeout_s=self.cfg.transfer_timeout_s))
                 nbytes, ndesc = nbytes + plan.nbytes, ndesc + len(plan)
         except Exception as e:  # noqa: BLE001
-            for b in parts:  # parts already posted must settle before the pulls are reported
-                try:
-                    b.cancel()
-                except Exception:  # noqa: BLE001
-                    logger.exception("kvlink: cancelling part of a batch that could not be posted")
             self._drop_remote(remote)
-            self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
+            if not parts:
+                self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
+                return
+            # Parts already on the wire may write until they are stopped: the pulls fail once they settle.
+            handle = _Batches(parts)
+            self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, 0, ndesc, now))
+            self._apply(lambda t, now: t.batch_unsettled(a.batch, _why(e), now))
             return
         handle = parts[0] if len(parts) == 1 else _Batches(parts)
         nblocks = sum(len(p.pairs) for p in a.pulls) * len(remote.layers)
@@ -489,18 +525,33 @@ class KVLinkWorker:
         if _not_settled(e):
             self._apply(lambda t, now: t.batch_unsettled(batch, _why(e), now))
             return
-        self._drop_remote(remote)  # reconnect next time
+        with self._lock:
+            b = self._table.batch(batch)
+            ours = b is None or b.cancel_wanted  # the error of a cancel we asked for: the peer is fine
+        if not ours:
+            self._drop_remote(remote)  # reconnect next time
         self._apply(lambda t, now: t.batch_ended(batch, _why(e), now))
 
     def _cancel_batch(self, a: CancelBatch) -> None:
-        """Ask the backend to stop a batch. Settled once cancel returns (the engine writes nothing into it
-        afterwards); a backend that cannot stop it says NotSettled, and the ticker asks again."""
+        """kvlink-cancel thread: ask the backend to stop a batch. Settled once cancel returns (nothing writes
+        into its memory afterwards); a backend that cannot stop it says NotSettled, and the ticker asks
+        again. A batch that had already finished (cancel returns False) keeps its outcome: its bytes are
+        in place, so the other pulls it carried need no second READ."""
         try:
-            a.handle.cancel()
-        except Exception as e:  # noqa: BLE001
-            if _not_settled(e):
+            stopped = a.handle.cancel()
+        except NotSettled:
+            return
+        except Exception as e:  # noqa: BLE001 - it failed by itself: it writes nothing any more
+            logger.debug("kvlink: cancel of batch %d: %s", a.batch, _why(e))
+            stopped = True
+        if stopped is False:
+            try:
+                finished_ok = a.handle.poll()
+            except Exception:  # noqa: BLE001 - it had failed: settled, nothing to keep
+                finished_ok = False
+            if finished_ok:
+                self._apply(lambda t, now: t.batch_ended(a.batch, None, now))
                 return
-            logger.debug("kvlink: cancel of batch %d: %s (it had ended)", a.batch, _why(e))
         self._apply(lambda t, now: t.cancel_settled(a.batch, now))
 
     def _drop_remote(self, remote: _Remote) -> None:
@@ -538,6 +589,7 @@ class KVLinkWorker:
             except Exception:  # noqa: BLE001
                 pass
         self._resolver.shutdown(wait=False, cancel_futures=True)
+        self._canceller.shutdown(wait=False, cancel_futures=True)
         self._waiter.shutdown(wait=False, cancel_futures=True)  # cancel above (or close below) ends waits
         if self._leases is not None:
             self._leases.stop()

@@ -1,9 +1,7 @@
-"""Shared fixtures of the bootstrap suite: a fake clock, a table, servers, clients and raw HTTP."""
+"""Shared fixtures of the bootstrap suite: a fake clock, a table, servers, clients and raw HTTP (tests/fakes.py)."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,7 +15,7 @@ from kvlink.bootstrap import (
     PairingTable,
     TableLimits,
 )
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, RawHTTP
 
 TOKEN = "test-token-0123456789"
 
@@ -89,42 +87,9 @@ def client(server: BootstrapServer) -> Iterator[BootstrapClient]:
         yield cli
 
 
-class RawHTTP:
-    """Raw HTTP to the server, for what the typed client would never send."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def request(self, method: str, path: str, body: bytes | str | dict | None = None, *,
-                token: str | None = TOKEN, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-        if isinstance(body, dict):
-            body = json.dumps(body)
-        if isinstance(body, str):
-            body = body.encode()
-        all_headers = {"Content-Type": "application/json"}
-        if token is not None:
-            all_headers["Authorization"] = f"Bearer {token}"
-        all_headers.update(headers or {})
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request(method, path, body=body, headers=all_headers)
-            response = conn.getresponse()
-            data = response.read()
-        finally:
-            conn.close()
-        try:
-            parsed = json.loads(data) if data else {}
-        except ValueError:
-            parsed = {"raw": data.decode("latin-1")}
-        return response.status, parsed
-
-    def post(self, path: str, body: bytes | str | dict | None = None, **kw) -> tuple[int, dict]:
-        return self.request("POST", path, body, **kw)
-
-
 @pytest.fixture
 def raw(server: BootstrapServer) -> RawHTTP:
-    return RawHTTP(server.port)
+    return RawHTTP(server.port, token=TOKEN)
 
 
 @pytest.fixture

@@ -160,8 +160,14 @@ def test_a_cancel_that_cannot_settle_is_asked_again_until_it_does():
     t.posted(post.batch, "h", 1, 1, 1, 0.0)
     assert of(t.cancel("a", 0.1), CancelBatch)
     assert t.cancel("a", 0.15) == []  # asked already
-    assert of(t.tick(0.2), CancelBatch) == [CancelBatch(post.batch, "h")]
-    assert of(t.tick(0.3), CancelBatch) == [CancelBatch(post.batch, "h")]
+    assert of(t.tick(0.21), CancelBatch) == [CancelBatch(post.batch, "h")]  # first retry after 0.1 s
+    assert of(t.tick(0.25), CancelBatch) == []  # not on every tick
+    assert of(t.tick(0.32), CancelBatch) == [CancelBatch(post.batch, "h")]
+    assert of(t.tick(0.45), CancelBatch) == []  # the interval doubles
+    assert t.next_wakeup(0.45) == pytest.approx(0.52)  # the retry wakes the ticker, not a spent deadline
+    assert of(t.tick(61.0), CancelBatch)  # long past its deadline: still only asked again, never reported
+    assert any("has still not settled" in m and "'a'" in m for m in t.take_messages())  # said once, loudly
+    assert not any("has still not settled" in m for m in (of(t.tick(70.0), CancelBatch), t.take_messages())[1])
     assert results(t) == (set(), {})
     t.cancel_settled(post.batch, 0.4)
     assert results(t) == ({"a"}, {}) and of(t.tick(0.5), CancelBatch) == []
@@ -253,6 +259,7 @@ def test_deadline_in_every_state(state):
     acts = t.tick(5.0)
     if state == "reading":  # its READ may still write: failed only once the batch settled
         assert of(acts, CancelBatch) and t.state("a") is State.SETTLING
+        assert t.next_wakeup(5.0) > 5.0  # a spent deadline must not make the ticker spin
         assert of(t.tick(6.0), CancelBatch)  # still asking; the deadline does not fail it twice
         t.cancel_settled(post.batch, 6.1)
     done, failed = results(t)
@@ -315,3 +322,6 @@ def test_pairing_refuses_what_it_cannot_pair_exactly_naming_request_and_group():
         pair_blocks("r2", 3, (4, 5, 6), 0, (14, 15))
     with pytest.raises(PairingError, match="first position to pull 4"):
         pair_blocks("r3", 0, (4, 5, 6), 4, (14, 15, 16))
+    with pytest.raises(PairingError, match=r"request r4 group 0: decode's table has 2 blocks for tokens that "
+                                           r"cover 3"):
+        pair_blocks("r4", 0, (4, 5), 0, (14, 15, 16), num_blocks=3)

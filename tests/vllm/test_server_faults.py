@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from tests.fakes import StalledPeer
-from tests.proxy.conftest import AppThread
+from tests.fakes_vllm_server import AppThread
 from tests.relay import Relay
 from tests.vllm.helpers import Server, complete, free_port, kv_config, text, token_prompts
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.proxy.conftest import AppThread
+from tests.fakes_vllm_server import AppThread
 from tests.vllm.helpers import Server, complete, free_port, http_json, kv_config, text, token_prompts
 
 

@@ -4,7 +4,8 @@ Every layer of the swa model attends to the last 64 tokens, so vLLM builds one K
 SlidingWindowSpec and its block tables hold the null block (id 0) at positions outside the window. Decode's
 table for a long prompt is mostly null: kvlink must pair decode's and prefill's blocks by token position and
 move only the blocks decode will read. Each prompt is decoded alone so that a wrong one is named, with the
-numbers that tell why.
+numbers that tell why. A second prefill engine runs chunked prefill with a small token budget, so that vLLM
+frees prefill's out-of-window blocks while it prefills and prefill's own table holds nulls too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 WINDOW = 64
 LAYERS = 2
-# Inside one block, up to the window, one past it, then far beyond it (most of the table null).
-LENGTHS = [3, 40, 63, 64, 65, 96, 200, 700]
+# Inside one block, up to the window, one past it, then far beyond it (most of the table null). 95 and 127 are
+# P = W-1 (mod BLOCK) with P >= W+BLOCK-1: the prompt's last token, which decode recomputes, attends back to
+# position P-W, the last one of its block, which a window reckoned from all P tokens would already have dropped.
+LENGTHS = [3, 40, 63, 64, 65, 95, 96, 127, 200, 700]
+# Chunked prefill: a token budget of two blocks per step, so a long prompt takes many steps.
+CHUNK_TOKENS = 64
+CHUNKED_LENGTHS = [200, 700]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +35,7 @@ def engines(swa_model):
     e = Engines(swa_model)
     e.make("base", None)
     e.make("pre", kv_config("kv_producer"))
+    e.make("pre_chunked", kv_config("kv_producer"), enable_chunked_prefill=True, max_num_batched_tokens=CHUNK_TOKENS)
     e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
     e.make("dec_bad", corrupting_kv_config())
     yield e
@@ -116,6 +123,23 @@ def test_decode_equals_single_engine_below_at_and_beyond_the_window(engines, dec
     for n, table in zip(LENGTHS, dec_tables):
         if n >= WINDOW + 2 * BLOCK:
             assert 0 in table[0] and blocks_to_move(*table)[1] < -(-n // BLOCK), (n, table[0])
+
+
+def test_decode_of_a_chunked_prefill_equals_single_engine(engines, dec_tables):
+    """Prefill ran in chunks of CHUNK_TOKENS: vLLM retired prefill's blocks below the window step by step, so
+    both tables hold nulls and only the window's blocks, at the same positions, can be paired."""
+    prompts = token_prompts(CHUNKED_LENGTHS, seed=25)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, prompts, name="pre_chunked")
+    problems = []
+    for n, p, w, kp in zip(CHUNKED_LENGTHS, prompts, want, params):
+        problems += check_pull(engines, dec_tables, p, w, kp, f"{n} tokens, chunked prefill")
+    assert not problems, "\n".join(problems)
+    # The test means something only if prefill really retired blocks while it ran in chunks.
+    for n, kp in zip(CHUNKED_LENGTHS, params):
+        ids = kp["remote_block_ids"]
+        flat = ids[0] if ids and isinstance(ids[0], list) else ids
+        assert 0 in flat, f"{n} tokens: prefill's table {ids} has no null block: was the prefill chunked?"
 
 
 def test_pull_after_a_local_prefix_cache_hit(engines, dec_tables):

@@ -148,6 +148,10 @@ def test_cancel_mid_read_reports_once_and_reposts_nothing(pair, monkeypatch):
     _, recving, failed = dec.transfer_results()
     assert "r4" not in recving and "r4" not in failed
     assert dec.get_stats().data["pulls_cancelled"] == 1
+    assert (url, "pre") in dec._remotes  # our own cancel is no reason to drop the connection
+    monkeypatch.setattr(fakes_transport.Engine, "delay_s", 0.5)
+    _pull(dec, url, "r4b", [(2, 2)])
+    assert [b.rids for b in _posted(dec)] == [["r4b"]]  # still the known-peer fast path
 
 
 def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
@@ -281,3 +285,53 @@ def test_mooncake_cancel_mid_read_is_reported_only_once_the_batch_settled(moonca
     assert pull_outcome(dec, "m3") == "ok"
     for name, t in dec.kv_caches.items():
         assert torch.equal(t[3], pre.kv_caches[name][7])
+
+
+def test_a_read_that_cannot_be_posted_fails_the_pull_and_the_next_one_works(pair, monkeypatch):
+    from kvlink.errors import OutOfRange
+
+    pre, dec, url = pair
+    real_read = fakes_transport.Engine.read
+
+    def refuse(self, *a, **kw):
+        raise OutOfRange("descriptor 0: remote offset beyond the region")
+
+    monkeypatch.setattr(fakes_transport.Engine, "read", refuse)
+    _pull(dec, url, "p1", [(1, 1), (2, 2)])
+    assert pull_outcome(dec, "p1") == "failed" and dec.take_load_error_blocks() == {1, 2}
+    monkeypatch.setattr(fakes_transport.Engine, "read", real_read)
+    _pull(dec, url, "p2", [(3, 3)])
+    assert pull_outcome(dec, "p2") == "ok"
+
+
+def test_multi_part_batch_failing_in_one_part_stops_the_others_before_it_fails():
+    """kv_both and non-contiguous caches READ each layer as its own transport batch: one part's error
+    must not be reported (vLLM reusing the blocks) while another part still writes."""
+    from kvlink.errors import NotSettled, PeerClosed
+    from kvlink.vllm.worker import _Batches
+
+    class Part:
+        def __init__(self, error=None, cancel_error=None):
+            self.error, self.cancel_error, self.cancelled = error, cancel_error, 0
+
+        def poll(self):
+            if self.error:
+                raise self.error
+            return False
+
+        def wait(self, timeout_s):
+            self.poll()
+
+        def cancel(self):
+            self.cancelled += 1
+            if self.cancel_error:
+                raise self.cancel_error
+            return True
+
+    ok, bad = Part(), Part(error=PeerClosed("reset"))
+    with pytest.raises(PeerClosed):
+        _Batches([bad, ok]).poll()
+    assert ok.cancelled == 1  # stopped before the error came out
+    stubborn = Part(cancel_error=NotSettled("chunk in flight"))
+    with pytest.raises(NotSettled):  # not settled: the table keeps the pulls and asks again
+        _Batches([Part(error=PeerClosed("reset")), stubborn]).wait(1.0)
