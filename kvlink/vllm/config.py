@@ -85,9 +85,13 @@ class ConnectorConfig:
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty "
                                            f"string, got {v!r}")
-        if self.bootstrap_url is not None and not self.bootstrap_url.startswith(("http://", "https://")):
-            raise ConnectorConfigError("kv_connector_extra_config['bootstrap_url'] must start with "
-                                       f"http:// or https://, got {self.bootstrap_url!r}")
+        if self.bootstrap_url is not None:
+            from kvlink.bootstrap.client import canonical_url  # the one rule for a bootstrap address
+
+            try:
+                object.__setattr__(self, "bootstrap_url", canonical_url(self.bootstrap_url))
+            except ValueError as e:
+                raise ConnectorConfigError(f"kv_connector_extra_config['bootstrap_url']: {e}") from None
         from kvlink.backends import BACKENDS  # the registry: a kind registered by a plug-in counts too
 
         if self.transport_backend not in BACKENDS:

@@ -76,7 +76,15 @@ class KVLinkConnector(KVConnectorBase_V1):
         self._worker: KVLinkWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             _check_groups(kv_cache_config)
-            self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size)
+            from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+            # Only a SlidingWindowSpec group frees blocks outside the window (a FullAttentionSpec may carry a
+            # sliding_window too, for the model runner, with every block kept).
+            spec = groups[0].kv_cache_spec if groups else None
+            swa = isinstance(spec, SlidingWindowSpec)
+            self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
+                                          window=spec.sliding_window if swa else None,
+                                          window_extra=spec.extra_retained_tokens if swa else 0)
             logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s, bootstrap %s, "
                         "transport backend %s on %s)", kv.kv_role, self.engine_id, block_size,
                         self.config.lease_s, self.config.bootstrap_url or (

@@ -54,6 +54,18 @@ def pair_blocks(request_id: str, group: int, local: tuple[int, ...], first: int,
     return pairs
 
 
+def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int = 0) -> bool:
+    """True when a whole loaded prompt's last token cannot be recomputed from the blocks either side keeps.
+
+    vLLM loads ``num_tokens`` tokens, then recomputes the last one (position ``num_tokens - 1``), whose
+    sliding window starts at ``num_tokens - window``. Both tables are sized for ``num_tokens`` computed
+    tokens: positions before ``(num_tokens - window + 1 - extra) // block_size`` are null on decode and
+    freed on prefill. When the window's first position falls in such a block, no pull can supply it.
+    """
+    skipped = max(0, num_tokens - window + 1 - extra) // block_size
+    return max(0, num_tokens - window) // block_size < skipped
+
+
 @dataclass(frozen=True)
 class LayerMap:
     """Where one layer lives: at ``local_offset`` inside the local region, in ``remote_region_id``."""

@@ -31,7 +31,7 @@ from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.held import COUNTER_OF, HeldTable
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import NULL_BLOCK
+from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
 from kvlink.vllm.stats import KVLinkStats
 
@@ -43,8 +43,10 @@ logger = logging.getLogger(__name__)
 
 
 class KVLinkScheduler:
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int):
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
+                 window: int | None = None, window_extra: int = 0):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
+        self.window, self.window_extra = window, window_extra  # the group's sliding window, if it has one
         self.is_producer = role in ("kv_producer", "kv_both")
         self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
@@ -243,6 +245,14 @@ class KVLinkScheduler:
             n = min(n, src.num_tokens)
         count = n - num_computed_tokens
         if count <= 0:
+            return 0, False
+        if (self.window and n == request.num_tokens
+                and window_start_lost(n, self.block_size, self.window, self.window_extra)):
+            # vLLM would recompute the last prompt token over a block neither side keeps: compute it here.
+            self._count("window_refusals")
+            logger.info("kvlink: request %s: %d tokens with a %d-token window and %d-token blocks: the last "
+                        "token's window starts in a block vLLM frees on both sides; computing the prompt locally",
+                        request.request_id, n, self.window, self.block_size)
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens  # block-aligned (vLLM passes it so)
         return count, True

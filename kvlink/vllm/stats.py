@@ -18,6 +18,7 @@ COUNTERS = (
     "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
+    "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
 )
 GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode right now
           "pulls_in_progress")  # decode: requests waiting for their KV right now

@@ -325,3 +325,20 @@ def test_pairing_refuses_what_it_cannot_pair_exactly_naming_request_and_group():
     with pytest.raises(PairingError, match=r"request r4 group 0: decode's table has 2 blocks for tokens that "
                                            r"cover 3"):
         pair_blocks("r4", 0, (4, 5), 0, (14, 15, 16), num_blocks=3)
+
+
+@pytest.mark.parametrize("n, lost", [(95, True), (127, True), (159, True), (96, False), (94, False), (64, False),
+                                     (63, False), (700, False), (31, False)])
+def test_window_start_lost_exactly_when_the_recomputed_token_reads_a_freed_block(n, lost):
+    from kvlink.vllm.plan import window_start_lost
+
+    assert window_start_lost(n, 32, 64) is lost
+    # against vLLM's own accounting: the blocks it frees for n computed tokens, and the block holding the
+    # first key of the recomputed last token (position n - 1, window of 64)
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    mgr = SimpleNamespace(sliding_window=64, extra_retained_tokens=0)
+    freed_blocks = SlidingWindowManager.get_num_skipped_tokens(mgr, n) // 32
+    assert ((n - 1 - 64 + 1) // 32 < freed_blocks) is lost

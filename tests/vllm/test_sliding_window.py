@@ -6,6 +6,9 @@ table for a long prompt is mostly null: kvlink must pair decode's and prefill's 
 move only the blocks decode will read. Each prompt is decoded alone so that a wrong one is named, with the
 numbers that tell why. A second prefill engine runs chunked prefill with a small token budget, so that vLLM
 frees prefill's out-of-window blocks while it prefills and prefill's own table holds nulls too.
+
+Decode's null block holds noise: vLLM never writes it, so it would hold zeros, and this tiny model can decode
+the same tokens from zeros where a window's KV should be. With noise, reading a null block changes the output.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 WINDOW = 64
 LAYERS = 2
-# Inside one block, up to the window, one past it, then far beyond it (most of the table null). 95 and 127 are
+# Inside one block, up to the window, one past it, then far beyond it (most of the table null).
+LENGTHS = [3, 40, 63, 64, 65, 96, 200, 700]
 # P = W-1 (mod BLOCK) with P >= W+BLOCK-1: the prompt's last token, which decode recomputes, attends back to
-# position P-W, the last one of its block, which a window reckoned from all P tokens would already have dropped.
-LENGTHS = [3, 40, 63, 64, 65, 95, 96, 127, 200, 700]
+# position P-W, the last one of its block (test_window_of_the_recomputed_last_token).
+EDGE_LENGTHS = [95, 127]
 # Chunked prefill: a token budget of two blocks per step, so a long prompt takes many steps.
 CHUNK_TOKENS = 64
 CHUNKED_LENGTHS = [200, 700]
@@ -37,9 +41,25 @@ def engines(swa_model):
     e.make("pre", kv_config("kv_producer"))
     e.make("pre_chunked", kv_config("kv_producer"), enable_chunked_prefill=True, max_num_batched_tokens=CHUNK_TOKENS)
     e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    fill_null_block(e, "dec")
     e.make("dec_bad", corrupting_kv_config())
     yield e
     e.close()
+
+
+def null_block(engines, name: str) -> list:
+    """The engine's null block in every layer (views into its KV cache)."""
+    sched = engines.llms[name].llm_engine.engine_core.engine_core.scheduler
+    null = sched.kv_cache_manager.block_pool.null_block.block_id
+    return [t[null] for t in engines.agents[name]._worker.kv_caches.values()]
+
+
+def fill_null_block(engines, name: str) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    for block in null_block(engines, name):
+        block.copy_(torch.randn(block.shape, generator=gen) * 4)
 
 
 @pytest.fixture
@@ -119,10 +139,36 @@ def test_decode_equals_single_engine_below_at_and_beyond_the_window(engines, dec
         problems += check_pull(engines, dec_tables, p, w, kp, f"{n} tokens")
     assert not problems, "\n".join(problems)
     # The test means something only if decode's tables really held null blocks for the long prompts, so
-    # that moving only the window is fewer blocks than the prompt has.
+    # that moving only the window is fewer blocks than the prompt has, and the null block still holds noise.
     for n, table in zip(LENGTHS, dec_tables):
         if n >= WINDOW + 2 * BLOCK:
             assert 0 in table[0] and blocks_to_move(*table)[1] < -(-n // BLOCK), (n, table[0])
+    assert all(bool(b.any()) for b in null_block(engines, "dec")), "decode's null block was overwritten"
+
+
+def test_window_of_the_recomputed_last_token_is_computed_locally(engines, dec_tables):
+    """P = W-1 (mod BLOCK), P >= W+BLOCK-1, the whole prompt loaded. vLLM 0.32 sizes decode's window for P
+    computed tokens (get_num_skipped_tokens(P) = P-W+1, here a whole number of blocks, so the block holding
+    position P-W is null in decode's table), then rewinds to P-1 to recompute the last token, whose window
+    starts at P-W. Prefill has dropped that block as well (its window after P tokens starts at P-W+1), so no
+    pull can fill it. kvlink refuses such a pull (decode computes the prompt itself) instead of letting the
+    model attend a null block: the decode output equals the single engine's, with decode's null block full
+    of noise (any read of it would change the output), and nothing is pulled."""
+    from kvlink.vllm.plan import window_start_lost
+
+    prompts = token_prompts(EDGE_LENGTHS, seed=23)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, prompts)
+    worker, sched = engines.agents["dec"]._worker, engines.scheduler_side("dec")
+    for n, p, w, kp in zip(EDGE_LENGTHS, prompts, want, params):
+        assert window_start_lost(n, BLOCK, WINDOW), n  # the lengths are the edge case
+        before, refused = worker.snapshot(), sched.totals.data.get("window_refusals", 0)
+        assert decode(engines, "dec", [p], [kp])[0] == w, f"{n} tokens"
+        sched.get_kv_connector_stats()
+        d = stat_delta(before, worker.snapshot())
+        assert d["pulls_ok"] == 0 and d["pulls_failed"] == 0 and d["blocks_pulled"] == 0, (n, d)
+        assert sched.totals.data["window_refusals"] == refused + 1, n
+    assert not any(window_start_lost(n, BLOCK, WINDOW) for n in LENGTHS)  # the others are pulled
 
 
 def test_decode_of_a_chunked_prefill_equals_single_engine(engines, dec_tables):
