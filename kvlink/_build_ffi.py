@@ -54,16 +54,8 @@ with open(os.path.join(HERE, "_cdef.h"), encoding="utf-8") as f:
 ffibuilder = _builder("kvlink._kvlink_c", "kvl.h", _ENGINE_CDEF,
                       _rel([p for p in glob.glob(os.path.join(CSRC, "*.c")) if os.path.basename(p) != BASELINE]))
 
-_BASELINE_CDEF = """
-struct kvl_rawtcp;
-int kvl_rawtcp_serve(const char *host, uint16_t port, const void *buf, uint64_t len, const char *info,
-                     struct kvl_rawtcp **out, uint16_t *port_out);
-void kvl_rawtcp_stop(struct kvl_rawtcp *r);
-int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out);
-int kvl_rawtcp_fetch(int fd, uint64_t n, void *dst, uint64_t cap, uint64_t *got);
-void kvl_rawtcp_close(int fd);
-void kvl_memcpy_blocks(const uint64_t *dst, const uint64_t *src, uint64_t len, size_t n);
-"""
+with open(os.path.join(HERE, "bench", "_baseline_cdef.h"), encoding="utf-8") as f:
+    _BASELINE_CDEF = f.read()
 
 baseline_ffibuilder = _builder("kvlink.bench._baseline_c", "kvl_baseline.h", _BASELINE_CDEF,
                                _rel([os.path.join(CSRC, n) for n in BASELINE_SOURCES]))

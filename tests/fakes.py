@@ -2,8 +2,8 @@
 scripted answers, an HTTP server and a raw HTTP client, peers that hang or trickle. The other fakes live
 beside this module:
 the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
-fakes_vllm_server.py, a connector corrupting what it pulled in fakes_connector.py; the network relay
-(corrupting, throttling) is relay.py."""
+fakes_vllm_server.py, connectors recording their stats or corrupting what they pulled in fakes_connector.py;
+the network relay (corrupting, throttling) is relay.py."""
 
 from __future__ import annotations
 

@@ -1,25 +1,59 @@
-"""CorruptingConnector: a KVLinkConnector that overwrites the KV it pulled with noise (negative controls).
+"""Test connectors: KVLinkConnector subclasses that only the tests load.
 
-An equality test (decode output == single engine) also passes when decode never reads the pulled KV, for
+RecordingConnector keeps every statistic its side hands vLLM, since start: tests read what a pull or a
+prefill did from there, and the production classes keep no totals nobody but a test reads.
+
+CorruptingConnector (a RecordingConnector) overwrites the KV it pulled with noise (negative controls). An
+equality test (decode output == single engine) also passes when decode never reads the pulled KV, for
 example because it recomputed the prompt. Decoding from noise written over exactly the blocks a pull filled
 must change the output; that proves the blocks decode reads are the ones kvlink wrote.
 
-Load it with ``kv_connector="CorruptingConnector", kv_connector_module_path="tests.fakes_connector"``
-(``tests.vllm.helpers.corrupting_kv_config``); the repository root must be importable (pytest's pythonpath
-in-process; ``Server`` sets PYTHONPATH for server processes). It exists only in the tests.
+Load one with ``kv_connector="RecordingConnector"`` (or ``"CorruptingConnector"``) and
+``kv_connector_module_path="tests.fakes_connector"`` (``tests.vllm.helpers.recording_kv_config`` and
+``corrupting_kv_config``); the repository root must be importable (pytest's pythonpath in-process;
+``Server`` sets PYTHONPATH for server processes).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from typing import Any
 
 from kvlink.vllm.connector import KVLinkConnector
 from kvlink.vllm.metadata import KVLinkMetadata
+from kvlink.vllm.stats import KVLinkStats
 
 SEED = 0
 
 
-class CorruptingConnector(KVLinkConnector):
+class RecordingConnector(KVLinkConnector):
+    """A KVLinkConnector that also adds up, in ``recorded``, every KVLinkStats its side hands vLLM."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.recorded = KVLinkStats()  # since start, never reset; under _recorded_lock
+        self._recorded_lock = threading.Lock()  # vLLM's thread hands stats out while a test reads them
+
+    def get_kv_connector_stats(self) -> KVLinkStats | None:
+        stats = super().get_kv_connector_stats()
+        if stats is not None:
+            # A copy: vLLM keeps the object it is handed and aggregates the other side's stats into it.
+            with self._recorded_lock:
+                self.recorded.aggregate(KVLinkStats(data=copy.deepcopy(stats.data)))
+        return stats
+
+    def recorded_now(self) -> dict[str, Any]:
+        """What ``recorded`` holds plus what the side has not handed out yet (a poll between engine steps).
+
+        The side's pending stats are taken here, so they are recorded but vLLM never sees them (its log
+        line and /metrics miss them): fine in a test, which reads them from here."""
+        self.get_kv_connector_stats()
+        with self._recorded_lock:
+            return copy.deepcopy(self.recorded.data)
+
+
+class CorruptingConnector(RecordingConnector):
     """Worker side: once a pull is reported finished and not failed, its blocks hold seeded noise in every
     layer before vLLM hears of it (and so before decode's first forward pass reads them)."""
 

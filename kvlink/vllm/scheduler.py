@@ -54,7 +54,6 @@ class KVLinkScheduler:
         self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-sched-wait")
         self._stats = KVLinkStats()
         self._stats_lock = threading.Lock()
-        self.totals = KVLinkStats()  # since start, never reset (tests, demo)
         self._closed = threading.Event()
         # Prefill state: the held table is shared by the scheduler and release-watcher threads under
         # _held_lock; _freed (same lock) wakes an idle step when the watcher decides a free.
@@ -375,7 +374,6 @@ class KVLinkScheduler:
     def get_kv_connector_stats(self) -> KVLinkStats | None:
         with self._stats_lock:
             stats, self._stats = self._stats, KVLinkStats()
-            self.totals.aggregate(stats)
         if self.is_producer:
             with self._held_lock:
                 gauges = (len(self._held), self._held.num_blocks)
@@ -384,9 +382,3 @@ class KVLinkScheduler:
                 stats.set_gauge("held_requests", gauges[0])
                 stats.set_gauge("held_blocks", gauges[1])
         return None if stats.is_empty() else stats
-
-    @property
-    def held_requests(self) -> dict[str, int]:
-        """Request id -> number of blocks, of the requests prefill holds for decode now."""
-        with self._held_lock:
-            return self._held.blocks_by_request()

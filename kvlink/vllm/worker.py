@@ -148,13 +148,12 @@ class KVLinkWorker:
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
-        self._lock = threading.Lock()  # guards the table, _remotes, _frees, totals
+        self._lock = threading.Lock()  # guards the table, _remotes, _frees
         self._wake = threading.Condition(self._lock)
         self._table = PullTable(cfg.pull_timeout_s)
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
-        self.totals = KVLinkStats()  # since start, never reset (tests, demo)
         self._closed = False
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve",
                                             initializer=self._place_thread)
@@ -335,17 +334,7 @@ class KVLinkWorker:
                 if local > self._bytes_local_seen:
                     stats.add("bytes_local", local - self._bytes_local_seen)
                     self._bytes_local_seen = local
-            self.totals.aggregate(stats)
         return None if stats.is_empty() else stats
-
-    def snapshot(self) -> dict:
-        """Totals since start including what get_stats() has not handed out yet."""
-        with self._lock:
-            pending = KVLinkStats(data={k: (list(v) if isinstance(v, list) else v)
-                                        for k, v in self.totals.data.items()})
-            for k, n in self._table.counts.items():
-                pending.add(k, n)
-            return pending.data
 
     def _bytes_local(self) -> int:
         """Bytes the transport copied same-host (process_vm_readv) since start; 0 if it cannot say."""

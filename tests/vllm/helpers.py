@@ -19,16 +19,31 @@ BASE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARA
 
 
 def kv_config(role: str, **extra) -> dict:
+    """The production connector, as a user configures it (server processes: they read /metrics)."""
     return {"kv_connector": "KVLinkConnector", "kv_connector_module_path": "kvlink.vllm", "kv_role": role,
             "kv_connector_extra_config": extra}
+
+
+def recording_kv_config(role: str, **extra) -> dict:
+    """The connector as a RecordingConnector, which keeps its stats since start for the test to read
+    (``recorded_now()``, tests/fakes_connector.py): the in-process engines (Engines)."""
+    return dict(kv_config(role, **extra), kv_connector="RecordingConnector",
+                kv_connector_module_path="tests.fakes_connector")
 
 
 def corrupting_kv_config(**extra) -> dict:
     """A decode engine whose connector corrupts every block it pulled (negative controls, tests/fakes_connector.py).
 
     Server processes import it too: Server puts the repository root on their PYTHONPATH."""
-    return dict(kv_config("kv_consumer", **extra), kv_connector="CorruptingConnector",
-                kv_connector_module_path="tests.fakes_connector", kv_load_failure_policy="recompute")
+    return dict(recording_kv_config("kv_consumer", **extra), kv_connector="CorruptingConnector",
+                kv_load_failure_policy="recompute")
+
+
+def held_requests(sched) -> dict[str, int]:
+    """Request id -> blocks, of the requests a prefill KVLinkScheduler holds for decode now: its held table,
+    read under its lock (the release watcher thread changes it)."""
+    with sched._held_lock:
+        return sched._held.blocks_by_request()
 
 
 def engine_kwargs(model: str, **kw) -> dict:
@@ -133,7 +148,10 @@ class Server:
 
 class Engines:
     """Named in-process LLMs. vLLM keeps the worker-side connector in a process global (first engine wins), so
-    each engine's connector is captured at creation and put back before that engine runs (``generate``)."""
+    each engine's connector is captured at creation and put back before that engine runs (``generate``).
+
+    Made with recording_kv_config, an engine's connectors keep their stats: ``agents[name].recorded_now()``
+    (worker side: pulls) and ``scheduler_connector(name).recorded_now()`` (scheduler side)."""
 
     def __init__(self, model: str):
         import vllm.distributed.kv_transfer.kv_transfer_state as kts
@@ -159,7 +177,7 @@ class Engines:
             self.kts._KV_CONNECTOR_AGENT = None
 
     def scheduler_connector(self, name: str):
-        """The engine's scheduler-role connector (a KVLinkConnector)."""
+        """The engine's scheduler-role connector (a RecordingConnector with recording_kv_config)."""
         return self.llms[name].llm_engine.engine_core.engine_core.scheduler.connector
 
     def scheduler_side(self, name: str):

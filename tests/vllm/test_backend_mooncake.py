@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.helpers import BLOCK, Engines, decode, greedy, kv_config, token_prompts
+from tests.vllm.helpers import BLOCK, Engines, decode, greedy, recording_kv_config, token_prompts
 
 
 @pytest.fixture(scope="module")
 def mc_engines(tiny_model):
     e = Engines(tiny_model)
     e.make("base", None)
-    e.make("pre", kv_config("kv_producer", transport_backend="mooncake"))
-    e.make("dec", dict(kv_config("kv_consumer", transport_backend="mooncake"), kv_load_failure_policy="recompute"))
+    e.make("pre", recording_kv_config("kv_producer", transport_backend="mooncake"))
+    e.make("dec", dict(recording_kv_config("kv_consumer", transport_backend="mooncake"),
+                       kv_load_failure_policy="recompute"))
     yield e
     e.close()
 
@@ -25,10 +26,10 @@ def test_prefill_to_decode_through_mooncake(mc_engines):
     want = [list(o.outputs[0].token_ids) for o in e.generate("base", prompts, greedy())]
     outs = e.generate("pre", prompts, greedy(1, {"do_remote_decode": True}))
     params = [o.kv_transfer_params for o in outs]
-    worker = e.agents["dec"]._worker
-    assert worker.engine.kind == "mooncake"
-    before = worker.snapshot()
+    agent = e.agents["dec"]
+    assert agent._worker.engine.kind == "mooncake"
+    before = agent.recorded_now()
     assert decode(e, "dec", prompts, params) == want
-    after = worker.snapshot()
+    after = agent.recorded_now()
     assert after["pulls_ok"] - before["pulls_ok"] == len(prompts)
     assert after["bytes_pulled"] > before["bytes_pulled"]

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, greedy, kv_config, prefill,
-                                token_prompts)
+from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, greedy, held_requests, prefill,
+                                recording_kv_config, token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -19,9 +19,9 @@ LENGTHS = [BLOCK // 3, BLOCK * 2, BLOCK * 6 + 7]  # shorter than a block, exact 
 def engines(tiny_model):
     e = Engines(tiny_model)
     e.make("base", None)
-    e.make("pre", kv_config("kv_producer"))
-    e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
-    e.make("pre_short", kv_config("kv_producer", lease_s=1.0))
+    e.make("pre", recording_kv_config("kv_producer"))
+    e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("pre_short", recording_kv_config("kv_producer", lease_s=1.0))
     e.make("dec_bad", corrupting_kv_config())
     yield e
     e.close()
@@ -34,21 +34,22 @@ def test_decode_equals_baseline_and_blocks_are_freed(engines):
     for p, kp in zip(prompts, params):
         assert kp["do_remote_prefill"] is True and kp["remote_num_tokens"] == len(p)
         assert len(kp["remote_block_ids"]) == -(-len(p) // BLOCK)
-    assert len(engines.scheduler_side("pre").held_requests) == len(prompts)
-    before = engines.agents["dec"]._worker.snapshot()
+    assert len(held_requests(engines.scheduler_side("pre"))) == len(prompts)
+    before = engines.agents["dec"].recorded_now()
     got = decode(engines, "dec", prompts, params)
     assert got == want
-    after = engines.agents["dec"]._worker.snapshot()
+    after = engines.agents["dec"].recorded_now()
     assert after["pulls_ok"] - before["pulls_ok"] == len(prompts)
     assert after["bytes_pulled"] > before["bytes_pulled"]
     # Prefill frees the blocks once it hears they were pulled (its engine must step to notice).
     import time
 
     deadline = time.monotonic() + 10
-    while engines.scheduler_side("pre").held_requests and time.monotonic() < deadline:
+    while held_requests(engines.scheduler_side("pre")) and time.monotonic() < deadline:
         engines.generate("pre", token_prompts([4], seed=99), greedy(1))
         time.sleep(0.05)
-    assert engines.scheduler_side("pre").held_requests == {}
+    assert held_requests(engines.scheduler_side("pre")) == {}
+    assert engines.scheduler_connector("pre").recorded_now()["held_requests"] == 0  # the gauge says so too
 
 
 def test_corrupted_kv_changes_output(engines):
@@ -67,7 +68,7 @@ def test_requests_without_params_are_untouched(engines):
         outs = engines.generate(name, prompts, greedy())
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         assert all(o.kv_transfer_params is None for o in outs)
-    assert engines.scheduler_side("pre").held_requests == {}
+    assert held_requests(engines.scheduler_side("pre")) == {}
 
 
 def test_malformed_params_computed_locally_with_error(engines):
@@ -96,14 +97,13 @@ def test_expired_lease_frees_blocks(engines):
 
     engines.generate("pre_short", token_prompts([80], seed=6), greedy(1, {"do_remote_decode": True}))
     side = engines.scheduler_side("pre_short")
-    assert len(side.held_requests) == 1
+    assert len(held_requests(side)) == 1
     deadline = time.monotonic() + 15
-    while side.held_requests and time.monotonic() < deadline:
+    while held_requests(side) and time.monotonic() < deadline:
         engines.generate("pre_short", token_prompts([4], seed=7), greedy(1))
         time.sleep(0.2)
-    assert side.held_requests == {}
-    side.get_kv_connector_stats()
-    assert side.totals.data["leases_expired"] >= 1
+    assert held_requests(side) == {}
+    assert engines.scheduler_connector("pre_short").recorded_now()["leases_expired"] >= 1
 
 
 def test_failed_pull_reported_per_request(engines, monkeypatch):

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvlink.bootstrap import Outcome
+from tests.vllm.helpers import held_requests
 
 pytest.importorskip("vllm")
 
@@ -56,7 +57,7 @@ def test_requests_lost_with_a_dropped_engine_are_freed(prefill):
     cli.register_engine(reg, 60.0)  # the heartbeater registers it again
     _hold(sched, cli, "r4")  # published after: still held by the server
     assert _freed(sched, {"r1", "r2", "r3"}) == {"r1", "r2", "r3"}  # found by the periodic lookup
-    assert set(sched.held_requests) == {"r4"}
+    assert set(held_requests(sched)) == {"r4"}
     assert sched._reconcile(cli) == 0  # nothing else to free
 
 
@@ -111,7 +112,7 @@ def test_an_idle_step_waits_for_a_release_and_ends_with_it(prefill):
     assert frees == [] and took >= 0.99  # nobody released: the whole wait, no free
     threading.Timer(0.05, cli.release, ("pre", "r8", Outcome.PULLED)).start()
     frees, took = _idle_step(sched)
-    assert frees == ["r8"] and took < 0.9 and not sched.held_requests  # the release ended the wait
+    assert frees == ["r8"] and took < 0.9 and not held_requests(sched)  # the release ended the wait
     _hold(sched, cli, "r9")
     threading.Timer(0.3, cli.release, ("pre", "r9", Outcome.PULLED)).start()
     frees, took = _idle_step(sched, scheduled_tokens=64)  # a step with work never waits
@@ -146,7 +147,7 @@ def test_a_finished_request_is_published_held_and_answered_with_params_decode_pa
         bootstrap_url=sched.bootstrap_url, engine_id="pre", request_id="r10", block_ids=(0, 4, 5), num_tokens=64,
         transfer_id="t-10", lease_s=2.0)
     assert cli.lookup_transfer("t-10").block_ids == [[0, 4, 5]]  # the null block kept by position
-    assert sched.held_requests == {"r10": 2}  # the null block holds nothing
+    assert held_requests(sched) == {"r10": 2}  # the null block holds nothing
     cli.release("pre", "r10", Outcome.PULLED)
     assert _freed(sched, {"r10"}) == {"r10"}
     assert sched.get_kv_connector_stats().data["released_pulled"] == 1
@@ -156,7 +157,7 @@ def test_an_aborted_request_is_not_held(prefill):
     sched, cli, reg = prefill
     assert sched.request_finished(_finished("r13", {"do_remote_decode": True}, "FINISHED_ABORTED"), [1]) == (
         False, None)
-    assert sched.held_requests == {}
+    assert held_requests(sched) == {}
 
 
 def test_malformed_prefill_params_are_refused_naming_the_field(prefill):
@@ -166,7 +167,7 @@ def test_malformed_prefill_params_are_refused_naming_the_field(prefill):
                           ({"do_remote_decode": "yes"}, "do_remote_decode")):
         keep, answer = sched.request_finished(_finished("r11", params), [1])
         assert not keep and answer["do_remote_prefill"] is False and repr(field) in answer["kvlink_error"]
-    assert sched.held_requests == {}
+    assert held_requests(sched) == {}
     assert sched.get_kv_connector_stats().data["bad_params"] == 3
     # 300 characters: prefill refused it before while decode accepted it; now both follow one rule.
     keep, answer = sched.request_finished(_finished("r12", {"do_remote_decode": True, "transfer_id": "t" * 300}), [1])

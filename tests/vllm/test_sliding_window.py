@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, kv_config, outputs, prefill,
-                                token_prompts)
+from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, outputs, prefill,
+                                recording_kv_config, token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -38,9 +38,10 @@ CHUNKED_LENGTHS = [200, 700]
 def engines(swa_model):
     e = Engines(swa_model)
     e.make("base", None)
-    e.make("pre", kv_config("kv_producer"))
-    e.make("pre_chunked", kv_config("kv_producer"), enable_chunked_prefill=True, max_num_batched_tokens=CHUNK_TOKENS)
-    e.make("dec", dict(kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("pre", recording_kv_config("kv_producer"))
+    e.make("pre_chunked", recording_kv_config("kv_producer"), enable_chunked_prefill=True,
+           max_num_batched_tokens=CHUNK_TOKENS)
+    e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
     fill_null_block(e, "dec")
     e.make("dec_bad", corrupting_kv_config())
     yield e
@@ -98,11 +99,11 @@ def stat_delta(before: dict, after: dict) -> dict:
 
 def check_pull(engines, dec_tables, prompt, want, kp, label) -> list[str]:
     """Decode one prompt on "dec"; what went wrong, if anything, as readable lines."""
-    worker = engines.agents["dec"]._worker
-    before = worker.snapshot()
+    agent = engines.agents["dec"]
+    before = agent.recorded_now()
     start = len(dec_tables)
     got = decode(engines, "dec", [prompt], [kp])[0]
-    d = stat_delta(before, worker.snapshot())
+    d = stat_delta(before, agent.recorded_now())
     if len(dec_tables) - start != 1:
         return [f"{label}: {len(dec_tables) - start} pulls seen by the connector, expected 1"]
     ids, cached, external = dec_tables[-1]
@@ -159,15 +160,14 @@ def test_window_of_the_recomputed_last_token_is_computed_locally(engines, dec_ta
     prompts = token_prompts(EDGE_LENGTHS, seed=23)
     want = outputs(engines, "base", prompts)
     params = prefill(engines, prompts)
-    worker, sched = engines.agents["dec"]._worker, engines.scheduler_side("dec")
+    agent, sched = engines.agents["dec"], engines.scheduler_connector("dec")
     for n, p, w, kp in zip(EDGE_LENGTHS, prompts, want, params):
         assert window_start_lost(n, BLOCK, WINDOW), n  # the lengths are the edge case
-        before, refused = worker.snapshot(), sched.totals.data.get("window_refusals", 0)
+        before, refused = agent.recorded_now(), sched.recorded_now()["window_refusals"]
         assert decode(engines, "dec", [p], [kp])[0] == w, f"{n} tokens"
-        sched.get_kv_connector_stats()
-        d = stat_delta(before, worker.snapshot())
+        d = stat_delta(before, agent.recorded_now())
         assert d["pulls_ok"] == 0 and d["pulls_failed"] == 0 and d["blocks_pulled"] == 0, (n, d)
-        assert sched.totals.data["window_refusals"] == refused + 1, n
+        assert sched.recorded_now()["window_refusals"] == refused + 1, n
     assert not any(window_start_lost(n, BLOCK, WINDOW) for n in LENGTHS)  # the others are pulled
 
 
@@ -209,8 +209,8 @@ def test_corrupted_pull_changes_output(engines):
     prompts = token_prompts([700], seed=41)
     want = outputs(engines, "base", prompts)
     params = prefill(engines, prompts)
-    worker = engines.agents["dec_bad"]._worker
-    before = worker.snapshot()
+    agent = engines.agents["dec_bad"]
+    before = agent.recorded_now()
     got = decode(engines, "dec_bad", prompts, params)
-    assert stat_delta(before, worker.snapshot())["pulls_ok"] == 1
+    assert stat_delta(before, agent.recorded_now())["pulls_ok"] == 1
     assert got != want
