@@ -134,6 +134,36 @@ def test_slow_pull_outlives_lease_thanks_to_renewals(faulty):
     assert_nothing_held(f)
 
 
+def test_client_abort_mid_pull_reaches_both_engines(faulty):
+    """A client that hangs up while decode is pulling (the relay holds the READ back): the proxy cancels
+    its decode request, decode cancels the pull and tells prefill "abandoned", prefill frees the blocks,
+    and the next request through the same servers is answered correctly."""
+    import http.client
+
+    f = faulty
+    prompt = token_prompts([600], seed=33)[0]
+    cancelled0 = metric(f["dec"], "kvlink_pulls_cancelled_total")
+    abandoned0 = metric(f["pre"], "kvlink_released_abandoned_total")
+    host, port = f["seq"].removeprefix("http://").split(":")
+    f["relay"].throttle(SLOW_RATE)
+    try:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8}),
+                     {"Content-Type": "application/json"})
+        assert wait_metric(f["dec"], "kvlink_pulls_in_progress", 1.0), "the pull never started"
+        conn.close()  # the client hangs up mid-pull
+        deadline = time.monotonic() + 30
+        while metric(f["dec"], "kvlink_pulls_cancelled_total") <= cancelled0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        f["relay"].throttle(None)
+    assert metric(f["dec"], "kvlink_pulls_cancelled_total") == cancelled0 + 1
+    assert_nothing_held(f)
+    assert metric(f["pre"], "kvlink_released_abandoned_total") > abandoned0
+    again = token_prompts([120], seed=34)[0]
+    assert text(complete(f["seq"], again, timeout=60)) == baseline(f, again)
+
+
 @pytest.mark.parametrize("where", ["bootstrap", "transport"])
 def test_hung_prefill_peer_recomputes_within_pull_timeout(faulty, where):
     """The prefill peer accepts TCP and never answers: decode recomputes once pull_timeout_s passes,

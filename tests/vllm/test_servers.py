@@ -133,15 +133,12 @@ def test_random_client_aborts_leave_no_blocks_held(pd):
         except (TimeoutError, socket.timeout, OSError):
             return "aborted"
 
-    abandoned = pd["pre"].metric("kvlink_released_abandoned_total") or 0
-    cancelled = pd["dec"].metric("kvlink_pulls_cancelled_total") or 0
     with cf.ThreadPoolExecutor(16) as ex:
         results = list(ex.map(one, range(200)))
     assert results.count("aborted") > 0
     assert wait_held_zero(pd, timeout=60), f"prefill still holds {held_blocks(pd)} blocks"
-    # The proxy passed the client aborts on: decode cancelled pulls and told prefill to let go.
-    assert (pd["dec"].metric("kvlink_pulls_cancelled_total") or 0) > cancelled
-    assert (pd["pre"].metric("kvlink_released_abandoned_total") or 0) > abandoned
+    # Whether an abort lands mid-pull depends on the machine's speed (a same-host pull takes ~15 ms on a
+    # fast one): test_server_faults.py::test_client_abort_mid_pull_reaches_both_engines makes one that does.
     # Both servers still answer correctly.
     p = token_prompts([90], seed=15)
     assert text(complete(pd["seq"], p[0])) == baseline(pd, p)[0]
