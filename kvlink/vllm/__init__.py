@@ -1,7 +1,7 @@
 """KVLinkConnector for vLLM: move a request's paged KV cache from a prefill engine to a decode engine.
 
-Reading order (README.md's): config, params, metadata, plan, pulls, held, scheduler, worker, lease, stats,
-compat, connector, plugin.
+Reading order (README.md's): config, params, metadata, plan, layout, pulls, held, scheduler, worker, lease,
+stats, compat, connector, plugin.
 Importing this package does not import vLLM; ``KVLinkConnector`` is loaded on first access.
 """
 

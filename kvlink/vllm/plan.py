@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlink.vllm.layout import BlockLayout
+
 
 NULL_BLOCK = 0  # vLLM's null block: a position the model never reads
 
@@ -68,12 +70,17 @@ def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int 
 
 @dataclass(frozen=True)
 class LayerMap:
-    """Where one layer lives: at ``local_offset`` inside the local region, in ``remote_region_id``."""
+    """Where one layer lives: at ``local_offset`` inside the local region, in ``remote_region_id``, its
+    blocks laid out as ``layout`` says (the same on both sides: the compatibility hash checks it)."""
 
     name: str
     local_offset: int
     remote_region_id: int
-    block_bytes: int
+    layout: BlockLayout
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
 
 
 def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -110,20 +117,28 @@ class ReadPlan:
 
 
 def build_plan(layers: list[LayerMap], pairs: list[tuple[int, int]]) -> ReadPlan:
-    runs = coalesce(pairs)
-    n = len(runs) * len(layers)
+    """One descriptor per run of blocks (or per block where a plane's blocks are not adjacent), per
+    segment (K and V planes), per layer."""
+    per_layer = [(layer, coalesce(pairs) if layer.layout.runs_coalesce else [(lb, rb, 1) for lb, rb in pairs])
+                 for layer in layers]
+    n = sum(len(runs) * layer.layout.segments for layer, runs in per_layer)
     lo = np.empty(n, np.uint64)
     rid = np.empty(n, np.uint32)
     ro = np.empty(n, np.uint64)
     ln = np.empty(n, np.uint64)
-    if runs:
+    at = 0
+    for layer, runs in per_layer:
+        if not runs:
+            continue
         r = np.asarray(runs, dtype=np.uint64)
-        k = len(runs)
-        for i, layer in enumerate(layers):
-            s = slice(i * k, (i + 1) * k)
-            bb = np.uint64(layer.block_bytes)
-            lo[s] = np.uint64(layer.local_offset) + r[:, 0] * bb
-            ro[s] = r[:, 1] * bb
-            ln[s] = r[:, 2] * bb
+        k, lay = len(runs), layer.layout
+        stride, seg = np.uint64(lay.block_stride), np.uint64(lay.segment_bytes)
+        for plane in range(lay.segments):
+            s = slice(at, at + k)
+            base = np.uint64(plane * lay.segment_stride)
+            lo[s] = np.uint64(layer.local_offset) + base + r[:, 0] * stride
+            ro[s] = base + r[:, 1] * stride
+            ln[s] = r[:, 2] * seg
             rid[s] = layer.remote_region_id
+            at += k
     return ReadPlan(lo, rid, ro, ln)

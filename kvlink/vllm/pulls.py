@@ -5,7 +5,7 @@ Every pull is in exactly one state:
     RESOLVING --resolved--> READY --posted--> READING --batch ok--> CONFIRMING --lease held--> DONE
         |                     |                  |  \\--batch ok, lease already proven-------------> DONE
         |                     |                  |--batch failed------------------------------------> FAILED
-        |                     |                  '--cancel / lease lost / deadline--> SETTLING --settled--> CANCELLED|FAILED
+        |                     |                  '--cancel / lease lost / deadline--> SETTLING --settled--> (either)
         '---------------------'--cancel / lease lost / deadline / resolve failed--------------------> CANCELLED|FAILED
 
 READY means paired and waiting to be posted; it is left at once by ``take_posts`` (the adapter posts what

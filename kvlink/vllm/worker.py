@@ -3,7 +3,8 @@
 register_kv_caches() registers the cache with a transport backend. A prefill worker advertises one READ
 region per layer to the bootstrap server (with a lease kept by a Heartbeater); a decode worker registers
 the whole cache allocation as one WRITE region, so all layers of all requests from one remote engine go
-in one batched READ.
+in one batched READ. Where a block lives in a layer's tensor (vLLM CPU's layout, FlashAttention's K/V
+planes, FlashInfer, NHD/HND, MLA) is layout.py's; the KV must still be in host memory.
 
 Decode's pulls live in a PullTable (pulls.py): pure logic, events in, actions out. This module owns the
 one lock around it, carries out its actions (resolve, post a READ, cancel a batch, renew leases) outside
@@ -48,6 +49,7 @@ from kvlink.errors import NotSettled
 from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
+from kvlink.vllm.layout import LayoutError, block_layout, tokens_per_block
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
@@ -142,6 +144,7 @@ class KVLinkWorker:
         self.compat: dict = {}
         self.compat_hash = ""
         self.block_bytes = 0
+        self.layout = None  # BlockLayout of every layer (register_kv_caches)
         self._local_region = None
         self._local_offsets: dict[str, int] = {}
         self._layer_dest: dict[str, Any] = {}
@@ -185,20 +188,25 @@ class KVLinkWorker:
             raise RuntimeError("kvlink: vLLM gave no KV cache tensors to register")
         first = next(iter(kv_caches.values()))
         for name, t in kv_caches.items():
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
-                raise RuntimeError(f"kvlink: KV cache {name} must be a contiguous CPU tensor "
-                                   f"(got {getattr(t, 'device', type(t))}); kvlink moves host memory only")
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise RuntimeError("kvlink: all KV cache layers must have the same shape and dtype")
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                raise RuntimeError(f"kvlink: KV cache {name} must be a CPU tensor (got "
+                                   f"{getattr(t, 'device', type(t))}); kvlink moves host memory only")
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+                raise RuntimeError(f"kvlink: all KV cache layers must have the same shape, strides and dtype; "
+                                   f"{name} has {list(t.shape)} {list(t.stride())} {t.dtype}, the first "
+                                   f"{list(first.shape)} {list(first.stride())} {first.dtype}")
+        try:
+            self.layout = block_layout(first.shape, first.stride(), first.element_size())
+        except LayoutError as e:
+            raise RuntimeError(f"kvlink: {e}") from None
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
         _request_amx_permission()
-        num_blocks, kv_heads, block_size, last = first.shape
-        self.block_bytes = first[0].numel() * first.element_size()
-        layout = f"cpu:[blocks,{kv_heads},{block_size},{last}]"
+        num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
+        self.block_bytes = self.layout.block_bytes
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
-                                    layout=layout, tokens_per_block=block_size,
-                                    num_layers=len(kv_caches), kv_heads=kv_heads, head_size=last // 2)
+                                    layout=f"cpu:{self.layout.desc}", tokens_per_block=block_size,
+                                    num_layers=len(kv_caches), kv_heads=0, head_size=0)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(
@@ -209,7 +217,7 @@ class KVLinkWorker:
             connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure),
             self.cfg.mooncake_config if self.cfg.transport_backend == "mooncake" else None)
         if self.role in ("kv_producer", "kv_both"):
-            self._layer_regions = {n: self.engine.register(t, access=Access.READ)
+            self._layer_regions = {n: self.engine.register((t.data_ptr(), self.layout.span), access=Access.READ)
                                    for n, t in kv_caches.items()}
         if self.role in ("kv_consumer", "kv_both"):
             self._register_destination(kv_caches)
@@ -226,19 +234,17 @@ class KVLinkWorker:
                     "any CPU" if self.cfg.spread_threads else "pinned with the worker")
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
-        tensors = list(kv_caches.values())
-        ptrs = [t.data_ptr() for t in tensors]
-        lo = min(ptrs)
-        hi = max(p + t.numel() * t.element_size() for p, t in zip(ptrs, tensors))
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        if self.role == "kv_both" or hi - lo > total:
+        ptrs = [t.data_ptr() for t in kv_caches.values()]
+        lo, hi = min(ptrs), max(ptrs) + self.layout.span
+        if self.role == "kv_both" or hi - lo > len(ptrs) * self.layout.span:
             # Not one allocation (or also a source): one region per layer, one READ per layer.
             access = Access.READ | Access.WRITE
             if self.role == "kv_both":
                 self._local_region = None
                 self._layer_dest = self._layer_regions
             else:
-                self._layer_dest = {n: self.engine.register(t, access=access) for n, t in kv_caches.items()}
+                self._layer_dest = {n: self.engine.register((t.data_ptr(), self.layout.span), access=access)
+                                    for n, t in kv_caches.items()}
             self._local_offsets = {n: 0 for n in kv_caches}
         else:
             self._local_region = self.engine.register((lo, hi - lo), access=Access.WRITE)
@@ -262,9 +268,8 @@ class KVLinkWorker:
             return
         from kvlink.bootstrap import EngineRegistration, Heartbeater, KVLayerSpec
 
-        first = next(iter(self.kv_caches.values()))
         layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.block_bytes,
-                              num_blocks=first.shape[0], tokens_per_block=self.compat["tokens_per_block"],
+                              num_blocks=self.layout.num_blocks, tokens_per_block=self.compat["tokens_per_block"],
                               dtype=self.compat["kv_dtype"], layout=self.compat["layout"])
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
@@ -445,7 +450,7 @@ class KVLinkWorker:
         if missing:
             raise PullFailed(f"prefill engine {engine_id} lacks layers {missing[:3]}")
         peer = self.engine.connect(reg.transport_addr)
-        layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.block_bytes)
+        layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.layout)
                   for n in self.layer_names]
         with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
             remote = self._remotes.setdefault(key, _Remote(key, peer, layers))

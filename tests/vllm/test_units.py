@@ -39,7 +39,11 @@ def test_coalesce_runs():
 
 
 def test_plan_one_descriptor_per_run_and_layer():
-    layers = [LayerMap("l0", 0, 7, 100), LayerMap("l1", 10_000, 8, 100)]
+    from kvlink.vllm.layout import BlockLayout
+
+    lay = BlockLayout(num_blocks=10, segments=1, segment_stride=0, block_stride=100, segment_bytes=100, span=1000,
+                      desc="t")
+    layers = [LayerMap("l0", 0, 7, lay), LayerMap("l1", 10_000, 8, lay)]
     plan = build_plan(layers, [(1, 4), (2, 5), (8, 9)])
     assert len(plan) == 4 and plan.nbytes == 2 * 300
     assert plan.local_offsets.tolist() == [100, 800, 10_100, 10_800]

@@ -1,0 +1,101 @@
+"""Where a layer's KV blocks live inside its tensor: the layouts vLLM's attention backends hand a connector.
+
+Pure arithmetic on shape, strides and element size (no torch import), unit-tested directly. One block of
+one layer is ``segments`` byte ranges of ``segment_bytes`` each; segment ``s`` of block ``b`` starts
+``s * segment_stride + b * block_stride`` bytes after the tensor's data pointer. Both sides must lay a
+layer out the same way (the compatibility hash carries ``desc``); kvlink then moves each segment as
+opaque bytes, so the order of heads, tokens and channels inside it does not matter.
+
+- vLLM CPU: ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (each head's K rows, then its V rows):
+  one segment per block.
+- FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_size]`` (NHD), or the HND cache vLLM
+  allocates heads-first and hands over as a permuted view of that shape: two segments, the K plane and
+  the V plane.
+- FlashInfer: ``[num_blocks, 2, block_size, kv_heads, head_size]`` (NHD, or HND as a permuted view): one
+  segment (K and V of a block are adjacent).
+- MLA: ``[num_blocks, block_size, latent]`` (GPU backends) or ``[num_blocks, 1, block_size, latent]``
+  (CPU): one segment.
+
+Anything else (a block whose elements are not one dense range, negative or overlapping strides, another
+rank) is refused with the shape and strides named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+
+class LayoutError(ValueError):
+    """A KV cache tensor kvlink cannot move block by block; the message names shape and strides."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    num_blocks: int
+    segments: int  # byte ranges per block: 2 for separate K and V planes, else 1
+    segment_stride: int  # bytes from one plane to the next (0 with one segment)
+    block_stride: int  # bytes from block b to block b + 1 within a plane
+    segment_bytes: int  # bytes of one block in one plane
+    span: int  # bytes from the data pointer that hold every block of the layer
+    desc: str  # what the compatibility hash compares between prefill and decode
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of this layer, all segments."""
+        return self.segments * self.segment_bytes
+
+    @property
+    def runs_coalesce(self) -> bool:
+        """Consecutive blocks are adjacent in each plane, so a run of them is one byte range."""
+        return self.block_stride == self.segment_bytes
+
+
+def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> BlockLayout:
+    """The block layout of one layer's KV tensor (``strides`` in elements, as torch gives them)."""
+    shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
+    what = f"KV cache tensor of shape {list(shape)} and strides {list(strides)}"
+    if not 3 <= len(shape) <= 5 or len(strides) != len(shape):
+        raise LayoutError(f"{what}: kvlink moves 3- to 5-dimensional caches with the blocks in dimension 0 "
+                          "(vLLM CPU, FlashInfer, MLA) or 1 after a K/V dimension of 2 (FlashAttention)")
+    if any(s < 0 for s in strides) or any(n <= 0 for n in shape):
+        raise LayoutError(f"{what}: negative strides or empty dimensions")
+    planes = len(shape) == 5 and shape[0] == 2  # FlashAttention: [2, num_blocks, ...]
+    bdim = 1 if planes else 0
+    inner = list(zip(shape[bdim + 1:], strides[bdim + 1:]))
+    if not _dense(inner):
+        raise LayoutError(f"{what}: one block's elements are not one contiguous range, so a block cannot be "
+                          "moved as bytes")
+    seg_elems = prod(shape[bdim + 1:])
+    num_blocks, block_stride = shape[bdim], strides[bdim]
+    if num_blocks > 1 and block_stride < seg_elems:
+        raise LayoutError(f"{what}: blocks overlap (block stride {block_stride} < {seg_elems} elements)")
+    segment_stride = strides[0] if planes else 0
+    after = segment_stride >= (num_blocks - 1) * block_stride + seg_elems  # V plane after all of K
+    interleaved = seg_elems <= segment_stride and segment_stride + seg_elems <= block_stride  # K, V per block
+    if planes and not (after or interleaved):
+        raise LayoutError(f"{what}: the K and V planes overlap")
+    span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
+    kind = "kv-planes" if planes else "blocks"
+    desc = (f"{kind}:{'x'.join(map(str, shape[bdim + 1:]))}:{'.'.join(str(s) for _, s in inner)}"
+            f":{itemsize}")
+    return BlockLayout(num_blocks=num_blocks, segments=2 if planes else 1, segment_stride=segment_stride * itemsize,
+                       block_stride=block_stride * itemsize, segment_bytes=seg_elems * itemsize, span=span,
+                       desc=desc)
+
+
+def _dense(dims: list[tuple[int, int]]) -> bool:
+    """The dimensions (size, stride) cover one contiguous range in some order (a permutation of a dense
+    layout), as a block of NHD or HND does."""
+    expected = 1
+    for size, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def tokens_per_block(shape: tuple[int, ...]) -> int:
+    """Tokens in one block, read from a shape of the layouts above (dimension 2, or 1 for 3-D MLA)."""
+    return int(shape[1] if len(shape) == 3 else shape[2])
+
