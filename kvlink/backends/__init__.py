@@ -7,6 +7,7 @@ engine (``mooncake``, :mod:`kvlink.backends.mooncake`). ``BACKENDS`` lists the r
 """
 
 from kvlink.backends.mooncake_config import MooncakeConfig
-from kvlink.backends.registry import BACKENDS, Factory, open_backend, register_backend, unregister_backend
+from kvlink.backends.registry import (BACKENDS, Factory, device_memory, open_backend, register_backend,
+                                      unregister_backend)
 
-__all__ = ["BACKENDS", "Factory", "MooncakeConfig", "open_backend", "register_backend", "unregister_backend"]
+__all__ = ["BACKENDS", "Factory", "device_memory", "MooncakeConfig", "open_backend", "register_backend", "unregister_backend"]

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlink.backends.mooncake_config import MooncakeConfig
+from kvlink.backends.mooncake_config import MooncakeConfig, mooncake_device_memory
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
 from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled,
                            RemoteError, SystemError_, TimeoutError_, UnknownRegion)
@@ -254,7 +254,7 @@ class MooncakeBackend:
         if cfg.same_host == "require":
             raise Unsupported("mooncake backend: no same-host copy (same_host='require')")
         self.capabilities = Capabilities(read=True, write=True, notify=True, cancel=False, crc=False,
-                                         same_host=False, network=True)
+                                         same_host=False, network=True, device_memory=mooncake_device_memory()[0])
         host, port = split_hostport(cfg.listen, "listen") if cfg.listen else (None, 0)
         self._host = host
         mc_host = mc.host or (host if host not in (None, "0.0.0.0", "::") else "127.0.0.1")

@@ -71,3 +71,23 @@ class MooncakeConfig:
             return cls(**kw)
         except ValueError as e:
             raise ValueError(f"mooncake settings from the environment: {e}") from None
+
+
+def mooncake_device_memory() -> tuple[bool, str]:
+    """Whether the installed Mooncake transfer engine registers GPU memory: its CUDA build
+    (``mooncake-transfer-engine``) does, the ``-non-cuda`` build does not."""
+    from importlib import metadata
+
+    def have(dist: str) -> bool:
+        try:
+            metadata.version(dist)
+            return True
+        except metadata.PackageNotFoundError:
+            return False
+
+    if have("mooncake-transfer-engine"):
+        return True, "the CUDA build of Mooncake's transfer engine registers device memory"
+    if have("mooncake-transfer-engine-non-cuda"):
+        return False, ("the installed Mooncake is the non-CUDA build (mooncake-transfer-engine-non-cuda): it "
+                       "cannot register device memory; install mooncake-transfer-engine for GPU-direct")
+    return False, "Mooncake's transfer engine is not installed"

@@ -59,6 +59,18 @@ def open_backend(kind: str, config: EngineConfig | None = None, options: Any = N
     return factory(config or EngineConfig(), options)
 
 
+def device_memory(kind: str) -> tuple[bool, str]:
+    """Whether backend ``kind`` can register GPU memory (move device KV with no host staging), and why
+    not, without opening it: the scheduler and the workers decide staging from this one answer."""
+    if kind == "mooncake":
+        from kvlink.backends.mooncake_config import mooncake_device_memory
+
+        return mooncake_device_memory()
+    if kind in ("auto", "tcp", "same-host"):
+        return False, f"kvlink's {kind} transport moves host memory only"
+    return False, f"backend {kind!r} does not say it registers device memory"
+
+
 def _native(same_host: str) -> Factory:
     def open_native(config: EngineConfig, options: Any) -> Backend:
         if options is not None:

@@ -78,6 +78,12 @@ class KVLayerSpec(_Strict, kw_only=True):
     tokens_per_block: Annotated[int, Meta(gt=0, le=1 << 20)]
     dtype: Name
     layout: Name
+    # Where block b, segment s of this layer lives in the region: offset + s * segment_stride + b * block_stride
+    # (block_stride 0: blocks of block_bytes back to back, one segment). Prefill's strides, which need not
+    # be decode's (another num_blocks moves a V plane; a staging pool packs every layer of a block together).
+    offset: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
+    block_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
+    segment_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
 
 
 class EngineRegistration(_Strict, kw_only=True):

@@ -33,6 +33,7 @@ class Capabilities:
     crc: bool = False          # per-descriptor integrity check available
     same_host: bool = False    # copies straight from the peer's memory (no network)
     network: bool = True       # reaches peers on other hosts
+    device_memory: bool = False  # registers GPU memory: moves device KV without host staging
 
 
 @runtime_checkable

@@ -11,6 +11,7 @@ from typing import Any
 from kvlink.bootstrap.config import is_loopback
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+STAGING_MODES = ("auto", "always", "never")
 
 
 class ConnectorConfigError(ValueError):
@@ -57,6 +58,13 @@ class ConnectorConfig:
     # release instead (a release ends the wait at once), so the idle engine stops competing with decode
     # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
     idle_step_wait_ms: float = 10.0
+    # Host staging of KV that lives on a GPU (staging.py). "auto": stage when the KV is on a device the
+    # transport cannot address (kvlink's TCP and same-host transports, a non-CUDA Mooncake build), move it
+    # straight from device memory when it can (a CUDA Mooncake build), never stage host KV; "always": stage
+    # whatever the KV's device (prefill frees its vLLM blocks as soon as they are copied out; tests use it
+    # on CPU); "never": device KV only through a backend that registers device memory, else start-up stops.
+    staging: str = "auto"
+    staging_pool_mb: int = 2048  # each worker's pinned host pool (prefill: staged copies; decode: landing)
     # transport_backend "mooncake": MooncakeConfig's keys (protocol, device, host, max_queued, settle_s,
     # transfer_timeout_s). Unset: read once from KVLINK_MOONCAKE_* / MC_* environment variables.
     mooncake: dict | None = None
@@ -115,6 +123,13 @@ class ConnectorConfig:
                                        f"settings, got {self.mooncake!r}")
         if self.transport_backend == "mooncake" or self.mooncake is not None:
             object.__setattr__(self, "mooncake_config", _mooncake_config(self.mooncake))
+        if self.staging not in STAGING_MODES:
+            raise ConnectorConfigError(f"kv_connector_extra_config['staging'] must be one of {STAGING_MODES}, "
+                                       f"got {self.staging!r}")
+        v = self.staging_pool_mb
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 20:
+            raise ConnectorConfigError("kv_connector_extra_config['staging_pool_mb'] must be an integer number "
+                                       f"of MiB 1..{1 << 20}, got {v!r}")
         if self.release_poll_s > 5:
             raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 

@@ -27,6 +27,7 @@ from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # n
 from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
 from kvlink.vllm.plugin import attach_vllm_log_handlers  # noqa: E402
 from kvlink.vllm.scheduler import KVLinkScheduler  # noqa: E402
+from kvlink.vllm.staging import pool_slots, slot_bytes_of, staging_wanted  # noqa: E402
 from kvlink.vllm.stats import KVLinkPromMetrics, KVLinkStats  # noqa: E402
 from kvlink.vllm.worker import KVLinkWorker, RankInfo  # noqa: E402
 
@@ -59,6 +60,22 @@ def _check_groups(kv_cache_config: Any) -> None:
                                "(supported: full attention, sliding window)")
 
 
+def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_config: Any) -> int | None:
+    """The staging pool's slot count when this engine stages (the workers size theirs the same way)."""
+    try:
+        staged, why = staging_wanted(cfg.staging, vllm_config.device_config.device_type, cfg.transport_backend)
+    except ValueError as e:
+        raise RuntimeError(f"KVLinkConnector: {e}") from None
+    if not staged or kv_cache_config is None:
+        return None
+    slots = pool_slots(cfg.staging_pool_mb, slot_bytes_of(kv_cache_config))
+    if slots < 1:
+        raise RuntimeError(f"KVLinkConnector: staging_pool_mb={cfg.staging_pool_mb} holds no block of this model "
+                           f"({slot_bytes_of(kv_cache_config)} B for one block of every layer)")
+    logger.info("kvlink: %s; staging pool of %d blocks per worker", why, slots)
+    return slots
+
+
 class KVLinkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -84,7 +101,8 @@ class KVLinkConnector(KVConnectorBase_V1):
             swa = isinstance(spec, SlidingWindowSpec)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           window=spec.sliding_window if swa else None,
-                                          window_extra=spec.extra_retained_tokens if swa else 0)
+                                          window_extra=spec.extra_retained_tokens if swa else 0,
+                                          staging_slots=_staging_slots(self.config, vllm_config, kv_cache_config))
             logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s, bootstrap %s, "
                         "transport backend %s on %s)", kv.kv_role, self.engine_id, block_size,
                         self.config.lease_s, self.config.bootstrap_url or (
@@ -97,7 +115,8 @@ class KVLinkConnector(KVConnectorBase_V1):
 
             rank = RankInfo(self.engine_id, get_tensor_model_parallel_rank(), pc.tensor_parallel_size,
                             pc.data_parallel_rank, pc.data_parallel_size, str(vllm_config.model_config.model))
-            self._worker = KVLinkWorker(self.config, rank, kv.kv_role)
+            self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
+                                        slot_bytes=slot_bytes_of(kv_cache_config) if groups else None)
 
     # ----- worker side -------------------------------------------------------------------------------
 

@@ -50,6 +50,28 @@ class BlockLayout:
         """Consecutive blocks are adjacent in each plane, so a run of them is one byte range."""
         return self.block_stride == self.segment_bytes
 
+    def geometry(self, offset: int = 0) -> "Geometry":
+        """Where this layer's blocks sit when its tensor starts ``offset`` bytes into a region."""
+        return Geometry(offset, self.block_stride, self.segment_stride)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where one layer's blocks sit in a transport region: segment ``s`` of block ``b`` starts at
+    ``offset + s * segment_stride + b * block_stride``. Prefill's and decode's geometries of a layer may
+    differ (another ``num_blocks`` moves a V plane; a staging pool packs the layers of a block together);
+    the bytes of a segment may not (the compatibility hash compares ``BlockLayout.desc``)."""
+
+    offset: int
+    block_stride: int
+    segment_stride: int
+
+
+def packed_geometry(layout: BlockLayout, layer: int, num_layers: int) -> Geometry:
+    """Layer ``layer`` in a staging pool whose slot ``b`` holds block ``b`` of every layer, segments in
+    order: one slot of ``num_layers * block_bytes`` is one byte range."""
+    return Geometry(layer * layout.block_bytes, num_layers * layout.block_bytes, layout.segment_bytes)
+
 
 def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> BlockLayout:
     """The block layout of one layer's KV tensor (``strides`` in elements, as torch gives them)."""

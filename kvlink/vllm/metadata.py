@@ -42,4 +42,6 @@ class KVLinkMetadata(KVConnectorMetadata):
     pulls: list[PullSpec] = field(default_factory=list)  # decode: start these pulls
     cancels: list[str] = field(default_factory=list)  # decode: aborted while pulling
     frees: list[str] = field(default_factory=list)  # prefill: report as finished_sending
+    # prefill with host staging: (request id, device blocks, pool slots) to copy, then report as finished_sending
+    stages: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     bootstrap_url: str | None = None  # prefill: where workers register

@@ -6,9 +6,9 @@ vLLM's tables hold the null block (id 0) where the model never reads (outside a 
 on decode, blocks it already has (prefix cache); only the positions decode needs are moved, and a
 position decode needs that prefill no longer holds fails the pull: kvlink never guesses.
 
-A pull copies, for every layer, remote block ``r`` of that layer into local block ``l``. Runs where both
-the local and remote block ids advance by one become one descriptor of ``n * block_bytes``, so a
-contiguous prompt costs one descriptor per layer instead of one per block and layer.
+A pull copies, for every layer, remote block ``r`` of that layer into local block ``l``. Byte ranges that
+continue each other on both sides become one descriptor, so a contiguous prompt costs one descriptor per
+layer and plane instead of one per block, and one per run of slots between two staging pools.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlink.vllm.layout import BlockLayout
+from kvlink.vllm.layout import Geometry
 
 
 NULL_BLOCK = 0  # vLLM's null block: a position the model never reads
@@ -70,30 +70,19 @@ def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int 
 
 @dataclass(frozen=True)
 class LayerMap:
-    """Where one layer lives: at ``local_offset`` inside the local region, in ``remote_region_id``, its
-    blocks laid out as ``layout`` says (the same on both sides: the compatibility hash checks it)."""
+    """One layer of a pull: its blocks in the local region and in ``remote_region_id``, each side's
+    geometry, and the segments every block has on both sides (``segments`` of ``segment_bytes``)."""
 
     name: str
-    local_offset: int
+    local: Geometry
     remote_region_id: int
-    layout: BlockLayout
+    remote: Geometry
+    segments: int
+    segment_bytes: int
 
     @property
     def block_bytes(self) -> int:
-        return self.layout.block_bytes
-
-
-def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """[(local, remote)] -> [(local_start, remote_start, count)] merging runs that advance together."""
-    runs: list[tuple[int, int, int]] = []
-    for local, remote in pairs:
-        if runs:
-            l0, r0, n = runs[-1]
-            if local == l0 + n and remote == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
-                continue
-        runs.append((local, remote, 1))
-    return runs
+        return self.segments * self.segment_bytes
 
 
 @dataclass
@@ -117,28 +106,43 @@ class ReadPlan:
 
 
 def build_plan(layers: list[LayerMap], pairs: list[tuple[int, int]]) -> ReadPlan:
-    """One descriptor per run of blocks (or per block where a plane's blocks are not adjacent), per
-    segment (K and V planes), per layer."""
-    per_layer = [(layer, coalesce(pairs) if layer.layout.runs_coalesce else [(lb, rb, 1) for lb, rb in pairs])
-                 for layer in layers]
-    n = sum(len(runs) * layer.layout.segments for layer, runs in per_layer)
-    lo = np.empty(n, np.uint64)
-    rid = np.empty(n, np.uint32)
-    ro = np.empty(n, np.uint64)
-    ln = np.empty(n, np.uint64)
-    at = 0
-    for layer, runs in per_layer:
-        if not runs:
-            continue
-        r = np.asarray(runs, dtype=np.uint64)
-        k, lay = len(runs), layer.layout
-        stride, seg = np.uint64(lay.block_stride), np.uint64(lay.segment_bytes)
-        for plane in range(lay.segments):
-            s = slice(at, at + k)
-            base = np.uint64(plane * lay.segment_stride)
-            lo[s] = np.uint64(layer.local_offset) + base + r[:, 0] * stride
-            ro[s] = base + r[:, 1] * stride
-            ln[s] = r[:, 2] * seg
-            rid[s] = layer.remote_region_id
-            at += k
-    return ReadPlan(lo, rid, ro, ln)
+    """One descriptor per segment of each pair in each layer, then byte ranges that continue each other on
+    both sides merged: a run of blocks in one plane is one descriptor, and where both sides pack a block's
+    layers together (staging pools) a run of blocks of every layer is one."""
+    if not pairs or not layers:
+        return ReadPlan(*(np.empty(0, t) for t in (np.uint64, np.uint32, np.uint64, np.uint64)))
+    seg = layers[0].segment_bytes
+    nseg = layers[0].segments
+    if any(m.segment_bytes != seg or m.segments != nseg for m in layers):
+        raise ValueError("build_plan: layers with different block shapes in one plan")
+    p = np.asarray(pairs, dtype=np.uint64).reshape(-1, 2)
+
+    def side(g: str, col: int):  # byte offsets, shape (layers, segments, pairs)
+        off = np.array([getattr(m, g).offset for m in layers], np.uint64)[:, None, None]
+        sstr = np.array([getattr(m, g).segment_stride for m in layers], np.uint64)[:, None, None]
+        bstr = np.array([getattr(m, g).block_stride for m in layers], np.uint64)[:, None, None]
+        s = np.arange(nseg, dtype=np.uint64)[None, :, None]
+        return off + s * sstr + p[:, col][None, None, :] * bstr
+
+    lo, ro = side("local", 0), side("remote", 1)
+    rid = np.broadcast_to(np.array([m.remote_region_id for m in layers], np.uint32)[:, None, None], lo.shape)
+    order = (2, 0, 1) if _packed(layers) else (0, 1, 2)  # block-major where a block's layers are adjacent
+    lo, ro, rid = (a.transpose(order).ravel() for a in (lo, ro, rid))
+    step = np.uint64(seg)
+    brk = np.ones(len(lo), bool)
+    brk[1:] = (lo[1:] != lo[:-1] + step) | (ro[1:] != ro[:-1] + step) | (rid[1:] != rid[:-1])
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, len(lo))).astype(np.uint64) * step
+    return ReadPlan(lo[starts], rid[starts].copy(), ro[starts], lengths)
+
+
+def _packed(layers: list[LayerMap]) -> bool:
+    """Both sides hold a block's segments and layers back to back (a staging pool on each side)."""
+    bb, seg = layers[0].block_bytes, layers[0].segment_bytes
+    for side in ("local", "remote"):
+        first = getattr(layers[0], side).offset
+        for i, m in enumerate(layers):
+            g = getattr(m, side)
+            if g.offset != first + i * bb or g.segment_stride not in (0, seg):
+                return False
+    return True

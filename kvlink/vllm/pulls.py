@@ -255,6 +255,29 @@ class PullTable:
         b.handle, b.nbytes, b.nblocks, b.ndesc, b.started = handle, nbytes, nblocks, ndesc, now
         return [CancelBatch(b.id, handle)] if b.cancel_wanted else []
 
+    def post_split(self, batch: int, deferred: list[str], refused: dict[str, str], now: float) -> None:
+        """Before posting, the adapter could not give some pulls of the batch room (host staging's landing
+        pool): ``deferred`` ones are READY again (posted when room frees, their deadline still runs),
+        ``refused`` ones can never fit and fail. A pull cancelled meanwhile gets its outcome now."""
+        b = self._batches.get(batch)
+        if b is None:
+            return
+        for rid in [*deferred, *refused]:
+            p = self._pulls.get(rid)
+            if rid in b.rids:
+                b.rids.remove(rid)
+            if p is None or p.batch != batch:
+                continue
+            if p.pending is not None:
+                self._report(p, p.pending[0], now, p.pending[1])
+            elif rid in refused:
+                self._report(p, State.FAILED, now, refused[rid])
+            else:
+                p.state, p.batch = State.READY, None
+                self._count("staging_pool_full")
+        if not b.rids:
+            del self._batches[batch]
+
     def post_failed(self, batch: int, why: str, now: float) -> None:
         """Nothing was submitted: its pulls fail (or get the outcome they were waiting to report)."""
         b = self._batches.pop(batch, None)

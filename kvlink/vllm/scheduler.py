@@ -33,6 +33,7 @@ from kvlink.vllm.held import COUNTER_OF, HeldTable
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
+from kvlink.vllm.staging import SlotPool, StagePlanner
 from kvlink.vllm.stats import KVLinkStats
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
-                 window: int | None = None, window_extra: int = 0):
+                 window: int | None = None, window_extra: int = 0, staging_slots: int | None = None):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
         self.window, self.window_extra = window, window_extra  # the group's sliding window, if it has one
         self.is_producer = role in ("kv_producer", "kv_both")
@@ -62,7 +63,11 @@ class KVLinkScheduler:
         self._held = HeldTable(cfg.lease_s)
         self._held_lock = threading.Lock()
         self._freed = threading.Condition(self._held_lock)
-        self._gauges_sent: tuple[int, int] | None = None
+        self._gauges_sent: tuple[int, ...] | None = None
+        # Host staging (staging.py), prefill only: the staging queue and the pool's slots, under _held_lock.
+        self._planner = (StagePlanner(SlotPool(staging_slots), cfg.lease_s)
+                         if staging_slots is not None and self.is_producer else None)
+        self._device_frees: list[str] = []  # held requests whose device blocks vLLM may free (under _held_lock)
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
         self._cancelled: set[str] = set()
@@ -120,6 +125,9 @@ class KVLinkScheduler:
                     if sum(self._held.released(rid, outcome) for rid, outcome in outcomes):
                         self._freed.notify_all()
                     due = self._held.lookup_due()
+                    # Staged requests hold slots, not vLLM blocks: free them here, without waiting for a step.
+                    frees = self._collect_frees() if self._planner is not None else []
+                self._note_frees(frees)
                 if due:
                     self._reconcile(cli)
                 with self._held_lock:
@@ -175,6 +183,8 @@ class KVLinkScheduler:
             return False, None
         rid = request.request_id
         num_tokens = request.num_computed_tokens
+        if self._planner is not None:
+            return self._finished_staged(rid, tuple(block_ids), num_tokens, transfer_id)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(block_ids)], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id)
@@ -189,6 +199,46 @@ class KVLinkScheduler:
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
                                   block_ids=tuple(block_ids), num_tokens=num_tokens, transfer_id=transfer_id,
                                   lease_s=self.cfg.lease_s).to_params()
+
+    def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None):
+        """Host staging: keep the device blocks until the worker has copied them into the pool, then publish
+        the slots (update_connector_output). Decode learns the slots from the bootstrap server, so its
+        params carry a transfer id (one of ours when the router gave none) and no block ids: decode's
+        lookup waits for the publish, and nothing reads a slot before its copy is done."""
+        import time
+        import uuid
+
+        transfer_id = transfer_id or f"kvlink-{uuid.uuid4().hex}"
+        with self._held_lock:
+            refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens))
+        if refused:
+            logger.warning("kvlink: request %s: %s; decode will compute it", rid, refused)
+            return False, kvparams.refusal(refused)
+        return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
+                                  num_tokens=num_tokens, transfer_id=transfer_id,
+                                  lease_s=self.cfg.lease_s).to_params()
+
+    def _staged(self, rid: str) -> None:
+        """The worker copied the request into the pool (vLLM frees its device blocks now): publish its slots."""
+        with self._held_lock:
+            job = self._planner.staged(rid)
+        if job is None:
+            return
+        transfer_id, num_tokens = job.extra
+        try:
+            self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
+                                                         self.cfg.lease_s, transfer_id=transfer_id)
+        except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
+            logger.warning("kvlink: publishing staged request %s to %s failed: %s; not keeping its KV", rid,
+                           self.bootstrap_url, e)
+            self._count("publish_failures")
+            with self._held_lock:
+                self._planner.release(rid)
+            self._abandon_transfer(rid, transfer_id)
+            return
+        with self._held_lock:
+            self._held.published(rid, 0)  # no device block held: the slots are the planner's
+        self._count("published")
 
     def _abandon_transfer(self, rid: str, transfer_id: str) -> None:
         """Aborted before publishing: mark the transfer id abandoned at the bootstrap server, so a decode
@@ -208,14 +258,27 @@ class KVLinkScheduler:
         """Requests whose blocks go back to vLLM now; waits up to ``wait_s`` for the first free."""
         with self._freed:
             if wait_s:
-                self._freed.wait_for(self._held.has_frees, timeout=wait_s)
-            frees = self._held.tick()
+                self._freed.wait_for(lambda: self._device_frees or self._held.has_frees(), timeout=wait_s)
+            frees = self._collect_frees()
+            device, self._device_frees = self._device_frees, []
+        self._note_frees(frees)
+        return device
+
+    def _note_frees(self, frees: list) -> None:
         for f in frees:
             self._count(f.counter)
             if f.by_deadline:
                 logger.warning("kvlink: lease of request %s ran out without word from the bootstrap "
                                "server; freeing its blocks", f.request_id)
-        return [f.request_id for f in frees]
+
+    def _collect_frees(self) -> list:
+        """Under _held_lock: requests the held table frees now. A staged one's slots go back to the pool
+        here; the others' device blocks wait in _device_frees for the worker (the next step's metadata)."""
+        frees = self._held.tick()
+        for f in frees:
+            if self._planner is None or not self._planner.release(f.request_id):
+                self._device_frees.append(f.request_id)
+        return frees
 
     # ----- decode ------------------------------------------------------------------------------------
 
@@ -316,6 +379,9 @@ class KVLinkScheduler:
             (self._wait_pool if waits else self._pool).submit(work)
 
     def update_connector_output(self, output: Any) -> None:
+        if self._planner is not None:
+            for rid in output.finished_sending or ():
+                self._staged(rid)  # a staging job the worker finished (other sends are frees)
         failed = set(output.failed_recving or ())
         for rid in output.finished_recving or ():
             src = self._pulls.pop(rid, None)
@@ -347,10 +413,26 @@ class KVLinkScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
         frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
-        meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees,
+        stages = self._stage_jobs(frees) if self._planner is not None else []
+        meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
                               bootstrap_url=self.bootstrap_url if self.is_producer else None)
         self._new_pulls, self._new_cancels = [], []
         return meta
+
+    def _stage_jobs(self, frees: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """Staging jobs that got slots this step; requests that waited a whole lease for room are given up
+        (their device blocks freed: appended to ``frees``; decode's lookup answered 'released')."""
+        import time
+
+        with self._held_lock:
+            start, expired = self._planner.take_jobs(time.monotonic())
+        for j in expired:
+            logger.warning("kvlink: request %s waited %.0f s for room in the staging pool (staging_pool_mb=%d) "
+                           "and is given up; decode will compute it", j.request_id, self._planner.wait_s,
+                           self.cfg.staging_pool_mb)
+            frees.append(j.request_id)
+            self._abandon_transfer(j.request_id, j.extra[0])
+        return [(j.request_id, j.blocks, j.slots) for j in start]
 
     def _idle_wait(self, scheduler_output: Any) -> float:
         """How long this step may wait for a release: only when the engine steps for nothing but held
@@ -364,7 +446,10 @@ class KVLinkScheduler:
         return 0.0
 
     def has_pending_work(self) -> bool:
+        """vLLM must keep stepping: blocks to free, or (staging) copies to start or to hear of."""
         with self._held_lock:
+            if self._planner is not None:
+                return self._planner.busy() or self._held.num_blocks > 0 or bool(self._device_frees)
             return bool(self._held)
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -377,8 +462,14 @@ class KVLinkScheduler:
         if self.is_producer:
             with self._held_lock:
                 gauges = (len(self._held), self._held.num_blocks)
+                if self._planner is not None:
+                    for k, n in self._planner.take_counts().items():
+                        stats.add(k, n)
+                    gauges = (gauges[0], gauges[1] + self._planner.device_blocks(), self._planner.pool.in_use)
             if gauges != self._gauges_sent:
                 self._gauges_sent = gauges
                 stats.set_gauge("held_requests", gauges[0])
-                stats.set_gauge("held_blocks", gauges[1])
+                stats.set_gauge("held_blocks", gauges[1])  # vLLM blocks kept for decode (not staged ones)
+                if len(gauges) > 2:
+                    stats.set_gauge("staging_used_blocks", gauges[2])
         return None if stats.is_empty() else stats

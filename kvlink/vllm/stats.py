@@ -19,14 +19,21 @@ COUNTERS = (
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
     "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
+    # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests
+    # staged; a request (prefill) or pull (decode) that found the pool full and waited; requests larger than
+    # the pool (computed by decode); requests that waited a whole lease for room and were given up.
+    "bytes_staged", "bytes_landed", "staged", "staging_pool_full", "staging_refused", "staging_expired",
 )
 GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode right now
-          "pulls_in_progress")  # decode: requests waiting for their KV right now
+          "pulls_in_progress",  # decode: requests waiting for their KV right now
+          "staging_used_blocks")  # host staging: slots of the pool in use (prefill: staged copies; decode: landing)
 # transfer_s: one sample per batched READ, post to completion; pull_s: one per request, from the worker
 # receiving the pull (start_load_kv) to its KV in place and trusted (lookup, connect, queueing and any
 # wait for the lease proof included); handoff_s: one per pulled request, from its KV in place and trusted to
 # vLLM collecting it (get_transfer_results): the wait for vLLM's next engine step, which kvlink does not control.
-SERIES = ("transfer_s", "pull_s", "handoff_s")
+# staging_s: one per staged request, from its copy handed to the worker to the copy seen done (device to
+# pool); landing_s: one per batch, the copy of its landing slots into the KV cache (pool to device).
+SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
 
@@ -94,7 +101,11 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 "pull_s": ("kvlink_pull_seconds", "kvlink: one request's pull, from the decode worker receiving "
                                                   "it to its KV in place", _BUCKETS + [30, 60]),
                 "handoff_s": ("kvlink_handoff_seconds", "kvlink: from a request's KV in place to vLLM's engine "
-                                                        "step collecting it (get_transfer_results)", _BUCKETS)}
+                                                        "step collecting it (get_transfer_results)", _BUCKETS),
+                "staging_s": ("kvlink_staging_seconds", "kvlink: one request's copy from device blocks into the "
+                                                        "host staging pool", _BUCKETS),
+                "landing_s": ("kvlink_landing_seconds", "kvlink: one batch's copy from the host staging pool "
+                                                        "into the KV cache", _BUCKETS)}
         self._hists = {}
         for k, (name, doc, buckets) in docs.items():
             h = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)

@@ -45,15 +45,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlink.backends import open_backend
-from kvlink.errors import NotSettled
+from kvlink.errors import Canceled, NotSettled
 from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.layout import LayoutError, block_layout, tokens_per_block
+from kvlink.vllm.layout import Geometry, LayoutError, block_layout, packed_geometry, tokens_per_block
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
+from kvlink.vllm.stager import Pending, Stager
+from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
 
 logger = logging.getLogger(__name__)
@@ -130,14 +132,56 @@ class _Batches:
         return stopped
 
 
+class _Landing:
+    """Decode with host staging: a READ into landing slots, then the copy of those slots into the pulls'
+    blocks, as one batch. It ends (``poll``/``wait``) only once the blocks hold the KV; ``cancel`` returns
+    only once nothing writes into them: a copy under way is waited for (and the batch counts as finished),
+    one not begun never begins."""
+
+    def __init__(self, read: Any, stager: Stager, moves: list[tuple[int, int]], fence: Any):
+        self.read, self.stager, self.moves, self.fence = read, stager, moves, fence
+        self._lock = threading.Lock()
+        self._copy: Pending | None = None
+        self._copied = False
+        self._stopped = False
+        self.copy_s = 0.0
+
+    def poll(self) -> bool:
+        self.read.poll()  # raises the READ's error
+        return self._copied
+
+    def wait(self, timeout_s: float) -> None:
+        self.read.wait(timeout_s)
+        with self._lock:
+            if self._stopped:
+                raise Canceled("kvlink: batch cancelled before its copy into the KV cache")
+            t0 = time.monotonic()
+            self._copy = self.stager.from_pool([s for s, _ in self.moves], [b for _, b in self.moves],
+                                               self.fence)
+        self._copy.wait()
+        self.copy_s = time.monotonic() - t0
+        self._copied = True
+
+    def cancel(self) -> bool:
+        with self._lock:
+            copy, self._stopped = self._copy, self._copy is None
+        if copy is not None:
+            copy.wait()  # under way: it finishes, and the batch with it
+            self._copied = True
+            return False
+        self.read.cancel()  # NotSettled propagates: the landing slots stay claimed until it settles
+        return True
+
+
 def _not_settled(e: BaseException) -> bool:
     """The backend's way of saying "cancel asked, but the batch may still write" (Mooncake)."""
     return isinstance(e, NotSettled)
 
 
 class KVLinkWorker:
-    def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str):
+    def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        self.slot_bytes = slot_bytes  # staging: bytes of one slot as the scheduler sizes the pool (staging.py)
         self.engine = None
         self.kv_caches: dict[str, Any] = {}
         self.layer_names: list[str] = []
@@ -146,8 +190,20 @@ class KVLinkWorker:
         self.block_bytes = 0
         self.layout = None  # BlockLayout of every layer (register_kv_caches)
         self._local_region = None
-        self._local_offsets: dict[str, int] = {}
+        self._local_geoms: dict[str, Geometry] = {}  # where each layer's blocks sit in the destination region
+        self._source_geoms: dict[str, Geometry] = {}  # ... and in the region prefill publishes
         self._layer_dest: dict[str, Any] = {}
+        # Host staging (staging.py, stager.py): the pool's copies; prefill's copies under way; decode's
+        # landing slots, per batch, given back when the table lets the batch go (under _lock).
+        self.staged = False
+        self._stager: Stager | None = None
+        self._stage_exec: ThreadPoolExecutor | None = None
+        self._staging: dict[str, tuple[Pending, float, int]] = {}  # vLLM's thread only
+        self._landing: SlotPool | None = None
+        self._landing_slots: dict[int, tuple[int, ...]] = {}
+        self._landing_sent: int | None = None  # last staging_used_blocks gauge handed out
+        self._fence = None  # CUDA event recorded when the latest pulls were handed over
+        self._stage_stats = KVLinkStats()  # under _lock
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
@@ -188,24 +244,32 @@ class KVLinkWorker:
             raise RuntimeError("kvlink: vLLM gave no KV cache tensors to register")
         first = next(iter(kv_caches.values()))
         for name, t in kv_caches.items():
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                raise RuntimeError(f"kvlink: KV cache {name} must be a CPU tensor (got "
-                                   f"{getattr(t, 'device', type(t))}); kvlink moves host memory only")
-            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
-                raise RuntimeError(f"kvlink: all KV cache layers must have the same shape, strides and dtype; "
-                                   f"{name} has {list(t.shape)} {list(t.stride())} {t.dtype}, the first "
-                                   f"{list(first.shape)} {list(first.stride())} {first.dtype}")
+            if not isinstance(t, torch.Tensor):
+                raise RuntimeError(f"kvlink: KV cache {name} is not a tensor ({type(t).__name__})")
+            if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+                    or t.device != first.device):
+                raise RuntimeError(f"kvlink: all KV cache layers must have the same shape, strides, dtype and "
+                                   f"device; {name} has {list(t.shape)} {list(t.stride())} {t.dtype} on {t.device}, "
+                                   f"the first {list(first.shape)} {list(first.stride())} {first.dtype} on "
+                                   f"{first.device}")
+        what = (f"KV cache {list(first.shape)} {first.dtype} on {first.device}, transport backend "
+                f"{self.cfg.transport_backend!r}")
         try:
             self.layout = block_layout(first.shape, first.stride(), first.element_size())
-        except LayoutError as e:
-            raise RuntimeError(f"kvlink: {e}") from None
+            self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
+        except (LayoutError, ValueError) as e:
+            raise RuntimeError(f"kvlink: {e} ({what})") from None
+        if self.staged and self.role == "kv_both":
+            raise RuntimeError(f"kvlink: host staging ({why}) serves kv_producer and kv_consumer engines; a "
+                               f"kv_both engine cannot stage ({what})")
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
-        _request_amx_permission()
+        if first.device.type == "cpu":
+            _request_amx_permission()
         num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
         self.block_bytes = self.layout.block_bytes
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
-                                    layout=f"cpu:{self.layout.desc}", tokens_per_block=block_size,
+                                    layout=self.layout.desc, tokens_per_block=block_size,
                                     num_layers=len(kv_caches), kv_heads=0, head_size=0)
         self.compat_hash = compat_hash(self.compat)
 
@@ -216,22 +280,51 @@ class KVLinkWorker:
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure),
             self.cfg.mooncake_config if self.cfg.transport_backend == "mooncake" else None)
+        pool_region = self._open_staging(why) if self.staged else None
+        n = len(kv_caches)
         if self.role in ("kv_producer", "kv_both"):
-            self._layer_regions = {n: self.engine.register((t.data_ptr(), self.layout.span), access=Access.READ)
-                                   for n, t in kv_caches.items()}
+            if pool_region is not None:
+                self._layer_regions = dict.fromkeys(kv_caches, pool_region)
+                self._source_geoms = {name: packed_geometry(self.layout, i, n) for i, name in enumerate(kv_caches)}
+            else:
+                self._layer_regions = {name: self.engine.register((t.data_ptr(), self.layout.span), access=Access.READ)
+                                       for name, t in kv_caches.items()}
+                self._source_geoms = dict.fromkeys(kv_caches, self.layout.geometry())
         if self.role in ("kv_consumer", "kv_both"):
-            self._register_destination(kv_caches)
+            if pool_region is not None:
+                self._local_region = pool_region
+                self._local_geoms = {name: packed_geometry(self.layout, i, n) for i, name in enumerate(kv_caches)}
+                self._landing = SlotPool(self._stager.slots)
+            else:
+                self._register_destination(kv_caches)
             self._leases = LeaseCalls(self._clients_for, self._apply)
             self._thread = threading.Thread(target=self._run, name="kvlink-pulls", daemon=True)
             self._thread.start()
         logger.info("kvlink: %s worker tp%d/%d transport %s (backend %s, streams %d, auth %s, crc %s), "
-                    "%d layers, %d blocks of %d B/layer, compat %s, threads %s",
+                    "%d layers, %d blocks of %d B/layer on %s (%s), compat %s, threads %s",
                     self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address,
                     self.cfg.transport_backend, self.cfg.transport_streams,
                     "token" if self.cfg.transport_token else "none (loopback only)"
                     if not self.cfg.allow_insecure else "none", self.cfg.crc, len(kv_caches), num_blocks,
-                    self.block_bytes, self.compat_hash,
+                    self.block_bytes, first.device, why, self.compat_hash,
                     "any CPU" if self.cfg.spread_threads else "pinned with the worker")
+
+    def _open_staging(self, why: str):
+        """The host staging pool (stager.py), registered as one region; its slot count is the scheduler's."""
+        slot_bytes = self.slot_bytes or len(self.kv_caches) * self.block_bytes
+        slots = pool_slots(self.cfg.staging_pool_mb, slot_bytes)
+        if slots < 1:
+            raise RuntimeError(f"kvlink: staging_pool_mb={self.cfg.staging_pool_mb} holds no block of this "
+                               f"model ({slot_bytes} B for one block of every layer); raise staging_pool_mb")
+        self._stager = Stager(self.kv_caches, self.layout, slots)
+        access = Access.READ if self.role == "kv_producer" else Access.WRITE
+        region = self.engine.register(self._stager.pool_span, access=access)
+        logger.info("kvlink: %s; staging pool of %d blocks (%.1f MiB%s)", why, slots,
+                    self._stager.pool.numel() / MIB, ", pinned" if self._stager.cuda else "")
+        if self.role == "kv_producer":
+            self._stage_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-stage",
+                                                  initializer=self._place_thread)
+        return region
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
         ptrs = [t.data_ptr() for t in kv_caches.values()]
@@ -245,10 +338,10 @@ class KVLinkWorker:
             else:
                 self._layer_dest = {n: self.engine.register((t.data_ptr(), self.layout.span), access=access)
                                     for n, t in kv_caches.items()}
-            self._local_offsets = {n: 0 for n in kv_caches}
+            self._local_geoms = dict.fromkeys(kv_caches, self.layout.geometry())
         else:
             self._local_region = self.engine.register((lo, hi - lo), access=Access.WRITE)
-            self._local_offsets = {n: t.data_ptr() - lo for n, t in kv_caches.items()}
+            self._local_geoms = {n: self.layout.geometry(t.data_ptr() - lo) for n, t in kv_caches.items()}
             self._layer_dest = {}
 
     def _clients_for(self, url: str):
@@ -268,9 +361,12 @@ class KVLinkWorker:
             return
         from kvlink.bootstrap import EngineRegistration, Heartbeater, KVLayerSpec
 
-        layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.block_bytes,
-                              num_blocks=self.layout.num_blocks, tokens_per_block=self.compat["tokens_per_block"],
-                              dtype=self.compat["kv_dtype"], layout=self.compat["layout"])
+        num_blocks = self._stager.slots + 1 if self.staged else self.layout.num_blocks
+        layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.block_bytes, num_blocks=num_blocks,
+                              tokens_per_block=self.compat["tokens_per_block"], dtype=self.compat["kv_dtype"],
+                              layout=self.compat["layout"], offset=self._source_geoms[n].offset,
+                              block_stride=self._source_geoms[n].block_stride,
+                              segment_stride=self._source_geoms[n].segment_stride)
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
@@ -298,6 +394,10 @@ class KVLinkWorker:
         if meta.frees:
             with self._lock:
                 self._frees.update(meta.frees)
+        if meta.stages:
+            self._stage(meta.stages)
+        if meta.pulls and self._stager is not None:
+            self._fence = self._stager.fence()  # their blocks' earlier users are queued before this
         for spec in meta.pulls:
             self._submit(spec)
         for rid in meta.cancels:
@@ -310,11 +410,41 @@ class KVLinkWorker:
         blocks are in take_load_error_blocks() no later than this call's step.
         """
         self._settle_finished()
+        staged = self._staged_done() if self._staging else set()
         with self._lock:
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
         failed = set(res.failed)
-        return sending, res.done | failed, failed
+        return sending | staged, res.done | failed, failed
+
+    def _stage(self, jobs: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Prefill, vLLM's thread: copy finished requests' blocks into the slots the scheduler gave them. On
+        CUDA the copies are queued on the stager's stream after everything vLLM queued so far (the forward
+        that wrote the blocks); on CPU a thread of ours does them."""
+        fence = self._stager.fence()
+        for rid, blocks, slots in jobs:
+            if self._stager.cuda:
+                pending = self._stager.to_pool(list(blocks), list(slots), fence)
+            else:
+                fut = self._stage_exec.submit(self._stager.to_pool, list(blocks), list(slots))
+                pending = Pending(fut.done, fut.result)
+            self._staging[rid] = (pending, time.monotonic(), len(blocks))
+
+    def _staged_done(self) -> set[str]:
+        """Requests whose copies finished: reported finished sending, so vLLM frees their device blocks now."""
+        done = set()
+        for rid, (pending, t0, nblocks) in list(self._staging.items()):
+            if not pending.done():
+                continue
+            # A copy that failed raises here and stops the engine: a staged copy that may be wrong is never
+            # published (an error on the device is fatal to vLLM anyway).
+            pending.wait()
+            del self._staging[rid]
+            done.add(rid)
+            with self._lock:
+                self._stage_stats.add("bytes_staged", nblocks * self._stager.slot_bytes)
+                self._stage_stats.sample("staging_s", time.monotonic() - t0)
+        return done
 
     def take_load_error_blocks(self) -> set[int]:
         """Local block ids of pulls that failed since the last call."""
@@ -325,6 +455,11 @@ class KVLinkWorker:
         with self._lock:
             stats = KVLinkStats()
             counts, samples = self._table.take_stats()
+            stats.aggregate(self._stage_stats)
+            self._stage_stats = KVLinkStats()
+            if self._landing is not None and self._landing.in_use != self._landing_sent:
+                self._landing_sent = self._landing.in_use
+                stats.set_gauge("staging_used_blocks", self._landing.in_use)
             for k, n in counts.items():
                 stats.add(k, n)
             for k, vs in samples.items():
@@ -356,7 +491,10 @@ class KVLinkWorker:
         with self._lock:
             if self._closed:
                 return
-            actions = event(self._table, time.monotonic()) or []
+            now = time.monotonic()
+            actions = event(self._table, now) or []
+            if self._landing_slots:
+                actions += self._give_back_landing(now)
             messages = self._table.take_messages()
         for m in messages:
             logger.warning("%s", m)
@@ -449,8 +587,15 @@ class KVLinkWorker:
         missing = [n for n in self.layer_names if n not in by_name]
         if missing:
             raise PullFailed(f"prefill engine {engine_id} lacks layers {missing[:3]}")
+        odd = [n for n in self.layer_names if by_name[n].block_bytes != self.block_bytes]
+        if odd:
+            raise PullFailed(f"prefill engine {engine_id} has {by_name[odd[0]].block_bytes} B blocks in layer "
+                             f"{odd[0]}, this engine {self.block_bytes} B")
         peer = self.engine.connect(reg.transport_addr)
-        layers = [LayerMap(n, self._local_offsets[n], by_name[n].region_id, self.layout)
+        lay = self.layout
+        layers = [LayerMap(n, self._local_geoms[n], by_name[n].region_id,
+                           Geometry(by_name[n].offset, by_name[n].block_stride or by_name[n].block_bytes,
+                                    by_name[n].segment_stride), lay.segments, lay.segment_bytes)
                   for n in self.layer_names]
         with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
             remote = self._remotes.setdefault(key, _Remote(key, peer, layers))
@@ -460,14 +605,23 @@ class KVLinkWorker:
 
     def _post(self, a: Post) -> None:
         """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
-        not one region); then the table hears it was posted, and a waiter thread blocks on it."""
+        not one region); then the table hears it was posted, and a waiter thread blocks on it. With host
+        staging the READ lands in slots of the staging pool and the batch copies them into the pulls'
+        blocks before it ends (_Landing)."""
         remote: _Remote = a.remote
+        pulls, landing = list(a.pulls), None
+        if self._landing is not None:
+            pulls, landing = self._claim_landing(a)
+            if not pulls:
+                return
+        pairs = {p.rid: landing[p.rid] if landing else list(p.pairs) for p in pulls}
         parts, nbytes, ndesc = [], 0, 0
         try:
             dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
                 (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
             for region, layers in dests:
-                plan = ReadPlan.concat([build_plan(layers, list(p.pairs)) for p in a.pulls])
+                plan = ReadPlan.concat([build_plan(layers, [(lb, rb) for lb, rb, _ in pairs[p.rid]]
+                                                   if landing else pairs[p.rid]) for p in pulls])
                 parts.append(self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
                                               plan.remote_offsets, plan.lengths,
                                               timeout_s=self.cfg.transfer_timeout_s))
@@ -483,9 +637,45 @@ class KVLinkWorker:
             self._apply(lambda t, now: t.batch_unsettled(a.batch, _why(e), now))
             return
         handle = parts[0] if len(parts) == 1 else _Batches(parts)
-        nblocks = sum(len(p.pairs) for p in a.pulls) * len(remote.layers)
+        if landing:
+            moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
+            handle = _Landing(handle, self._stager, moves, self._fence)
+        nblocks = sum(len(pairs[p.rid]) for p in pulls) * len(remote.layers)
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
+
+    def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
+        """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
+        [(slot, remote block, local block)]). The others wait (READY again) until a batch gives slots back;
+        a pull larger than the whole pool fails."""
+        fit, landing, deferred, refused, claimed = [], {}, [], {}, []
+        with self._lock:
+            for p in a.pulls:
+                n = len(p.pairs)
+                if n > self._landing.capacity:
+                    refused[p.rid] = (f"it needs {n} blocks of the staging pool, which holds "
+                                      f"{self._landing.capacity} (raise staging_pool_mb)")
+                    continue
+                slots = self._landing.allocate(n)
+                if slots is None:
+                    deferred.append(p.rid)
+                    continue
+                fit.append(p)
+                claimed += slots
+                landing[p.rid] = [(s, rb, lb) for s, (lb, rb) in zip(slots, p.pairs)]
+            if claimed:
+                self._landing_slots[a.batch] = tuple(claimed)
+        if deferred or refused:
+            self._apply(lambda t, now: t.post_split(a.batch, deferred, refused, now))
+        return fit, landing
+
+    def _give_back_landing(self, now: float) -> list:
+        """Under _lock: landing slots of batches the table let go (ended, settled) return to the pool, and
+        pulls waiting for room are posted."""
+        gone = [b for b in self._landing_slots if self._table.batch(b) is None]
+        for b in gone:
+            self._landing.free(self._landing_slots.pop(b))
+        return self._table.take_posts(now) if gone else []
 
     def _await(self, batch: int, handle: Any, remote: _Remote) -> None:
         """Waiter thread: block on one batch (the GIL is released meanwhile), then report how it ended.
@@ -498,6 +688,10 @@ class KVLinkWorker:
         except Exception as e:  # noqa: BLE001
             self._ended(batch, e, remote)
         else:
+            if isinstance(handle, _Landing):
+                with self._lock:
+                    self._stage_stats.add("bytes_landed", len(handle.moves) * self._stager.slot_bytes)
+                    self._stage_stats.sample("landing_s", handle.copy_s)
             self._apply(lambda t, now: t.batch_ended(batch, None, now))
 
     def _settle_finished(self) -> None:
@@ -585,6 +779,8 @@ class KVLinkWorker:
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self._canceller.shutdown(wait=False, cancel_futures=True)
         self._waiter.shutdown(wait=False, cancel_futures=True)  # cancel above (or close below) ends waits
+        if self._stage_exec is not None:
+            self._stage_exec.shutdown(wait=True, cancel_futures=True)  # no copy into a pool being freed
         if self._leases is not None:
             self._leases.stop()
         if self._heartbeater is not None:

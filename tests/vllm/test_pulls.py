@@ -342,3 +342,17 @@ def test_window_start_lost_exactly_when_the_recomputed_token_reads_a_freed_block
     mgr = SimpleNamespace(sliding_window=64, extra_retained_tokens=0)
     freed_blocks = SlidingWindowManager.get_num_skipped_tokens(mgr, n) // 32
     assert (max(0, n - 1 - 64 + 1) // 32 < freed_blocks) is lost
+
+
+def test_post_split_defers_refuses_and_keeps_cancel_outcomes():
+    """Host staging's landing pool: before posting, the adapter sends some pulls back to wait for room and
+    fails one that can never fit; one cancelled meanwhile gets its outcome."""
+    t = PullTable(60.0)
+    post = ready_together(t, ["a", "b", "c"])
+    t.cancel("c", 0.5)  # no handle yet: nothing to stop
+    t.post_split(post.batch, ["a", "c"], {"b": "too big for the staging pool"}, 1.0)
+    assert t.state("a") is State.READY and t.batch(post.batch) is None
+    done, failed = results(t)
+    assert done == {"c"} and set(failed) == {"b"}
+    assert t.take_stats()[0]["staging_pool_full"] == 1
+    assert [p.rid for p in t.take_posts(2.0)[0].pulls] == ["a"]

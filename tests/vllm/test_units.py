@@ -7,7 +7,8 @@ import time
 import pytest
 
 from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
-from kvlink.vllm.plan import LayerMap, build_plan, coalesce
+from kvlink.vllm.layout import Geometry
+from kvlink.vllm.plan import LayerMap, build_plan
 from tests.fakes import FakeBootstrapClient, RecordingPullTable
 
 
@@ -32,18 +33,9 @@ def test_config_is_frozen():
         cfg.lease_s = 6  # type: ignore[misc]
 
 
-def test_coalesce_runs():
-    assert coalesce([(5, 10), (6, 11), (7, 12), (9, 13), (10, 14), (3, 20)]) == [
-        (5, 10, 3), (9, 13, 2), (3, 20, 1)]
-    assert coalesce([]) == []
-
-
 def test_plan_one_descriptor_per_run_and_layer():
-    from kvlink.vllm.layout import BlockLayout
-
-    lay = BlockLayout(num_blocks=10, segments=1, segment_stride=0, block_stride=100, segment_bytes=100, span=1000,
-                      desc="t")
-    layers = [LayerMap("l0", 0, 7, lay), LayerMap("l1", 10_000, 8, lay)]
+    g = Geometry(0, 100, 0)
+    layers = [LayerMap("l0", g, 7, g, 1, 100), LayerMap("l1", Geometry(10_000, 100, 0), 8, g, 1, 100)]
     plan = build_plan(layers, [(1, 4), (2, 5), (8, 9)])
     assert len(plan) == 4 and plan.nbytes == 2 * 300
     assert plan.local_offsets.tolist() == [100, 800, 10_100, 10_800]

@@ -1,0 +1,137 @@
+"""Copies between a worker's KV blocks and its host staging pool (the torch side of staging.py).
+
+The pool is one host tensor ``[slots + 1, layers, segments, segment_bytes]`` of bytes (pinned when the KV
+is on CUDA), registered with the transport as one region. Each layer's KV tensor is seen as bytes
+``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout.
+
+On CUDA every copy runs on the stager's own stream, after an event recorded on vLLM's stream when the
+work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
+it was given to this request), through a fixed device scratch buffer (``CHUNK_BYTES``): a gather of the
+blocks into the scratch, then one copy per run of consecutive slots. Nothing synchronizes the device on
+vLLM's thread; ``Pending.done()`` asks the stream's event. On CPU (staging forced) the copies are plain
+indexed copies, run on the caller's thread (the worker hands prefill's to a thread of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvlink.vllm.layout import BlockLayout
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20  # device scratch for one round of a gather or a scatter
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """[(index into slots, first slot, count)] of consecutive slots."""
+    out: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if out and s == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, s, 1))
+    return out
+
+
+class Pending:
+    """A copy under way: ``done()`` never blocks, ``wait()`` does (never on vLLM's thread)."""
+
+    def __init__(self, done: Callable[[], bool], wait: Callable[[], None]):
+        self.done, self.wait = done, wait
+
+
+DONE = Pending(lambda: True, lambda: None)
+
+
+class Stager:
+    def __init__(self, kv_caches: dict[str, Any], layout: BlockLayout, slots: int):
+        import torch
+
+        first = next(iter(kv_caches.values()))
+        self.device = first.device
+        self.cuda = self.device.type == "cuda"
+        self.layout, self.slots = layout, slots
+        n, seg = layout.segments, layout.segment_bytes
+        self.slot_bytes = len(kv_caches) * layout.block_bytes
+        self.pool = torch.zeros((slots + 1, len(kv_caches), n, seg), dtype=torch.uint8, pin_memory=self.cuda)
+        self.views = [self._bytes(t) for t in kv_caches.values()]
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=self.device)
+            self.chunk = max(1, min(slots, CHUNK_BYTES // self.slot_bytes))
+            self.scratch = torch.empty((self.chunk, len(kv_caches), n, seg), dtype=torch.uint8, device=self.device)
+
+    @property
+    def pool_span(self) -> tuple[int, int]:
+        return self.pool.data_ptr(), self.pool.numel()
+
+    def _bytes(self, t: Any) -> Any:
+        """The layer's blocks as bytes ``[num_blocks, segments, segment_bytes]`` (a view of its storage)."""
+        import torch
+
+        lay = self.layout
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return raw.as_strided((lay.num_blocks, lay.segments, lay.segment_bytes),
+                              (lay.block_stride, lay.segment_stride or lay.segment_bytes, 1),
+                              t.storage_offset() * t.element_size())
+
+    def fence(self) -> Any:
+        """An event on vLLM's current stream (CUDA): copies started later wait for what it had queued."""
+        if not self.cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def to_pool(self, blocks: list[int], slots: list[int], after: Any = None) -> Pending:
+        """Copy device blocks into pool slots (prefill). CPU: done on return."""
+        import torch
+
+        if not self.cuda:
+            bi, si = torch.tensor(blocks), torch.tensor(slots)
+            for layer, v in enumerate(self.views):
+                self.pool[si, layer] = v[bi]
+            return DONE
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for at in range(0, len(blocks), self.chunk):
+                bi = torch.tensor(blocks[at:at + self.chunk], device=self.device)
+                k = len(bi)
+                for layer, v in enumerate(self.views):
+                    self.scratch[:k, layer].copy_(v.index_select(0, bi))
+                for i, s, n in _runs(slots[at:at + k]):
+                    self.pool[s:s + n].copy_(self.scratch[i:i + n], non_blocking=True)
+            return self._event()
+
+    def from_pool(self, slots: list[int], blocks: list[int], after: Any = None) -> Pending:
+        """Copy pool slots into device blocks (decode). CPU: done on return."""
+        import torch
+
+        if not self.cuda:
+            bi, si = torch.tensor(blocks), torch.tensor(slots)
+            for layer, v in enumerate(self.views):
+                v[bi] = self.pool[si, layer]
+            return DONE
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for at in range(0, len(blocks), self.chunk):
+                bi = torch.tensor(blocks[at:at + self.chunk], device=self.device)
+                k = len(bi)
+                for i, s, n in _runs(slots[at:at + k]):
+                    self.scratch[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
+                for layer, v in enumerate(self.views):
+                    v.index_copy_(0, bi, self.scratch[:k, layer])
+            return self._event()
+
+    def _event(self) -> Pending:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return Pending(ev.query, ev.synchronize)

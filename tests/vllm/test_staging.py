@@ -1,0 +1,221 @@
+"""Host staging (kvlink.vllm.staging, stager.py): the pure pieces, then real KVLinkWorkers over the native TCP
+transport and a real bootstrap server, with tensors shaped like each GPU backend's KV cache (on CPU, staging
+forced): every pulled block of every layer lands where decode's table says, through prefill's pool, decode's
+landing pool, or both."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvlink.vllm.layout import Geometry, block_layout, packed_geometry
+from kvlink.vllm.plan import LayerMap, build_plan
+from kvlink.vllm.staging import SlotPool, StagePlanner, pool_slots, staging_wanted
+from tests.vllm.helpers import pull_outcome, submit_pull
+from tests.vllm.test_layouts import BS, LAYERS, NB, _block, _views
+
+torch = pytest.importorskip("torch")
+
+KINDS = ["cpu", "flash_attn_nhd", "flash_attn_hnd", "flashinfer_nhd", "flashinfer_hnd", "mla", "mla_cpu"]
+
+
+# ----- pure ----------------------------------------------------------------------------------------------------
+
+
+def test_slot_pool_prefers_a_contiguous_run_and_never_hands_out_slot_zero():
+    pool = SlotPool(10)
+    a, b = pool.allocate(3), pool.allocate(4)
+    assert a == (1, 2, 3) and b == (4, 5, 6, 7)
+    pool.free(a)
+    assert pool.allocate(3) == (1, 2, 3)  # the first run that fits
+    pool.free((1, 2, 3))
+    assert pool.allocate(5) == (1, 2, 3, 8, 9)  # no run of 5: scattered slots, still 5 of them
+    assert pool.in_use == 9 and pool.allocate(2) is None
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free((10,))
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free((0,))
+
+
+def test_pool_slots_reserve_the_null_slot():
+    assert pool_slots(1, 1 << 20) == 0
+    assert pool_slots(8, 1 << 20) == 7
+
+
+def test_planner_first_come_first_staged_then_expiry_and_refusal():
+    pl = StagePlanner(SlotPool(6), wait_s=10.0)
+    assert "needs 7 staging blocks" in pl.admit("huge", tuple(range(1, 8)), 0.0)
+    assert pl.admit("a", (0, 11, 12, 13), 0.0) is None  # a null first position (outside a window)
+    assert pl.admit("b", (21, 22, 23, 24), 1.0) is None
+    assert pl.admit("c", (31,), 2.0) is None
+    start, expired = pl.take_jobs(3.0)
+    assert [j.request_id for j in start] == ["a"] and not expired
+    assert start[0].slots == (1, 2, 3) and start[0].blocks == (11, 12, 13)
+    assert pl.counts["staging_pool_full"] == 1  # b waits, and c behind it
+    assert pl.device_blocks() == 3 + 4 + 1 and pl.busy()
+    job = pl.staged("a")
+    assert job.slot_table == (0, 1, 2, 3)  # the null position stays null
+    assert pl.device_blocks() == 5 and pl.pool.in_use == 3
+    assert pl.take_jobs(4.0) == ([], [])  # still no room for b; counted once
+    assert pl.counts["staging_pool_full"] == 1
+    assert pl.release("a") and not pl.release("a")
+    start, _ = pl.take_jobs(5.0)
+    assert [j.request_id for j in start] == ["b", "c"]
+    assert pl.admit("d", (41, 42, 43, 44), 5.0) is None
+    start, expired = pl.take_jobs(15.0)
+    assert start == [] and [j.request_id for j in expired] == ["d"]
+    assert pl.counts["staging_expired"] == 1 and pl.counts["staging_refused"] == 1
+
+
+def test_staging_decision():
+    assert staging_wanted("auto", "cpu", "tcp")[0] is False
+    assert staging_wanted("always", "cpu", "tcp")[0] is True
+    assert staging_wanted("auto", "cuda", "tcp") == (True, "host staging: kvlink's tcp transport moves host "
+                                                            "memory only")
+    with pytest.raises(ValueError, match="staging 'never'"):
+        staging_wanted("never", "cuda", "same-host")
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        staging_wanted("auto", "xpu", "tcp")
+    # This machine has the non-CUDA Mooncake build (or none): GPU-direct is impossible and said so.
+    staged, why = staging_wanted("auto", "cuda", "mooncake")
+    assert staged and ("non-CUDA" in why or "not installed" in why)
+
+
+def test_plan_between_two_pools_is_one_descriptor_per_run_of_slots():
+    lay = block_layout((NB, 2, BS, 64), (2 * BS * 64, BS * 64, 64, 1), 2)
+    layers = [LayerMap(f"l{i}", packed_geometry(lay, i, 3), 9, packed_geometry(lay, i, 3), lay.segments,
+                       lay.segment_bytes) for i in range(3)]
+    plan = build_plan(layers, [(1, 5), (2, 6), (3, 7), (7, 1)])
+    slot = 3 * lay.block_bytes
+    assert plan.local_offsets.tolist() == [slot, 7 * slot]
+    assert plan.remote_offsets.tolist() == [5 * slot, slot]
+    assert plan.lengths.tolist() == [3 * slot, slot]
+
+
+def test_plan_reads_each_side_with_its_own_geometry():
+    # Decode: K/V planes of 8 blocks; prefill: a pool. One block of 2 segments of 100 B.
+    local = Geometry(1000, 100, 800)
+    layers = [LayerMap("l0", local, 3, Geometry(0, 400, 100), 2, 100),
+              LayerMap("l1", Geometry(5000, 100, 800), 3, Geometry(200, 400, 100), 2, 100)]
+    plan = build_plan(layers, [(2, 1), (3, 2)])
+    got = sorted(zip(plan.local_offsets.tolist(), plan.remote_offsets.tolist(), plan.lengths.tolist()))
+    assert got == sorted([(1200, 400, 100), (1300, 800, 100), (2000, 500, 100), (2100, 900, 100),
+                          (5200, 600, 100), (5300, 1000, 100), (6000, 700, 100), (6100, 1100, 100)])
+
+
+# ----- real workers, real transport and bootstrap ---------------------------------------------------------------
+
+
+@pytest.fixture
+def boot():
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    yield srv.url
+    srv.stop()
+
+
+def _stage(worker, rid: str, blocks: tuple[int, ...], slots: tuple[int, ...], wait_s: float = 10.0) -> None:
+    """Hand a prefill worker a staging job as the scheduler would, and step it until it reports the copy."""
+    from kvlink.vllm.metadata import KVLinkMetadata
+
+    worker.start_load_kv(KVLinkMetadata(stages=[(rid, blocks, slots)]))
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        if rid in worker.transfer_results()[0]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"staging of {rid} not reported within {wait_s} s")
+
+
+@pytest.mark.parametrize("sides", ["prefill", "decode", "both"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_staged_pull_puts_every_block_of_every_layer_in_place(boot, kind, sides):
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    def cfg(staged: bool):
+        return ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0,
+                               staging="always" if staged else "auto", staging_pool_mb=1)
+
+    pre = KVLinkWorker(cfg(sides != "decode"), RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = KVLinkWorker(cfg(sides != "prefill"), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        src, dst = _views(kind, LAYERS, True, True, nb=NB + 5), _views(kind, LAYERS, True, False)
+        pre.register_kv_caches(src)
+        dec.register_kv_caches(dst)
+        assert pre.staged == (sides != "decode") and dec.staged == (sides != "prefill")
+        pre._ensure_registered(boot)
+        pairs = [(1, 4), (2, 5), (3, 6), (6, 1)]
+        published = [r for _, r in pairs]
+        if pre.staged:
+            slots = (7, 8, 9, 2)  # a run, then a lone slot
+            _stage(pre, "p-r", tuple(published), slots)
+            for name, t in src.items():  # prefill's device blocks are free now: anything may overwrite them
+                t.zero_()
+            published = list(slots)
+        with BootstrapClient(boot) as cli:
+            cli.publish("pre", "p-r", [published], num_tokens=BS * len(pairs), lease_s=30.0)
+        want = {name: {lb: _block(kind, _views(kind, LAYERS, True, True, nb=NB + 5)[name], rb).clone()
+                       for lb, rb in pairs} for name in dst}
+        submit_pull(dec, boot, "r", [(lb, p) for (lb, _), p in zip(pairs, published)])
+        assert pull_outcome(dec, "r") == "ok"
+        for name in dst:
+            for lb, _ in pairs:
+                assert torch.equal(_block(kind, dst[name], lb), want[name][lb]), (name, lb)
+            for b in set(range(NB)) - {lb for lb, _ in pairs}:
+                assert not _block(kind, dst[name], b).any(), f"{name}: block {b} was written"
+        pstats, dstats = (pre.get_stats() or {}), dec.get_stats().data
+        if pre.staged:
+            assert pstats.data["bytes_staged"] == len(pairs) * LAYERS * pre.layout.block_bytes
+        if dec.staged:
+            assert dstats["bytes_landed"] == len(pairs) * LAYERS * dec.layout.block_bytes
+            assert dec._landing.in_use == 0  # the landing slots went back
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+
+
+def test_landing_pool_full_waits_then_pulls_and_too_big_fails(boot):
+    """Decode's landing pool holds 3 blocks of every layer. With 2 of them taken (another batch landing), a
+    2-block pull waits (READY, counted), and is posted and lands once they come back; a 4-block pull can
+    never land and fails."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.pulls import State
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    src, dst = _views("cpu", 1, True, True, nb=12), _views("cpu", 1, True, False, nb=12)
+    pre = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = KVLinkWorker(ConnectorConfig(transport_backend="tcp", staging="always", staging_pool_mb=1,
+                                       pull_timeout_s=30.0),
+                       RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer", slot_bytes=(1 << 20) // 4)
+    try:
+        pre.register_kv_caches(src)
+        dec.register_kv_caches(dst)
+        assert dec._landing.capacity == 3
+        pre._ensure_registered(boot)
+        with BootstrapClient(boot) as cli:
+            for rid, blocks in (("w", [9]), ("a", [1, 2]), ("big", [1, 2, 3, 4])):
+                cli.publish("pre", "p-" + rid, [blocks], num_tokens=BS * len(blocks), lease_s=30.0)
+        submit_pull(dec, boot, "w", [(9, 9)])  # first contact: the peer is known from here on
+        assert pull_outcome(dec, "w") == "ok"
+        with dec._lock:
+            taken = dec._landing.allocate(2)
+        submit_pull(dec, boot, "a", [(1, 1), (2, 2)])
+        assert dec._table.state("a") is State.READY  # waiting for room, nothing on the wire
+        assert dec.get_stats().data["staging_pool_full"] == 1
+        with dec._lock:
+            dec._landing.free(taken)
+        dec._apply(lambda t, now: t.take_posts(now))  # what a batch giving its slots back does
+        assert pull_outcome(dec, "a") == "ok"
+        submit_pull(dec, boot, "big", [(4, 1), (5, 2), (6, 3), (7, 4)])
+        assert pull_outcome(dec, "big") == "failed"
+        d, s = next(iter(dst.values())), next(iter(src.values()))
+        assert all(torch.equal(d[b], s[b]) for b in (1, 2, 9))
+        assert not d[4:8].any() and dec._landing.in_use == 0
+    finally:
+        dec.shutdown()
+        pre.shutdown()
