@@ -180,6 +180,11 @@ class KVLinkConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
 
+    def has_pending_push_work(self) -> bool:
+        """Keeps the engine stepping while kvlink has work no vLLM request stands for: staged copies held
+        (their frees and gauges), staging copies to hear of."""
+        return self._sched is not None and self._sched.has_pending_work()
+
     # ----- stats -------------------------------------------------------------------------------------
 
     @classmethod

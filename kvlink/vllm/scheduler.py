@@ -68,6 +68,7 @@ class KVLinkScheduler:
         self._planner = (StagePlanner(SlotPool(staging_slots), cfg.lease_s)
                          if staging_slots is not None and self.is_producer else None)
         self._device_frees: list[str] = []  # held requests whose device blocks vLLM may free (under _held_lock)
+        self._gauges_stale = False  # slots freed off-step: one more step hands the gauges out (under _held_lock)
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
         self._cancelled: set[str] = set()
@@ -278,6 +279,8 @@ class KVLinkScheduler:
         for f in frees:
             if self._planner is None or not self._planner.release(f.request_id):
                 self._device_frees.append(f.request_id)
+            else:
+                self._gauges_stale = True  # one more step reports the pool's occupancy
         return frees
 
     # ----- decode ------------------------------------------------------------------------------------
@@ -446,11 +449,11 @@ class KVLinkScheduler:
         return 0.0
 
     def has_pending_work(self) -> bool:
-        """vLLM must keep stepping: blocks to free, or (staging) copies to start or to hear of."""
+        """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on
+        /metrics, need steps), frees decided, or (staging) copies to start or to hear of."""
         with self._held_lock:
-            if self._planner is not None:
-                return self._planner.busy() or self._held.num_blocks > 0 or bool(self._device_frees)
-            return bool(self._held)
+            return (bool(self._held) or bool(self._device_frees) or self._gauges_stale
+                    or (self._planner is not None and self._planner.busy()))
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -466,6 +469,7 @@ class KVLinkScheduler:
                     for k, n in self._planner.take_counts().items():
                         stats.add(k, n)
                     gauges = (gauges[0], gauges[1] + self._planner.device_blocks(), self._planner.pool.in_use)
+                self._gauges_stale = False
             if gauges != self._gauges_sent:
                 self._gauges_sent = gauges
                 stats.set_gauge("held_requests", gauges[0])
