@@ -100,7 +100,7 @@ class Stager:
             if after is not None:
                 self.stream.wait_event(after)
             for at in range(0, len(blocks), self.chunk):
-                bi = torch.tensor(blocks[at:at + self.chunk], device=self.device)
+                bi = self._index(blocks[at:at + self.chunk])
                 k = len(bi)
                 for layer, v in enumerate(self.views):
                     self.scratch[:k, layer].copy_(v.index_select(0, bi))
@@ -121,13 +121,20 @@ class Stager:
             if after is not None:
                 self.stream.wait_event(after)
             for at in range(0, len(blocks), self.chunk):
-                bi = torch.tensor(blocks[at:at + self.chunk], device=self.device)
+                bi = self._index(blocks[at:at + self.chunk])
                 k = len(bi)
                 for i, s, n in _runs(slots[at:at + k]):
                     self.scratch[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
                 for layer, v in enumerate(self.views):
                     v.index_copy_(0, bi, self.scratch[:k, layer])
             return self._event()
+
+    def _index(self, blocks: list[int]) -> Any:
+        """Block ids on the device, copied from pinned memory on the stager's stream: a pageable copy would
+        wait for that stream, and so for vLLM's forward, on the calling thread."""
+        import torch
+
+        return torch.tensor(blocks, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
 
     def _event(self) -> Pending:
         import torch

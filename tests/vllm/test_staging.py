@@ -219,3 +219,38 @@ def test_landing_pool_full_waits_then_pulls_and_too_big_fails(boot):
     finally:
         dec.shutdown()
         pre.shutdown()
+
+
+def test_devices_and_roles_kvlink_cannot_serve_stop_start_up_naming_them():
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    meta = {"l0": torch.empty(4, 2, 16, 64, dtype=torch.bfloat16, device="meta")}
+    w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("x", 0, 1, 0, 1, "m"), "kv_consumer")
+    with pytest.raises(RuntimeError, match=r"CPU or CUDA.*'meta'.*\[4, 2, 16, 64\].*'tcp'"):
+        w.register_kv_caches(meta)
+    both = KVLinkWorker(ConnectorConfig(transport_backend="tcp", staging="always"), RankInfo("x", 0, 1, 0, 1, "m"),
+                        "kv_both")
+    with pytest.raises(RuntimeError, match="kv_both engine cannot stage"):
+        both.register_kv_caches(_views("cpu", 1, True, False))
+    tiny = KVLinkWorker(ConnectorConfig(transport_backend="tcp", staging="always", staging_pool_mb=1),
+                        RankInfo("x", 0, 1, 0, 1, "m"), "kv_producer", slot_bytes=1 << 20)
+    try:
+        with pytest.raises(RuntimeError, match="staging_pool_mb=1 holds no block"):
+            tiny.register_kv_caches(_views("cpu", 1, True, False))
+    finally:
+        tiny.shutdown()
+
+
+def test_gpu_check_script_passes_on_the_host_staged_path():
+    """tools/gpu_check.py (the GPU check) through its CPU mode: two processes, real transport and bootstrap,
+    staging forced, every byte compared."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "tools" / "gpu_check.py"), "--device", "cpu", "--layers", "2",
+                        "--blocks", "24", "--pool-mb", "4"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every block of every layer equal" in r.stdout and "staging (D2H)" in r.stdout

@@ -47,8 +47,9 @@ def planner(engines, name):
 
 
 def staged_all(engines, name):
-    side = engines.scheduler_side(name)
-    return lambda: not side.has_pending_work()
+    """Every finished request copied into the pool and published (none queued or being copied)."""
+    pl = planner(engines, name)
+    return lambda: not pl.busy()
 
 
 def vllm_free_blocks(engines, name) -> int:
