@@ -92,9 +92,11 @@ class Stager:
         import torch
 
         if not self.cuda:
-            bi, si = torch.tensor(blocks), torch.tensor(slots)
+            bi = torch.tensor(blocks)
             for layer, v in enumerate(self.views):
-                self.pool[si, layer] = v[bi]
+                rows = v.index_select(0, bi)
+                for i, s, n in _runs(slots):
+                    self.pool[s:s + n, layer].copy_(rows[i:i + n])
             return DONE
         with torch.cuda.stream(self.stream):
             if after is not None:
@@ -113,9 +115,12 @@ class Stager:
         import torch
 
         if not self.cuda:
-            bi, si = torch.tensor(blocks), torch.tensor(slots)
+            bi = torch.tensor(blocks)
+            rows = torch.empty((len(blocks), self.layout.segments, self.layout.segment_bytes), dtype=torch.uint8)
             for layer, v in enumerate(self.views):
-                v[bi] = self.pool[si, layer]
+                for i, s, n in _runs(slots):
+                    rows[i:i + n].copy_(self.pool[s:s + n, layer])
+                v.index_copy_(0, bi, rows)
             return DONE
         with torch.cuda.stream(self.stream):
             if after is not None:
