@@ -66,8 +66,11 @@ def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_con
         staged, why = staging_wanted(cfg.staging, vllm_config.device_config.device_type, cfg.transport_backend)
     except ValueError as e:
         raise RuntimeError(f"KVLinkConnector: {e}") from None
-    if not staged or kv_cache_config is None:
+    if not staged:
         return None
+    if kv_cache_config is None:
+        raise RuntimeError(f"KVLinkConnector: {why}, but vLLM gave the scheduler no KV cache config to size the "
+                           "staging pool with (vLLM >= 0.32 passes one)")
     slots = pool_slots(cfg.staging_pool_mb, slot_bytes_of(kv_cache_config))
     if slots < 1:
         raise RuntimeError(f"KVLinkConnector: staging_pool_mb={cfg.staging_pool_mb} holds no block of this model "

@@ -69,6 +69,7 @@ class KVLinkScheduler:
                          if staging_slots is not None and self.is_producer else None)
         self._device_frees: list[str] = []  # held requests whose device blocks vLLM may free (under _held_lock)
         self._gauges_stale = False  # slots freed off-step: one more step hands the gauges out (under _held_lock)
+        self._slots_freed = False  # slots freed since the last step (under _held_lock)
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
         self._cancelled: set[str] = set()
@@ -226,6 +227,8 @@ class KVLinkScheduler:
         if job is None:
             return
         transfer_id, num_tokens = job.extra
+        with self._held_lock:  # held first: decode may pull and release as soon as the publish lands
+            self._held.published(rid, 0)  # no device block held: the slots are the planner's
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id)
@@ -233,12 +236,11 @@ class KVLinkScheduler:
             logger.warning("kvlink: publishing staged request %s to %s failed: %s; not keeping its KV", rid,
                            self.bootstrap_url, e)
             self._count("publish_failures")
-            with self._held_lock:
-                self._planner.release(rid)
+            with self._freed:
+                self._held.released(rid, Outcome.ABANDONED)  # its slots go back with the next frees
+                self._freed.notify_all()
             self._abandon_transfer(rid, transfer_id)
             return
-        with self._held_lock:
-            self._held.published(rid, 0)  # no device block held: the slots are the planner's
         self._count("published")
 
     def _abandon_transfer(self, rid: str, transfer_id: str) -> None:
@@ -259,7 +261,9 @@ class KVLinkScheduler:
         """Requests whose blocks go back to vLLM now; waits up to ``wait_s`` for the first free."""
         with self._freed:
             if wait_s:
-                self._freed.wait_for(lambda: self._device_frees or self._held.has_frees(), timeout=wait_s)
+                self._freed.wait_for(lambda: self._device_frees or self._slots_freed or self._held.has_frees(),
+                                     timeout=wait_s)
+            self._slots_freed = False
             frees = self._collect_frees()
             device, self._device_frees = self._device_frees, []
         self._note_frees(frees)
@@ -281,6 +285,8 @@ class KVLinkScheduler:
                 self._device_frees.append(f.request_id)
             else:
                 self._gauges_stale = True  # one more step reports the pool's occupancy
+                self._slots_freed = True  # a waiting request may fit now: no idle wait for the next step
+                self._freed.notify_all()
         return frees
 
     # ----- decode ------------------------------------------------------------------------------------
@@ -365,13 +371,15 @@ class KVLinkScheduler:
         self._count(COUNTER_OF[outcome])
         # Decode may give up a concurrent request before prefill has published it: the report then waits
         # (bounded) for the publish, so prefill's blocks do not wait for their lease.
-        waits = outcome is Outcome.ABANDONED and (src.request_id is None or src.engine_id is None)
+        # So does one for a staged request (params without block ids): prefill publishes it after its copy.
+        waits = outcome is Outcome.ABANDONED and (src.request_id is None or src.engine_id is None
+                                                  or src.block_ids is None)
 
         def work():
             cli = self.clients.get(src.bootstrap_url)
             engine_id, request_id = src.engine_id, src.request_id
             try:
-                if request_id is None or engine_id is None:
+                if request_id is None or engine_id is None or (waits and src.transfer_id is not None):
                     rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0)
                     engine_id, request_id = rec.engine_id, rec.request_id
                 cli.release(engine_id, request_id, outcome)
@@ -441,6 +449,10 @@ class KVLinkScheduler:
         """How long this step may wait for a release: only when the engine steps for nothing but held
         blocks (nothing scheduled or just finished, no pull of its own in flight). A free already decided
         ends the wait at once."""
+        if self._planner is not None:
+            with self._held_lock:
+                if self._planner.busy():
+                    return 0.0  # copies to start or to hear of: step at once
         if (self.cfg.idle_step_wait_ms and self.has_pending_work() and not self._pulls and not self._new_pulls
                 and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0

@@ -14,7 +14,9 @@ indexed copies, run on the caller's thread (the worker hands prefill's to a thre
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +60,9 @@ class Stager:
         self.slot_bytes = len(kv_caches) * layout.block_bytes
         self.pool = torch.zeros((slots + 1, len(kv_caches), n, seg), dtype=torch.uint8, pin_memory=self.cuda)
         self.views = [self._bytes(t) for t in kv_caches.values()]
+        # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the scratch is
+        # shared, and the stream's order is what keeps one copy's use of it from overlapping the next's.
+        self._queue_lock = threading.Lock()
         if self.cuda:
             self.stream = torch.cuda.Stream(device=self.device)
             self.chunk = max(1, min(slots, CHUNK_BYTES // self.slot_bytes))
@@ -98,9 +103,7 @@ class Stager:
                 for i, s, n in _runs(slots):
                     self.pool[s:s + n, layer].copy_(rows[i:i + n])
             return DONE
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+        with self._queued(after):
             for at in range(0, len(blocks), self.chunk):
                 bi = self._index(blocks[at:at + self.chunk])
                 k = len(bi)
@@ -122,9 +125,7 @@ class Stager:
                     rows[i:i + n].copy_(self.pool[s:s + n, layer])
                 v.index_copy_(0, bi, rows)
             return DONE
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+        with self._queued(after):
             for at in range(0, len(blocks), self.chunk):
                 bi = self._index(blocks[at:at + self.chunk])
                 k = len(bi)
@@ -133,6 +134,22 @@ class Stager:
                 for layer, v in enumerate(self.views):
                     v.index_copy_(0, bi, self.scratch[:k, layer])
             return self._event()
+
+    @contextlib.contextmanager
+    def _queued(self, after: Any):
+        """Queue copies on the stager's stream, after ``after``, one caller at a time. If queueing fails
+        part-way, what was queued is waited for before the error goes on: the caller then gives the memory
+        back, and nothing of ours may still write into it."""
+        import torch
+
+        with self._queue_lock, torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            try:
+                yield
+            except BaseException:
+                self.stream.synchronize()
+                raise
 
     def _index(self, blocks: list[int]) -> Any:
         """Block ids on the device, copied from pinned memory on the stager's stream: a pageable copy would

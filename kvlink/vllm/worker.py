@@ -647,9 +647,12 @@ class KVLinkWorker:
     def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
         """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
         [(slot, remote block, local block)]). The others wait (READY again) until a batch gives slots back;
-        a pull larger than the whole pool fails."""
-        fit, landing, deferred, refused, claimed = [], {}, [], {}, []
-        with self._lock:
+        a pull larger than the whole pool fails. One event, so a batch that gives its slots back meanwhile
+        finds the waiting pulls READY and posts them."""
+        fit, landing = [], {}
+
+        def claim(t: PullTable, now: float) -> list:
+            deferred, refused, claimed = [], {}, []
             for p in a.pulls:
                 n = len(p.pairs)
                 if n > self._landing.capacity:
@@ -665,8 +668,11 @@ class KVLinkWorker:
                 landing[p.rid] = [(s, rb, lb) for s, (lb, rb) in zip(slots, p.pairs)]
             if claimed:
                 self._landing_slots[a.batch] = tuple(claimed)
-        if deferred or refused:
-            self._apply(lambda t, now: t.post_split(a.batch, deferred, refused, now))
+            if deferred or refused:
+                t.post_split(a.batch, deferred, refused, now)
+            return []
+
+        self._apply(claim)
         return fit, landing
 
     def _give_back_landing(self, now: float) -> list:

@@ -241,3 +241,47 @@ def test_decode_pull_is_the_block_table_by_position(table, hit_tokens, ext_token
         assert (spec.local_block_ids, spec.first_block, spec.blocks_to_fill) == (want_table, want_first, want_fill)
     finally:
         sched.shutdown()
+
+
+def test_a_staged_request_is_published_after_its_copy_and_an_early_abandon_still_frees_it():
+    """Host staging, scheduler sides only, real bootstrap server: prefill answers at once with a transfer id
+    and no block ids, publishes the slots only when the worker reports the copy, and a decode that gives
+    the request up before that publish (a client abort) still reaches prefill, whose slots are freed long
+    before the 30 s lease and without an engine step."""
+    from types import SimpleNamespace
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration, UnknownRequest
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import RemoteSource
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+                          staging_slots=8)
+    dec = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 32)
+    try:
+        keep, params = pre.request_finished(_finished("r1", {"do_remote_decode": True}), [0, 4, 5])
+        src = RemoteSource.from_params(params)
+        assert keep and src.block_ids is None and src.transfer_id and src.request_id == "r1"
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=2, compat_hash="x"), 60.0)
+            with pytest.raises(UnknownRequest):
+                cli.lookup_transfer(src.transfer_id)  # nothing is readable before the copy
+            dec._release_async(src, Outcome.ABANDONED)  # decode gives up first: its report waits
+            time.sleep(1.0)  # ... and reaches the server well before the publish
+            meta = pre.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=()))
+            assert meta.stages == [("r1", (4, 5), (1, 2))]
+            assert pre._planner.device_blocks() == 2 and pre.has_pending_work()
+            pre.update_connector_output(SimpleNamespace(finished_sending={"r1"}, finished_recving=(),
+                                                        failed_recving=()))
+            deadline = time.monotonic() + 10
+            while pre._planner.pool.in_use and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pre._planner.pool.in_use == 0 and held_requests(pre) == {}
+            stats = pre.get_kv_connector_stats().data
+            assert stats["staged"] == 1 and stats["released_abandoned"] == 1 and stats["staging_used_blocks"] == 0
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()

@@ -31,6 +31,7 @@ def staged(tiny_model, tmp_path_factory):
                   kv_load_failure_policy="recompute")
     pre = Server(tiny_model, pre_kv, cpu=0, log=logs / "prefill.log")
     dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log")
+    s = {"pre": pre, "dec": dec, "relay": relay, "dec_kv": dec_kv, "model": tiny_model, "logs": logs}
     proxy = None
     try:
         pre.wait_ready()
@@ -42,13 +43,13 @@ def staged(tiny_model, tmp_path_factory):
         warm = token_prompts([40], seed=40)[0]
         for url in (pre.url, dec.url, proxy.url):
             complete(url, warm, max_tokens=2, timeout=120)
-        yield {"pre": pre, "dec": dec, "seq": proxy.url, "relay": relay, "dec_kv": dec_kv, "model": tiny_model,
-               "logs": logs}
+        s["seq"] = proxy.url
+        yield s
     finally:
         if proxy is not None:
             proxy.stop()
-        pre.stop()
-        dec.stop()
+        s["pre"].stop()
+        s["dec"].stop()  # the one running now (a test restarts decode)
         relay.close()
 
 
@@ -57,9 +58,11 @@ def metric(server, name) -> float:
 
 
 def wait_metric(server, name, ok, timeout=30.0) -> bool:
+    """Until ``ok(value)``; the series must exist (a gauge that is absent or renamed never passes)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if ok(metric(server, name)):
+        v = server.metric(name)
+        if v is not None and ok(v):
             return True
         time.sleep(0.2)
     return False

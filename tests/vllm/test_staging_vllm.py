@@ -155,6 +155,7 @@ def test_request_waiting_a_whole_lease_for_room_is_given_up(engines):
     side, pl = engines.scheduler_side("pre_short"), planner(engines, "pre_short")
     with side._held_lock:
         taken = pl.pool.allocate(pl.pool.capacity)
+    assert taken is not None, "an earlier test left slots in use"
     try:
         free_before = vllm_free_blocks(engines, "pre_short")
         prompts = token_prompts([BLOCK * 6 + 7], seed=27)
