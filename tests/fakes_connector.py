@@ -34,6 +34,14 @@ class RecordingConnector(KVLinkConnector):
         super().__init__(*args, **kwargs)
         self.recorded = KVLinkStats()  # since start, never reset; under _recorded_lock
         self._recorded_lock = threading.Lock()  # vLLM's thread hands stats out while a test reads them
+        self.pulls: dict[str, Any] = {}  # worker side: request id -> the PullSpec it was handed
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata):
+            for spec in meta.pulls:
+                self.pulls[spec.request_id] = spec
+        super().start_load_kv(forward_context, **kwargs)
 
     def get_kv_connector_stats(self) -> KVLinkStats | None:
         stats = super().get_kv_connector_stats()

@@ -41,11 +41,13 @@ class Preset:
     vocab: int = 1024
     max_positions: int = 4096
     sliding_window: int | None = None  # tokens; set: a Mistral whose every layer attends to this window
+    mla: bool = False  # a DeepSeek-V2 (multi-head latent attention): one 512 + 64 latent per token and layer
+    init_std: float = 0.05  # weights ~ N(0, std): larger than HF's default, so greedy outputs depend on the KV
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, bf16."""
-        return self.num_layers * 2 * self.kv_heads * self.head_dim * 2
+        """K and V (MLA: the latent), every layer, bf16."""
+        return self.num_layers * ((512 + 64) if self.mla else 2 * self.kv_heads * self.head_dim) * 2
 
 
 PRESETS = {
@@ -57,6 +59,12 @@ PRESETS = {
     # tables of long prompts hold null blocks before the window (tests of block pairing by position).
     "swa": Preset("swa", num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                   sliding_window=64),
+    # MLA: vLLM builds an MLAAttentionSpec group, one latent tensor per layer and no K/V split. vLLM CPU's
+    # MLA backend needs the 512 + 64 latent width (smaller ones fail); every layer dense (no MoE router).
+    # At std 0.05 its greedy outputs change with how vLLM chunks a prompt (its MLA prefill and decode paths
+    # round differently in bf16), with no connector involved; at 0.02 chunking leaves them alone.
+    "mla": Preset("mla", num_layers=2, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, mla=True,
+                  init_std=0.02),
 }
 
 
@@ -105,6 +113,13 @@ def _build_weights(preset: Preset, out: Path) -> None:
 
     torch.manual_seed(SEED)
     config_cls, model_cls, extra = LlamaConfig, LlamaForCausalLM, {}
+    if preset.mla:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config_cls, model_cls = DeepseekV2Config, DeepseekV2ForCausalLM
+        extra = {"kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+                 "v_head_dim": 64, "first_k_dense_replace": preset.num_layers, "n_routed_experts": 4,
+                 "n_shared_experts": 1, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
     if preset.sliding_window is not None:
         config_cls, model_cls, extra = MistralConfig, MistralForCausalLM, {"sliding_window": preset.sliding_window}
     cfg = config_cls(
@@ -116,8 +131,7 @@ def _build_weights(preset: Preset, out: Path) -> None:
     model = model_cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
-            # Larger than HF's default init so that greedy outputs depend visibly on the KV.
-            p.normal_(0.0, 0.05)
+            p.normal_(0.0, preset.init_std)
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
 
@@ -135,7 +149,8 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     logger.info("building %s model into %s", preset, path)
     _build_tokenizer(p, path)
     _build_weights(p, path)
-    marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "kv_bytes_per_token": p.kv_bytes_per_token,
+    marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "init_std": p.init_std,
+                                  "kv_bytes_per_token": p.kv_bytes_per_token,
                                   "sliding_window": p.sliding_window}) + "\n")
     return path
 
