@@ -44,6 +44,11 @@ def engines(swa_model):
     e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
     fill_null_block(e, "dec")
     e.make("dec_bad", corrupting_kv_config())
+    # Host staging on both sides (issue 10): prefill stages only the blocks its table still holds.
+    e.make("pre_staged", recording_kv_config("kv_producer", staging="always", staging_pool_mb=4))
+    e.make("dec_staged", dict(recording_kv_config("kv_consumer", staging="always", staging_pool_mb=4),
+                              kv_load_failure_policy="recompute"))
+    fill_null_block(e, "dec_staged")
     yield e
     e.close()
 
@@ -214,3 +219,28 @@ def test_corrupted_pull_changes_output(engines):
     got = decode(engines, "dec_bad", prompts, params)
     assert stat_delta(before, agent.recorded_now())["pulls_ok"] == 1
     assert got != want
+
+
+def test_staged_on_both_sides_moves_only_the_window_and_decodes_equal(engines):
+    """Prefill's table holds nulls outside the window: it stages only the blocks it holds and publishes the
+    slot table by position; decode lands and copies only the blocks inside its window."""
+    from tests.vllm.helpers import greedy
+
+    prompts = token_prompts(LENGTHS, seed=61)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, prompts, name="pre_staged")
+    planner = engines.scheduler_side("pre_staged")._planner
+    while planner.busy():  # one process: the prefill engine stages only when it steps
+        engines.generate("pre_staged", token_prompts([4], seed=99), greedy(1))
+    staged_blocks = planner.pool.in_use
+    assert staged_blocks < sum(-(-n // BLOCK) for n in LENGTHS)  # the out-of-window blocks were not staged
+    agent = engines.agents["dec_staged"]
+    before = agent.recorded_now()
+    got = decode(engines, "dec_staged", prompts, params)
+    assert got == want
+    after = agent.recorded_now()
+    delta = stat_delta(before, after)
+    assert delta["pulls_ok"] == len(prompts) and delta["pulls_failed"] == 0
+    # Every block pulled (per layer) went through the landing pool: 16 KiB per block and layer here.
+    assert after["bytes_landed"] - before.get("bytes_landed", 0) == delta["blocks_pulled"] * 16 * 1024
+    assert all(bool(b.any()) for b in null_block(engines, "dec_staged")), "decode's null block was overwritten"
