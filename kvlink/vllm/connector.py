@@ -181,7 +181,7 @@ class KVLinkConnector(KVConnectorBase_V1):
         return self._sched.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
-        return self._sched is not None and self._sched.has_pending_work()
+        return self._sched is not None and self._sched.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
         """Keeps the engine stepping while kvlink has work no vLLM request stands for: staged copies held

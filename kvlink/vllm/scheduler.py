@@ -70,6 +70,7 @@ class KVLinkScheduler:
         self._device_frees: list[str] = []  # held requests whose device blocks vLLM may free (under _held_lock)
         self._gauges_stale = False  # slots freed off-step: one more step hands the gauges out (under _held_lock)
         self._slots_freed = False  # slots freed since the last step (under _held_lock)
+        self._publishing: set[str] = set()  # staged requests held while their publish is in flight (_held_lock)
         # Decode state (scheduler thread only).
         self._pulls: dict[str, RemoteSource] = {}  # handed to the worker, not yet reported back
         self._cancelled: set[str] = set()
@@ -149,8 +150,8 @@ class KVLinkScheduler:
         which frees those the server no longer holds (see kvlink.vllm.held). Returns how many."""
         from kvlink.bootstrap.errors import UnknownEngine
 
-        with self._held_lock:
-            held = self._held.request_ids()
+        with self._held_lock:  # not those being published: the server may not know them yet
+            held = [rid for rid in self._held.request_ids() if rid not in self._publishing]
         answer: dict[str, object] = {}
         for i in range(0, len(held), 1024):
             chunk = held[i:i + 1024]
@@ -227,20 +228,28 @@ class KVLinkScheduler:
         if job is None:
             return
         transfer_id, num_tokens = job.extra
-        with self._held_lock:  # held first: decode may pull and release as soon as the publish lands
+        with self._held_lock:
+            # Held first, so a release that arrives as soon as the publish lands finds it; kept out of
+            # reconcile lookups until the publish returns (the server may not know it yet: "unknown" must not
+            # free slots decode is about to read).
             self._held.published(rid, 0)  # no device block held: the slots are the planner's
+            self._publishing.add(rid)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id)
         except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
-            logger.warning("kvlink: publishing staged request %s to %s failed: %s; not keeping its KV", rid,
+            # The server may have taken the publish all the same (a timeout): the slots stay held until the
+            # server says it does not hold the request (a reconcile, due now) or its lease ends.
+            logger.warning("kvlink: publishing staged request %s to %s failed: %s; abandoning it", rid,
                            self.bootstrap_url, e)
             self._count("publish_failures")
-            with self._freed:
-                self._held.released(rid, Outcome.ABANDONED)  # its slots go back with the next frees
-                self._freed.notify_all()
+            with self._held_lock:
+                self._publishing.discard(rid)
+                self._held.unreachable()  # look the held requests up at the next poll
             self._abandon_transfer(rid, transfer_id)
             return
+        with self._held_lock:
+            self._publishing.discard(rid)
         self._count("published")
 
     def _abandon_transfer(self, rid: str, transfer_id: str) -> None:
@@ -449,16 +458,18 @@ class KVLinkScheduler:
         """How long this step may wait for a release: only when the engine steps for nothing but held
         blocks (nothing scheduled or just finished, no pull of its own in flight). A free already decided
         ends the wait at once."""
-        if self._planner is not None:
-            with self._held_lock:
-                if self._planner.busy():
-                    return 0.0  # copies to start or to hear of: step at once
-        if (self.cfg.idle_step_wait_ms and self.has_pending_work() and not self._pulls and not self._new_pulls
+        if not (self.cfg.idle_step_wait_ms and self.has_pending_work() and not self._pulls and not self._new_pulls
                 and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and not getattr(scheduler_output, "finished_req_ids", None)):
-            return self.cfg.idle_step_wait_ms / 1e3
-        return 0.0
+            return 0.0
+        if self._planner is not None:
+            with self._held_lock:
+                if self._planner.copying():
+                    # A copy's end is heard of at a step: step often, without spinning. (Requests waiting
+                    # for room take the normal wait: freed slots end it at once.)
+                    return min(0.001, self.cfg.idle_step_wait_ms / 1e3)
+        return self.cfg.idle_step_wait_ms / 1e3
 
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on
@@ -466,6 +477,15 @@ class KVLinkScheduler:
         with self._held_lock:
             return (bool(self._held) or bool(self._device_frees) or self._gauges_stale
                     or (self._planner is not None and self._planner.busy()))
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM blocks will come back without preempting anyone: held for decode, freed but not handed over,
+        or being staged. Staged requests hold no vLLM block, so they do not count (vLLM would stop
+        preempting while it waits for frees that never come)."""
+        with self._held_lock:
+            if self._planner is None:
+                return bool(self._held)
+            return bool(self._device_frees) or self._held.num_blocks > 0 or self._planner.device_blocks() > 0
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:

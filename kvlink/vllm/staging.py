@@ -190,6 +190,10 @@ class StagePlanner:
     def busy(self) -> bool:
         return bool(self._queued or self._copying)
 
+    def copying(self) -> bool:
+        """Jobs handed to the worker whose copy has not been reported yet."""
+        return bool(self._copying)
+
     def is_staging(self, rid: str) -> bool:
         return rid in self._queued or rid in self._copying
 

@@ -285,3 +285,46 @@ def test_a_staged_request_is_published_after_its_copy_and_an_early_abandon_still
         dec.shutdown()
         pre.shutdown()
         srv.stop()
+
+
+def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemption():
+    """Host staging, prefill's scheduler side against a real bootstrap server:
+    - a held request whose publish is in flight is left out of reconcile lookups (the server does not know it
+      yet: "unknown" would free slots decode is about to read); once published-or-failed it is looked up again;
+    - staged requests hold no vLLM block (vLLM must go on preempting), requests queued or being copied do;
+    - a request waiting for room takes the normal idle wait (no spinning); a copy under way a short one."""
+    from types import SimpleNamespace
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+                          staging_slots=2)
+    idle = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=())
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=2, compat_hash="x"), 60.0)
+            with pre._held_lock:
+                pre._held.published("mid", 0)
+                pre._publishing.add("mid")
+            assert pre._reconcile(cli) == 0 and "mid" in held_requests(pre)
+            assert not pre.has_pending_block_frees()  # held, but no vLLM block
+            with pre._held_lock:
+                pre._publishing.discard("mid")  # its publish failed: the server never knew it
+            assert pre._reconcile(cli) == 1
+            pre._take_frees()
+            pre.request_finished(_finished("a", {"do_remote_decode": True}), [4, 5])
+            pre.request_finished(_finished("b", {"do_remote_decode": True}), [6])  # no room: waits
+            assert pre.has_pending_block_frees()  # their vLLM blocks come back once staged
+            meta = pre.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=()))
+            assert [j[0] for j in meta.stages] == ["a"]
+            assert pre._idle_wait(idle) == 0.001  # a copy under way: step soon
+            pre.update_connector_output(SimpleNamespace(finished_sending={"a"}, finished_recving=(),
+                                                        failed_recving=()))
+            assert pre._idle_wait(idle) == pre.cfg.idle_step_wait_ms / 1e3  # only "b", waiting for room
+    finally:
+        pre.shutdown()
+        srv.stop()
