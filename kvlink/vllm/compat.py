@@ -9,7 +9,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 # Bump when the meaning of kv_transfer_params, the registration or the block layout changes.
-PROTOCOL_VERSION = 2  # 2: a registration carries each layer's offset and strides
+PROTOCOL_VERSION = 3  # 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal
 
 # vLLM symbols the connector cannot work without: (module, attribute).
 REQUIRED_VLLM_API = (

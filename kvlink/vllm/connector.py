@@ -113,11 +113,16 @@ class KVLinkConnector(KVConnectorBase_V1):
                             if kv.kv_role != "kv_consumer" else "from each request's params"),
                         self.config.transport_backend, self.config.transport_host)
         else:
-            pc = vllm_config.parallel_config
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            pc, mc = vllm_config.parallel_config, vllm_config.model_config
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            mla = bool(getattr(mc, "use_mla", False))
             rank = RankInfo(self.engine_id, get_tensor_model_parallel_rank(), pc.tensor_parallel_size,
-                            pc.data_parallel_rank, pc.data_parallel_size, str(vllm_config.model_config.model))
+                            pc.data_parallel_rank, pc.data_parallel_size, str(mc.model),
+                            pp_rank=get_pp_group().rank_in_group if pc.pipeline_parallel_size > 1 else 0,
+                            pp_size=pc.pipeline_parallel_size, mla=mla,
+                            kv_heads=0 if mla else mc.get_total_num_kv_heads(),
+                            num_layers=mc.get_total_num_hidden_layers())
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None)
 

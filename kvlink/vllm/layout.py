@@ -18,6 +18,14 @@ opaque bytes, so the order of heads, tokens and channels inside it does not matt
 
 Anything else (a block whose elements are not one dense range, negative or overlapping strides, another
 rank) is refused with the shape and strides named.
+
+KV heads (tensor parallelism shards them): a rank's block holds ``heads`` heads. Where heads are outermost
+in a block (vLLM CPU, HND; FlashInfer's K and V each), the heads ``[a, b)`` of a segment are one byte
+range, ``head_bytes`` each, in each of ``parts`` parts (FlashInfer's K and V halves of a segment), so
+another TP size can read a head range as descriptors (shard.py). NHD interleaves heads per token: only
+whole blocks move (``head_bytes`` is 0). ``desc`` names the head dimension ``h`` instead of its size, so
+ranks holding different head counts of one model compare equal; the compatibility check compares the
+model's total KV heads.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ class BlockLayout:
     segment_bytes: int  # bytes of one block in one plane
     span: int  # bytes from the data pointer that hold every block of the layer
     desc: str  # what the compatibility hash compares between prefill and decode
+    heads: int = 0  # KV heads in a block of this rank (0: MLA's latent, which every rank holds whole)
+    head_bytes: int = 0  # bytes of one head in one part, where heads are outermost (0: heads cannot be cut)
+    parts: int = 1  # head-major runs per segment: 2 where K and V share a segment (FlashInfer), else 1
+    part_stride: int = 0  # bytes from one part to the next within a segment
 
     @property
     def block_bytes(self) -> int:
@@ -73,8 +85,20 @@ def packed_geometry(layout: BlockLayout, layer: int, num_layers: int) -> Geometr
     return Geometry(layer * layout.block_bytes, num_layers * layout.block_bytes, layout.segment_bytes)
 
 
-def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> BlockLayout:
-    """The block layout of one layer's KV tensor (``strides`` in elements, as torch gives them)."""
+def head_geometry(g: Geometry, layout: BlockLayout, first: int, heads: int) -> Geometry:
+    """Heads ``[first, ...)`` of each segment (and each part) of blocks at ``g``, on a side whose rank holds
+    ``heads`` heads: a LayerMap of ``segments * parts`` ranges of ``count * head_bytes`` each. Needs heads
+    outermost (``layout.head_bytes`` > 0); K and V parts of a segment are ``heads * head_bytes`` apart."""
+    if not layout.head_bytes:
+        raise LayoutError(f"KV layout {layout.desc}: heads are not outermost in a block (NHD), so a head range "
+                          "is not one byte range")
+    stride = heads * layout.head_bytes if layout.parts > 1 else g.segment_stride
+    return Geometry(g.offset + first * layout.head_bytes, g.block_stride, stride)
+
+
+def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, mla: bool = False) -> BlockLayout:
+    """The block layout of one layer's KV tensor (``strides`` in elements, as torch gives them). ``mla``: the
+    tensor is MLA's latent cache (no heads; vLLM CPU's 4-D MLA shape is otherwise its attention shape)."""
     shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
     what = f"KV cache tensor of shape {list(shape)} and strides {list(strides)}"
     if not 3 <= len(shape) <= 5 or len(strides) != len(shape):
@@ -99,11 +123,25 @@ def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
         raise LayoutError(f"{what}: the K and V planes overlap")
     span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
     kind = "kv-planes" if planes else "blocks"
-    desc = (f"{kind}:{'x'.join(map(str, shape[bdim + 1:]))}:{'.'.join(str(s) for _, s in inner)}"
-            f":{itemsize}")
+    # Which inner dimension holds the heads: FlashAttention/FlashInfer [.., block_size, heads, head_size],
+    # vLLM CPU [num_blocks, heads, block_size, 2 * head_size]; MLA has none.
+    hdim = None if mla or len(shape) == 3 else (3 if len(shape) == 5 else 1)
+    kvdim = 1 if len(shape) == 5 and not planes else None  # FlashInfer's K/V dimension inside a block
+    sizes = ["h" if d == hdim else str(shape[d]) for d in range(bdim + 1, len(shape))]
+    order = sorted(range(bdim + 1, len(shape)), key=lambda d: (-strides[d], d))  # outermost first
+    desc = f"{kind}:{'x'.join(sizes)}:{'.'.join(str(d) for d in order)}:{itemsize}"
+    heads = head_bytes = part_stride = 0
+    parts = 1
+    if hdim is not None:
+        heads = shape[hdim]
+        rest = [d for d in order if d != kvdim]
+        if kvdim is not None and order[0] == kvdim:
+            parts, part_stride = 2, strides[kvdim] * itemsize
+        if rest[0] == hdim and (kvdim is None or order[0] == kvdim):
+            head_bytes = strides[hdim] * itemsize if heads > 1 else seg_elems * itemsize // parts
     return BlockLayout(num_blocks=num_blocks, segments=2 if planes else 1, segment_stride=segment_stride * itemsize,
                        block_stride=block_stride * itemsize, segment_bytes=seg_elems * itemsize, span=span,
-                       desc=desc)
+                       desc=desc, heads=heads, head_bytes=head_bytes, parts=parts, part_stride=part_stride)
 
 
 def _dense(dims: list[tuple[int, int]]) -> bool:

@@ -49,11 +49,13 @@ from kvlink.errors import Canceled, NotSettled
 from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.layout import Geometry, LayoutError, block_layout, packed_geometry, tokens_per_block
+from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, head_geometry, packed_geometry,
+                                tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
+from kvlink.vllm.shard import MappingError, RankView, heads_of, plan_legs
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
@@ -73,16 +75,39 @@ class RankInfo:
     dp_rank: int
     dp_size: int
     model: str
+    pp_rank: int = 0
+    pp_size: int = 1
+    kv_heads: int = 0  # the model's KV heads over all TP ranks (0: this rank's heads x tp_size)
+    mla: bool = False  # the KV cache is MLA's latent (no heads)
+    num_layers: int = 0  # the model's KV layers, all PP stages (0: the layers this rank registers)
+
+    @property
+    def port_index(self) -> int:
+        """This rank's transport port, counted from ``transport_port``: one per (PP stage, TP rank)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+@dataclass(eq=False)
+class _Leg:
+    """One prefill rank a pull reads from: our peer handle and the layers (or head ranges) it serves."""
+
+    peer: Any
+    layers: list[LayerMap]
+    tp_rank: int
+    pp_rank: int
 
 
 @dataclass(eq=False)
 class _Remote:
-    """A prefill rank we pull from: our peer handle and layer map (hashed by identity: the table groups
-    READY pulls by it)."""
+    """A prefill engine we pull from: one leg per prefill rank we read (shard.py; one with equal TP and no
+    PP). Hashed by identity: the table groups READY pulls by it, and a batch is one READ per leg."""
 
     key: tuple[str, str]  # (bootstrap url, engine id)
-    peer: Any
-    layers: list[LayerMap]
+    legs: list[_Leg]
+
+    @property
+    def layers(self) -> list[LayerMap]:
+        return [m for leg in self.legs for m in leg.layers]
 
 
 class _Batches:
@@ -255,7 +280,7 @@ class KVLinkWorker:
         what = (f"KV cache {list(first.shape)} {first.dtype} on {first.device}, transport backend "
                 f"{self.cfg.transport_backend!r}")
         try:
-            self.layout = block_layout(first.shape, first.stride(), first.element_size())
+            self.layout = block_layout(first.shape, first.stride(), first.element_size(), mla=self.rank.mla)
             self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
         except (LayoutError, ValueError) as e:
             raise RuntimeError(f"kvlink: {e} ({what})") from None
@@ -270,11 +295,12 @@ class KVLinkWorker:
         self.block_bytes = self.layout.block_bytes
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
                                     layout=self.layout.desc, tokens_per_block=block_size,
-                                    num_layers=len(kv_caches), kv_heads=0, head_size=0)
+                                    num_layers=self.rank.num_layers or len(kv_caches),
+                                    kv_heads=self._total_heads, head_size=0)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(
-            listen=self.cfg.transport_listen(self.rank.tp_rank),
+            listen=self.cfg.transport_listen(self.rank.port_index),
             token=self.cfg.transport_token_bytes,
             name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
@@ -370,8 +396,8 @@ class KVLinkWorker:
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
-                                 tp_size=self.rank.tp_size,
-                                 transport_addr=self.cfg.advertised(self.rank.tp_rank) or self.engine.address,
+                                 tp_size=self.rank.tp_size, pp_rank=self.rank.pp_rank, pp_size=self.rank.pp_size,
+                                 transport_addr=self.cfg.advertised(self.rank.port_index) or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
                                  compat_hash=self.compat_hash)
         cli = self._clients_for(url)
@@ -571,37 +597,77 @@ class KVLinkWorker:
             remote = self._remotes.get(key)
         if remote is not None:
             return remote
-        reg = cli.get_engine(engine_id, tp_rank=self.rank.tp_rank, dp_rank=0)
-        if reg.tp_size != self.rank.tp_size:
-            raise PullFailed(f"prefill engine {engine_id} runs TP={reg.tp_size}, this decode TP="
-                             f"{self.rank.tp_size}: kvlink supports equal TP only (rank i pulls from rank i)")
-        if reg.compat_hash != self.compat_hash or reg.protocol_version != PROTOCOL_VERSION:
-            if key not in self._mismatch_logged:
-                self._mismatch_logged.add(key)
-                logger.error("kvlink: engine %s is not compatible: remote compat %s (protocol %d), local "
-                             "compat %s (protocol %d) = %s", engine_id, reg.compat_hash, reg.protocol_version,
-                             self.compat_hash, PROTOCOL_VERSION, self.compat)
-            raise PullFailed(f"compat mismatch with {engine_id}: remote {reg.compat_hash}, local "
-                             f"{self.compat_hash}")
-        by_name = {layer.name: layer for layer in reg.layers}
-        missing = [n for n in self.layer_names if n not in by_name]
-        if missing:
-            raise PullFailed(f"prefill engine {engine_id} lacks layers {missing[:3]}")
-        odd = [n for n in self.layer_names if by_name[n].block_bytes != self.block_bytes]
-        if odd:
-            raise PullFailed(f"prefill engine {engine_id} has {by_name[odd[0]].block_bytes} B blocks in layer "
-                             f"{odd[0]}, this engine {self.block_bytes} B")
-        peer = self.engine.connect(reg.transport_addr)
-        lay = self.layout
-        layers = [LayerMap(n, self._local_geoms[n], by_name[n].region_id,
-                           Geometry(by_name[n].offset, by_name[n].block_stride or by_name[n].block_bytes,
-                                    by_name[n].segment_stride), lay.segments, lay.segment_bytes)
-                  for n in self.layer_names]
+        regs = cli.engine_ranks(engine_id)
+        if len({r.dp_rank for r in regs}) > 1:
+            raise PullFailed(f"prefill engine {engine_id} has ranks of several DP ranks; each DP rank must "
+                             "register under its own engine id")
+        for reg in regs[:1]:
+            if reg.compat_hash != self.compat_hash or reg.protocol_version != PROTOCOL_VERSION:
+                if key not in self._mismatch_logged:
+                    self._mismatch_logged.add(key)
+                    logger.error("kvlink: engine %s is not compatible: remote compat %s (protocol %d), local "
+                                 "compat %s (protocol %d) = %s", engine_id, reg.compat_hash,
+                                 reg.protocol_version, self.compat_hash, PROTOCOL_VERSION, self.compat)
+                raise PullFailed(f"compat mismatch with {engine_id}: remote {reg.compat_hash}, local "
+                                 f"{self.compat_hash}")
+        try:
+            legs = plan_legs(RankView(self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size,
+                                      tuple(self.layer_names)),
+                             [RankView(r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, tuple(x.name for x in r.layers))
+                              for r in regs], self._total_heads)
+        except MappingError as e:
+            raise PullFailed(f"prefill engine {engine_id} (TP={regs[0].tp_size if regs else '?'}, PP="
+                             f"{regs[0].pp_size if regs else '?'}) cannot serve decode tp{self.rank.tp_rank}/"
+                             f"{self.rank.tp_size} pp{self.rank.pp_rank}/{self.rank.pp_size}: {e}") from None
+        by_rank = {(r.tp_rank, r.pp_rank): r for r in regs}
+        out = []
+        try:
+            for leg in legs:
+                reg = by_rank[(leg.remote_tp, leg.remote_pp)]
+                out.append(_Leg(None, self._leg_layers(engine_id, reg, leg), leg.remote_tp, leg.remote_pp))
+            for leg in out:
+                leg.peer = self.engine.connect(by_rank[(leg.tp_rank, leg.pp_rank)].transport_addr)
+        except LayoutError as e:
+            raise PullFailed(f"prefill engine {engine_id} TP={regs[0].tp_size}, decode TP={self.rank.tp_size}: "
+                             f"{e}; run equal TP or a heads-outermost (HND) layout") from None
+        remote = _Remote(key, out)
         with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
-            remote = self._remotes.setdefault(key, _Remote(key, peer, layers))
-        logger.info("kvlink: connected to prefill engine %s tp%d at %s", engine_id, self.rank.tp_rank,
-                    reg.transport_addr)
+            remote = self._remotes.setdefault(key, remote)
+        logger.info("kvlink: connected to prefill engine %s (TP=%d, PP=%d) from tp%d pp%d: %s", engine_id,
+                    regs[0].tp_size, regs[0].pp_size, self.rank.tp_rank, self.rank.pp_rank,
+                    ", ".join(f"tp{g.tp_rank} pp{g.pp_rank} at {by_rank[(g.tp_rank, g.pp_rank)].transport_addr} "
+                              f"({len(g.layers)} layers)" for g in remote.legs))
         return remote
+
+    @property
+    def _total_heads(self) -> int:
+        """The model's KV heads over all TP ranks (0: MLA's latent)."""
+        if not self.layout.heads:
+            return 0
+        return self.rank.kv_heads or self.layout.heads * self.rank.tp_size
+
+    def _leg_layers(self, engine_id: str, reg, leg) -> list[LayerMap]:
+        """LayerMaps of one leg: whole blocks, or the leg's head range of each block (layout.head_geometry)."""
+        by_name = {layer.name: layer for layer in reg.layers}
+        lay, sl = self.layout, leg.slice
+        remote_heads = len(heads_of(leg.remote_tp, reg.tp_size, self._total_heads)) if self._total_heads else 0
+        want = self.block_bytes // lay.heads * remote_heads if lay.heads else self.block_bytes
+        out = []
+        for n in leg.layers:
+            spec = by_name[n]
+            if spec.block_bytes != want:
+                raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
+                                 f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "
+                                 f"head(s) of this model's layout take {want} B")
+            remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)
+            if sl.whole:
+                out.append(LayerMap(n, self._local_geoms[n], spec.region_id, remote, lay.segments,
+                                    lay.segment_bytes))
+            else:
+                out.append(LayerMap(n, head_geometry(self._local_geoms[n], lay, sl.local_first, lay.heads),
+                                    spec.region_id, head_geometry(remote, lay, sl.remote_first, remote_heads),
+                                    lay.segments * lay.parts, sl.count * lay.head_bytes))
+        return out
 
     def _post(self, a: Post) -> None:
         """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
@@ -617,12 +683,13 @@ class KVLinkWorker:
         pairs = {p.rid: landing[p.rid] if landing else list(p.pairs) for p in pulls}
         parts, nbytes, ndesc = [], 0, 0
         try:
-            dests = [(self._local_region, remote.layers)] if self._local_region is not None else [
-                (self._layer_dest[lm.name], [lm]) for lm in remote.layers]
-            for region, layers in dests:
+            dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
+                if self._local_region is not None else [
+                (leg.peer, self._layer_dest[lm.name], [lm]) for leg in remote.legs for lm in leg.layers]
+            for peer, region, layers in dests:  # one READ per prefill rank (and per layer without one region)
                 plan = ReadPlan.concat([build_plan(layers, [(lb, rb) for lb, rb, _ in pairs[p.rid]]
                                                    if landing else pairs[p.rid]) for p in pulls])
-                parts.append(self.engine.read(remote.peer, region, plan.local_offsets, plan.remote_region_ids,
+                parts.append(self.engine.read(peer, region, plan.local_offsets, plan.remote_region_ids,
                                               plan.remote_offsets, plan.lengths,
                                               timeout_s=self.cfg.transfer_timeout_s))
                 nbytes, ndesc = nbytes + plan.nbytes, ndesc + len(plan)
@@ -640,7 +707,7 @@ class KVLinkWorker:
         if landing:
             moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
-        nblocks = sum(len(pairs[p.rid]) for p in pulls) * len(remote.layers)
+        nblocks = sum(len(pairs[p.rid]) for p in pulls) * len(self.layer_names)
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
 

@@ -135,3 +135,36 @@ def test_every_block_of_every_layer_lands_in_place(boot, kind, one_allocation):
     finally:
         dec.shutdown()
         pre.shutdown()
+
+
+# ----- KV heads: what another TP size can cut out of a block ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, head_bytes, parts", [
+    ("cpu", BS * 2 * D * 2, 1),
+    ("flash_attn_nhd", 0, 1),  # heads interleave per token: whole blocks only
+    ("flash_attn_hnd", BS * D * 2, 1),
+    ("flashinfer_nhd", 0, 2),
+    ("flashinfer_hnd", BS * D * 2, 2),
+    ("mla", 0, 1),
+    ("mla_cpu", 0, 1),
+])
+def test_heads_and_whether_a_head_range_is_one_byte_range(kind, head_bytes, parts):
+    t = next(iter(_views(kind, 1, True, False).values()))
+    lay = block_layout(t.shape, t.stride(), t.element_size(), mla=kind.startswith("mla"))
+    assert (lay.heads, lay.head_bytes, lay.parts) == (0 if kind.startswith("mla") else H, head_bytes, parts)
+    if parts == 2:
+        assert lay.part_stride == H * BS * D * 2  # V after every head's K
+
+
+@pytest.mark.parametrize("alloc, perm", [((NB, 4, BS, 2 * D), None), ((2, NB, 4, BS, D), (0, 1, 3, 2, 4)),
+                                         ((2, NB, BS, 4, D), None), ((NB, 2, 4, BS, D), (0, 1, 3, 2, 4))])
+def test_the_layout_compared_across_ranks_does_not_depend_on_their_head_count(alloc, perm):
+    """TP shards heads: ranks of one model holding 4, 2 or 1 heads describe one layout."""
+    descs = set()
+    for h in (4, 2, 1):
+        shape = tuple(h if n == 4 else n for n in alloc)
+        t = torch.zeros(shape)
+        t = t.permute(*perm) if perm else t
+        descs.add(block_layout(t.shape, t.stride(), 4).desc)
+    assert len(descs) == 1

@@ -1,0 +1,315 @@
+"""Different TP and PP on prefill and decode: every decode rank pulls exactly the KV heads and layers it owns,
+from the prefill ranks that hold them (kvlink.vllm.shard), and nothing else.
+
+Pure tests of the mapping, then synthetic engines: every rank a real KVLinkWorker with its own real TCP
+transport engine and port, paired through a real bootstrap server, each rank's cache holding its shard
+(heads of its TP rank, layers of its PP stage) of one model-wide KV tensor with distinct values. After a
+pull, decode's blocks must equal the model-wide tensor's slice for that rank, and no other block changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from kvlink.vllm.shard import MappingError, RankView, Slice, head_slices, heads_of, plan_legs, route_layers
+from tests.vllm.helpers import pull_outcome, submit_pull
+
+torch = pytest.importorskip("torch")
+
+
+# ----- the mapping, as pure functions ------------------------------------------------------------------------
+
+
+def test_heads_split_and_replicate_as_vllm_shards_them():
+    assert [list(heads_of(r, 2, 8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [list(heads_of(r, 4, 2)) for r in range(4)] == [[0], [0], [1], [1]]  # replicated over 2 ranks
+    with pytest.raises(MappingError, match="cannot be split over TP=4"):
+        heads_of(0, 4, 6)
+    with pytest.raises(MappingError, match="cannot be replicated over TP=3"):
+        heads_of(0, 3, 2)
+
+
+@pytest.mark.parametrize("tp_d, tp_p, total, want", [
+    (1, 1, 4, [[Slice(0, 0, 0, 4, True)]]),
+    (2, 1, 4, [[Slice(0, 0, 0, 2, False)], [Slice(0, 0, 2, 2, False)]]),  # decode reads half of each block
+    (1, 2, 4, [[Slice(0, 0, 0, 2, False), Slice(1, 2, 0, 2, False)]]),  # two prefill ranks, half each
+    (2, 4, 4, [[Slice(0, 0, 0, 1, False), Slice(1, 1, 0, 1, False)],
+               [Slice(2, 0, 0, 1, False), Slice(3, 1, 0, 1, False)]]),
+    (4, 2, 4, [[Slice(0, 0, 0, 1, False)], [Slice(0, 0, 1, 1, False)], [Slice(1, 0, 0, 1, False)],
+               [Slice(1, 0, 1, 1, False)]]),
+    # 2 heads over prefill TP=4 (each replicated twice): decode TP=1 reads each head once, from one replica
+    (1, 4, 2, [[Slice(0, 0, 0, 1, False), Slice(2, 1, 0, 1, False)]]),
+    # ... and decode TP=2 holds one head per rank, which two prefill ranks hold whole: the reads spread
+    (2, 4, 2, [[Slice(0, 0, 0, 1, True)], [Slice(3, 0, 0, 1, True)]]),
+    (4, 2, 2, [[Slice(0, 0, 0, 1, True)], [Slice(0, 0, 0, 1, True)], [Slice(1, 0, 0, 1, True)],
+               [Slice(1, 0, 0, 1, True)]]),
+    (2, 3, 6, [[Slice(0, 0, 0, 2, False), Slice(1, 2, 0, 1, False)],  # neither divides: still exact
+               [Slice(1, 0, 1, 1, False), Slice(2, 1, 0, 2, False)]]),
+    (2, 1, 0, [[Slice(0, 0, 0, 0, True)], [Slice(0, 0, 0, 0, True)]]),  # MLA: the latent, once, whole
+    (1, 2, 0, [[Slice(0, 0, 0, 0, True)]]),
+])
+def test_each_decode_rank_reads_each_of_its_heads_once(tp_d, tp_p, total, want):
+    assert [head_slices(r, tp_d, tp_p, total) for r in range(tp_d)] == want
+    if total:
+        for r in range(tp_d):  # every head decode holds, from a prefill rank that holds it, exactly once
+            got = [(s.local_first + i, s.remote_tp, s.remote_first + i) for s in want[r] for i in range(s.count)]
+            assert [g[0] for g in got] == list(range(len(heads_of(r, tp_d, total))))
+            for local, j, remote in got:
+                assert heads_of(r, tp_d, total)[local] == heads_of(j, tp_p, total)[remote]
+
+
+def test_layers_are_routed_to_the_stage_that_holds_them():
+    stages = {0: ("l0", "l1"), 1: ("l2",), 2: ("l3", "l4")}
+    assert route_layers(("l1", "l2", "l3"), stages) == {"l1": 0, "l2": 1, "l3": 2}
+    with pytest.raises(MappingError, match=r"no prefill PP stage holds layer\(s\) \['l9'\]"):
+        route_layers(("l0", "l9"), stages)
+    with pytest.raises(MappingError, match="registered by prefill PP stages 0 and 1"):
+        route_layers(("l0",), {0: ("l0",), 1: ("l0",)})
+
+
+def test_legs_one_per_remote_rank_and_refusals():
+    names = tuple(f"l{i}" for i in range(5))
+    pre = [RankView(t, 2, s, 2, names[:3] if s == 0 else names[3:]) for t in range(2) for s in range(2)]
+    legs = plan_legs(RankView(0, 1, 0, 1, names), pre, 4)
+    assert [(g.remote_tp, g.remote_pp, g.layers) for g in legs] == [
+        (0, 0, names[:3]), (0, 1, names[3:]), (1, 0, names[:3]), (1, 1, names[3:])]
+    with pytest.raises(MappingError, match=r"prefill rank tp1 pp1 \(of TP=2, PP=2\) is not registered"):
+        plan_legs(RankView(0, 1, 0, 1, names), pre[:3], 4)
+    with pytest.raises(MappingError, match="disagree"):
+        plan_legs(RankView(0, 1, 0, 1, names), [*pre[:3], RankView(1, 2, 1, 3, names[3:])], 4)
+    with pytest.raises(MappingError, match="no registered ranks"):
+        plan_legs(RankView(0, 1, 0, 1, names), [], 4)
+
+
+# ----- synthetic engines through real transport and bootstrap -------------------------------------------------
+
+BS, D, LAYERS = 16, 32, 5
+# Per kind: the allocation of one rank's layer for ``h`` heads and ``nb`` blocks, the dimension of the
+# heads in it (None: MLA's latent) and how the backend views it.
+KINDS = {
+    "cpu": (lambda nb, h: (nb, h, BS, 2 * D), 1, None),
+    "flash_attn_hnd": (lambda nb, h: (2, nb, h, BS, D), 2, (0, 1, 3, 2, 4)),
+    "flash_attn_nhd": (lambda nb, h: (2, nb, BS, h, D), 3, None),
+    "flashinfer_hnd": (lambda nb, h: (nb, 2, h, BS, D), 2, (0, 1, 3, 2, 4)),
+    "mla": (lambda nb, h: (nb, BS, 64), None, None),
+    "mla_cpu": (lambda nb, h: (nb, 1, BS, 64), None, None),
+}
+
+
+class Model:
+    """One model's KV, all heads and all layers, with distinct values; ranks hold shards of it."""
+
+    def __init__(self, kind: str, heads: int, nb: int, seed: int):
+        alloc, self.hdim, self.perm = KINDS[kind]
+        self.kind, self.heads, self.nb = kind, heads, nb
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = [torch.randn(*alloc(nb, heads), generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+    def shard(self, layer: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """What TP rank ``tp_rank`` holds of ``layer`` (a fresh allocation, viewed as the backend does)."""
+        t = self.layers[layer]
+        if self.hdim is not None:
+            hs = heads_of(tp_rank, tp_size, self.heads)
+            t = t.narrow(self.hdim, hs.start, len(hs))
+        t = t.contiguous()
+        return t.permute(*self.perm) if self.perm else t
+
+    def block(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        return t[:, b] if self.kind.startswith("flash_attn") else t[b]
+
+
+def _stages(split: list[int]) -> list[list[int]]:
+    """Layer indices of each PP stage for a split like [2, 3]."""
+    out, i = [], 0
+    for n in split:
+        out.append(list(range(i, i + n)))
+        i += n
+    assert i == LAYERS
+    return out
+
+
+def _engine(name, role, model, tp, split, cfg, heads_total):
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    mla = model.hdim is None
+    ranks = []
+    for s, layers in enumerate(_stages(split)):
+        for t in range(tp):
+            w = KVLinkWorker(cfg, RankInfo(name, t, tp, 0, 1, "m", pp_rank=s, pp_size=len(split),
+                                           kv_heads=0 if mla else heads_total, mla=mla, num_layers=LAYERS), role)
+            w.register_kv_caches({f"model.layers.{i}.attn": model.shard(i, t, tp) for i in layers})
+            ranks.append((t, s, layers, w))
+    return ranks
+
+
+@pytest.fixture
+def boot():
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    yield srv.url
+    srv.stop()
+
+
+PAIRS = [(1, 4), (2, 5), (3, 6), (6, 1)]  # decode block <- prefill block: a run, then a lone block
+
+
+def _pd(boot, kind, heads, tp_p, split_p, tp_d, split_d, *, staging_p="never", staging_d="never"):
+    """Prefill and decode engines of one model; every decode rank pulls request r; returns both, for checks."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig
+
+    truth = Model(kind, heads, 12, seed=11)
+    blank = Model(kind, heads, 8, seed=12)  # decode's own cache: other values, fewer blocks
+    pre = _engine("pre", "kv_producer", truth, tp_p, split_p,
+                  ConnectorConfig(transport_backend="tcp", staging=staging_p, staging_pool_mb=4), heads)
+    dec = _engine("dec", "kv_consumer", blank, tp_d, split_d,
+                  ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, staging=staging_d,
+                                  staging_pool_mb=4), heads)
+    if staging_p != "never":  # prefill stages its blocks; they sit in slots 1.. of its pool
+        for *_, w in pre:
+            w._stage([("p-r", tuple(rb for _, rb in PAIRS), tuple(range(1, len(PAIRS) + 1)))])
+            deadline = time.monotonic() + 20
+            while not w._staged_done() and time.monotonic() < deadline:
+                time.sleep(0.005)
+    for *_, w in pre:
+        w._ensure_registered(boot)
+    remote = [rb for _, rb in PAIRS] if staging_p == "never" else list(range(1, len(PAIRS) + 1))
+    with BootstrapClient(boot) as cli:
+        cli.publish("pre", "p-r", [remote], num_tokens=BS * len(PAIRS), lease_s=30.0)
+    for *_, w in dec:
+        submit_pull(w, boot, "r", [(lb, rb) for (lb, _), rb in zip(PAIRS, remote)])
+    return truth, blank, pre, dec
+
+
+def _close(*engines):
+    for ranks in engines:
+        for *_, w in ranks:
+            w.shutdown()
+
+
+def _check_landed(truth, blank, dec, tp_d):
+    for t, s, layers, w in dec:
+        assert pull_outcome(w, "r") == "ok", (t, s)
+        for i in layers:
+            name = f"model.layers.{i}.attn"
+            got, want, before = w.kv_caches[name], truth.shard(i, t, tp_d), blank.shard(i, t, tp_d)
+            for lb, rb in PAIRS:
+                assert torch.equal(truth.block(got, lb), truth.block(want, rb)), (t, s, name, lb)
+            for b in set(range(blank.nb)) - {lb for lb, _ in PAIRS}:
+                assert torch.equal(truth.block(got, b), truth.block(before, b)), f"{name}: block {b} was written"
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash_attn_hnd", "flashinfer_hnd"])
+@pytest.mark.parametrize("tp_p, tp_d, heads", [(1, 2, 4), (2, 1, 4), (4, 2, 4), (2, 4, 4), (4, 2, 2), (1, 4, 2)])
+def test_decode_ranks_pull_exactly_their_heads(boot, kind, tp_p, tp_d, heads):
+    truth, blank, pre, dec = _pd(boot, kind, heads, tp_p, [LAYERS], tp_d, [LAYERS])
+    try:
+        _check_landed(truth, blank, dec, tp_d)
+        per_head = dec[0][3].block_bytes // dec[0][3].layout.heads
+        for t, _, layers, w in dec:
+            stats = w.get_stats().data
+            # each rank read its heads once: bytes = pairs x layers x its heads, whatever prefill's TP
+            assert stats["bytes_pulled"] == len(PAIRS) * len(layers) * per_head * len(heads_of(t, tp_d, heads))
+            # one READ leg per distinct head set decode needs: a replicated head is read from one replica
+            mine = set(heads_of(t, tp_d, heads))
+            sets = {tuple(heads_of(j, tp_p, heads)) for j in range(tp_p) if mine & set(heads_of(j, tp_p, heads))}
+            assert len(w._remotes[(boot, "pre")].legs) == len(sets)
+    finally:
+        _close(pre, dec)
+
+
+@pytest.mark.parametrize("kind", ["mla", "mla_cpu"])
+@pytest.mark.parametrize("tp_p, tp_d", [(1, 2), (2, 1), (4, 2), (2, 4)])
+def test_mla_latent_is_read_once_from_one_prefill_rank(boot, kind, tp_p, tp_d):
+    truth, blank, pre, dec = _pd(boot, kind, 0, tp_p, [LAYERS], tp_d, [LAYERS])
+    try:
+        _check_landed(truth, blank, dec, tp_d)
+        for t, _, layers, w in dec:
+            assert [leg.tp_rank for leg in w._remotes[(boot, "pre")].legs] == [t % tp_p]
+            assert w.get_stats().data["bytes_pulled"] == len(PAIRS) * len(layers) * w.block_bytes
+    finally:
+        _close(pre, dec)
+
+
+@pytest.mark.parametrize("split_p, split_d, tp_p, tp_d", [
+    ([2, 3], [LAYERS], 1, 1),  # 2 prefill stages, uneven, into one decode stage
+    ([1, 3, 1], [LAYERS], 1, 1),  # 3 stages
+    ([1, 3, 1], [3, 2], 1, 1),  # decode split differently: its stage 0 reads from prefill stages 0 and 1
+    ([LAYERS], [2, 3], 1, 1),  # PP on decode only
+    ([3, 2], [2, 3], 2, 1),  # PP on both sides and different TP
+])
+def test_pipeline_stages_route_each_layer_to_its_owner(boot, split_p, split_d, tp_p, tp_d):
+    truth, blank, pre, dec = _pd(boot, "cpu", 4, tp_p, split_p, tp_d, split_d)
+    try:
+        _check_landed(truth, blank, dec, tp_d)
+        owner = {i: s for s, layers in enumerate(_stages(split_p)) for i in layers}
+        for t, s, layers, w in dec:
+            legs = w._remotes[(boot, "pre")].legs
+            for leg in legs:  # every layer read from the stage that holds it, one leg per remote rank
+                assert {owner[int(m.name.split(".")[2])] for m in leg.layers} == {leg.pp_rank}
+            assert len({(g.tp_rank, g.pp_rank) for g in legs}) == len(legs)
+            names = [m.name for g in legs for m in g.layers]  # each layer once per prefill TP rank read
+            assert sorted(names) == sorted(f"model.layers.{i}.attn" for i in layers
+                                           for _ in range(len({g.tp_rank for g in legs})))
+    finally:
+        _close(pre, dec)
+
+
+@pytest.mark.parametrize("staging_p, staging_d", [("always", "never"), ("never", "always"), ("always", "always")])
+def test_unequal_tp_with_host_staging(boot, staging_p, staging_d):
+    truth, blank, pre, dec = _pd(boot, "flash_attn_hnd", 4, 2, [2, 3], 4, [LAYERS], staging_p=staging_p,
+                                 staging_d=staging_d)
+    try:
+        _check_landed(truth, blank, dec, 4)
+    finally:
+        _close(pre, dec)
+
+
+def test_nhd_cannot_be_cut_by_heads_and_is_refused_naming_why(boot, caplog):
+    truth, blank, pre, dec = _pd(boot, "flash_attn_nhd", 4, 1, [LAYERS], 2, [LAYERS])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvlink"):
+            for *_, w in dec:
+                assert pull_outcome(w, "r") == "failed"
+                assert w.take_load_error_blocks() == {lb for lb, _ in PAIRS}
+                assert not w._remotes
+        assert "heads are not outermost in a block (NHD)" in caplog.text
+        assert "run equal TP or a heads-outermost (HND) layout" in caplog.text
+        for t, _, layers, w in dec:  # nothing written
+            for i in layers:
+                assert torch.equal(w.kv_caches[f"model.layers.{i}.attn"], blank.shard(i, t, 2))
+    finally:
+        _close(pre, dec)
+
+
+def test_nhd_at_equal_tp_moves_whole_blocks(boot):
+    truth, blank, pre, dec = _pd(boot, "flash_attn_nhd", 4, 2, [LAYERS], 2, [LAYERS])
+    try:
+        _check_landed(truth, blank, dec, 2)
+    finally:
+        _close(pre, dec)
+
+
+def test_a_stage_that_never_registered_is_refused_naming_it(boot, caplog):
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig
+
+    pre = _engine("pre", "kv_producer", Model("cpu", 4, 12, seed=3), 1, [2, 3],
+                  ConnectorConfig(transport_backend="tcp"), 4)
+    dec = _engine("dec", "kv_consumer", Model("cpu", 4, 8, seed=4), 1, [LAYERS],
+                  ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0), 4)
+    try:
+        pre[0][3]._ensure_registered(boot)  # stage 1 never registers
+        with BootstrapClient(boot) as cli:
+            cli.publish("pre", "p-q", [[4]], num_tokens=BS, lease_s=30.0)
+        with caplog.at_level(logging.WARNING, logger="kvlink"):
+            submit_pull(dec[0][3], boot, "q", [(1, 4)])
+            assert pull_outcome(dec[0][3], "q") == "failed"
+        assert "prefill rank tp0 pp1 (of TP=1, PP=2) is not registered" in caplog.text
+        assert not dec[0][3]._remotes
+    finally:
+        _close(pre, dec)
