@@ -48,7 +48,7 @@ class FakeBootstrapClient:
     (ConnectionError); sleeps ``delay_s`` (a slow server); raises ``error`` (an unreachable one); hands the
     call to ``then`` (a real client behind the slow server); else answers the leases in ``lost``
     (request id -> RequestStatus) that were asked about. ``get_engine`` answers ``engine`` (an
-    EngineRegistration) and refuses when none is scripted.
+    EngineRegistration) and refuses when none is scripted; ``engine_ranks`` answers it as the only rank.
     """
 
     def __init__(self, lost: dict | None = None, error: Exception | None = None,
@@ -75,6 +75,9 @@ class FakeBootstrapClient:
         if self.engine is None:
             raise ConnectionError(f"no registration of {engine_id} scripted in this fake")
         return self.engine
+
+    def engine_ranks(self, engine_id: str) -> list:
+        return [self.get_engine(engine_id)]
 
 
 class RecordingPullTable:

@@ -100,6 +100,9 @@ class EngineRegistration(_Strict, kw_only=True):
     layers: Annotated[list[KVLayerSpec], Meta(max_length=MAX_LAYERS)]
     protocol_version: Annotated[int, Meta(ge=0, lt=1 << 31)]
     compat_hash: Annotated[str, Meta(min_length=1, max_length=256)]
+    # What compat_hash digests, so a decode that refuses the engine can name both sides' values.
+    compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)] | int],
+                      Meta(max_length=32)] = {}
 
     def __post_init__(self) -> None:
         for rank, size in (("dp_rank", "dp_size"), ("tp_rank", "tp_size"), ("pp_rank", "pp_size")):

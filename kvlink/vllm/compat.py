@@ -51,10 +51,20 @@ def check_vllm_api() -> None:
 
 
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
-                  kv_heads: int, head_size: int) -> dict:
+                  kv_heads: int, groups: str = "") -> dict:
+    """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
+    differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
+    per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
+    layers are checked by name at first contact (decode's layers must all be registered by prefill)."""
     return {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
-            "num_layers": num_layers, "kv_heads": kv_heads, "head_size": head_size,
+            "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
             "protocol_version": PROTOCOL_VERSION}
+
+
+def compat_diff(local: dict, remote: dict) -> dict[str, tuple]:
+    """{field: (remote value, local value)} for every field that differs (a field one side lacks too)."""
+    return {k: (remote.get(k), local.get(k)) for k in sorted(set(local) | set(remote))
+            if remote.get(k) != local.get(k)}
 
 
 def compat_hash(fields: dict) -> str:

@@ -32,7 +32,7 @@ class ConnectorConfig:
     # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
     transport_backend: str = "auto"
     transport_host: str = "127.0.0.1"
-    transport_port: int = 0  # tensor-parallel rank i listens on transport_port + i (0: any free port)
+    transport_port: int = 0  # rank (pp, tp) listens on transport_port + pp * tp_size + tp (0: any free port)
     transport_advertise: str | None = None  # host:port published instead of the listen address (port + i too)
     transport_token: str | None = None
     transport_streams: int = 2
@@ -149,16 +149,16 @@ class ConnectorConfig:
         except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
             raise ConnectorConfigError(str(e)) from None
 
-    def transport_listen(self, tp_rank: int) -> str:
-        """The listen address of tensor-parallel rank ``tp_rank``: one port per rank."""
-        return f"{self.transport_host}:{self.transport_port + tp_rank if self.transport_port else 0}"
+    def transport_listen(self, index: int) -> str:
+        """The listen address of the rank with port index ``index`` (RankInfo.port_index): one port per rank."""
+        return f"{self.transport_host}:{self.transport_port + index if self.transport_port else 0}"
 
-    def advertised(self, tp_rank: int) -> str | None:
-        """The address rank ``tp_rank`` publishes instead of its listen address, if one is configured."""
+    def advertised(self, index: int) -> str | None:
+        """The address the rank with port index ``index`` publishes instead of its listen address, if any."""
         if self.transport_advertise is None:
             return None
         host, _, port = self.transport_advertise.rpartition(":")
-        return f"{host}:{int(port) + tp_rank}"
+        return f"{host}:{int(port) + index}"
 
     @property
     def transport_token_bytes(self) -> bytes | None:

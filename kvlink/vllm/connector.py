@@ -60,6 +60,17 @@ def _check_groups(kv_cache_config: Any) -> None:
                                "(supported: full attention, sliding window)")
 
 
+def groups_desc(kv_cache_config: Any) -> str:
+    """The KV cache groups' specs as the compatibility check compares them: kind, tokens per block, window
+    (not the per-rank head count: TP is mapped)."""
+    out = []
+    for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
+        spec = g.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        out.append(f"{type(spec).__name__}:{spec.block_size}" + (f":w{window}" if window else ""))
+    return "|".join(out)
+
+
 def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_config: Any) -> int | None:
     """The staging pool's slot count when this engine stages (the workers size theirs the same way)."""
     try:
@@ -122,7 +133,7 @@ class KVLinkConnector(KVConnectorBase_V1):
                             pp_rank=get_pp_group().rank_in_group if pc.pipeline_parallel_size > 1 else 0,
                             pp_size=pc.pipeline_parallel_size, mla=mla,
                             kv_heads=0 if mla else mc.get_total_num_kv_heads(),
-                            num_layers=mc.get_total_num_hidden_layers())
+                            num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None)
 

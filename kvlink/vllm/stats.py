@@ -33,6 +33,10 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
 # vLLM collecting it (get_transfer_results): the wait for vLLM's next engine step, which kvlink does not control.
 # staging_s: one per staged request, from its copy handed to the worker to the copy seen done (device to
 # pool); landing_s: one per batch, the copy of its landing slots into the KV cache (pool to device).
+# compat_refused.<reason>: pulls failed because decode refused the prefill engine at first contact, by the
+# first compat field that differs (model, kv_dtype, layout, kv_heads, groups, protocol_version, ...), or
+# "mapping" (TP/PP/layers cannot be mapped), "layout" (a head range of an NHD block), "block_bytes".
+REFUSED = "compat_refused."
 SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
@@ -92,6 +96,10 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
             c = self._counter_cls(name=f"kvlink_{k}", documentation=f"kvlink connector: {k}",
                                   labelnames=labelnames)
             self._counters[k] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._labels = per_engine_labelvalues
+        self._refused = self._counter_cls(name="kvlink_compat_refused", labelnames=[*labelnames, "reason"],
+                                          documentation="kvlink connector: pulls refused at first contact with a "
+                                                        "prefill engine, by reason")
         self._gauges = {}
         for k in GAUGES:
             g = self._gauge_cls(name=f"kvlink_{k}", documentation=f"kvlink connector: {k}",
@@ -117,6 +125,8 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 self._counters[k][engine_idx].inc(v)
             elif k in self._gauges:
                 self._gauges[k][engine_idx].set(v)
+            elif k.startswith(REFUSED) and v:
+                self._refused.labels(*self._labels[engine_idx], k[len(REFUSED):]).inc(v)
         for k, hists in self._hists.items():
             for t in transfer_stats_data.get(k, ()):
                 hists[engine_idx].observe(t)

@@ -48,23 +48,18 @@ from kvlink.backends import open_backend
 from kvlink.errors import Canceled, NotSettled
 from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
+from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, head_geometry, packed_geometry,
-                                tokens_per_block)
+from kvlink.vllm.layout import Geometry, LayoutError, block_layout, packed_geometry, tokens_per_block
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
-from kvlink.vllm.shard import MappingError, RankView, heads_of, plan_legs
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
 
 logger = logging.getLogger(__name__)
-
-
-class PullFailed(Exception):
-    """A pull cannot complete; the message says why (logged once per request)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +75,7 @@ class RankInfo:
     kv_heads: int = 0  # the model's KV heads over all TP ranks (0: this rank's heads x tp_size)
     mla: bool = False  # the KV cache is MLA's latent (no heads)
     num_layers: int = 0  # the model's KV layers, all PP stages (0: the layers this rank registers)
+    groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
 
     @property
     def port_index(self) -> int:
@@ -104,10 +100,6 @@ class _Remote:
 
     key: tuple[str, str]  # (bootstrap url, engine id)
     legs: list[_Leg]
-
-    @property
-    def layers(self) -> list[LayerMap]:
-        return [m for leg in self.legs for m in leg.layers]
 
 
 class _Batches:
@@ -228,7 +220,7 @@ class KVLinkWorker:
         self._landing_slots: dict[int, tuple[int, ...]] = {}
         self._landing_sent: int | None = None  # last staging_used_blocks gauge handed out
         self._fence = None  # CUDA event recorded when the latest pulls were handed over
-        self._stage_stats = KVLinkStats()  # under _lock
+        self._stats = KVLinkStats()  # what the table does not count (staging, refusals); under _lock
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
@@ -296,7 +288,7 @@ class KVLinkWorker:
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
                                     layout=self.layout.desc, tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
-                                    kv_heads=self._total_heads, head_size=0)
+                                    kv_heads=self._total_heads, groups=self.rank.groups)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(
@@ -399,7 +391,7 @@ class KVLinkWorker:
                                  tp_size=self.rank.tp_size, pp_rank=self.rank.pp_rank, pp_size=self.rank.pp_size,
                                  transport_addr=self.cfg.advertised(self.rank.port_index) or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
-                                 compat_hash=self.compat_hash)
+                                 compat_hash=self.compat_hash, compat=self.compat)
         cli = self._clients_for(url)
         try:
             cli.register_engine(reg, self.cfg.engine_lease_s)  # first time synchronously: decode may ask soon
@@ -468,8 +460,8 @@ class KVLinkWorker:
             del self._staging[rid]
             done.add(rid)
             with self._lock:
-                self._stage_stats.add("bytes_staged", nblocks * self._stager.slot_bytes)
-                self._stage_stats.sample("staging_s", time.monotonic() - t0)
+                self._stats.add("bytes_staged", nblocks * self._stager.slot_bytes)
+                self._stats.sample("staging_s", time.monotonic() - t0)
         return done
 
     def take_load_error_blocks(self) -> set[int]:
@@ -481,8 +473,8 @@ class KVLinkWorker:
         with self._lock:
             stats = KVLinkStats()
             counts, samples = self._table.take_stats()
-            stats.aggregate(self._stage_stats)
-            self._stage_stats = KVLinkStats()
+            stats.aggregate(self._stats)
+            self._stats = KVLinkStats()
             if self._landing is not None and self._landing.in_use != self._landing_sent:
                 self._landing_sent = self._landing.in_use
                 stats.set_gauge("staging_used_blocks", self._landing.in_use)
@@ -586,57 +578,39 @@ class KVLinkWorker:
             remote = self._remote(cli, src.bootstrap_url, engine_id)
             pairs = pair_blocks(rid, spec.group, spec.local_block_ids, spec.first_block, blocks, spec.num_blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
+            if isinstance(e, PullFailed) and e.reason:
+                with self._lock:
+                    self._stats.add(f"compat_refused.{e.reason}")
             self._apply(lambda t, now: t.resolve_failed(rid, _why(e), now))
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
         self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now))
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
+        """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which)."""
         key = (url, engine_id)
         with self._lock:
             remote = self._remotes.get(key)
         if remote is not None:
             return remote
         regs = cli.engine_ranks(engine_id)
-        if len({r.dp_rank for r in regs}) > 1:
-            raise PullFailed(f"prefill engine {engine_id} has ranks of several DP ranks; each DP rank must "
-                             "register under its own engine id")
-        for reg in regs[:1]:
-            if reg.compat_hash != self.compat_hash or reg.protocol_version != PROTOCOL_VERSION:
-                if key not in self._mismatch_logged:
-                    self._mismatch_logged.add(key)
-                    logger.error("kvlink: engine %s is not compatible: remote compat %s (protocol %d), local "
-                                 "compat %s (protocol %d) = %s", engine_id, reg.compat_hash,
-                                 reg.protocol_version, self.compat_hash, PROTOCOL_VERSION, self.compat)
-                raise PullFailed(f"compat mismatch with {engine_id}: remote {reg.compat_hash}, local "
-                                 f"{self.compat_hash}")
         try:
-            legs = plan_legs(RankView(self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size,
-                                      tuple(self.layer_names)),
-                             [RankView(r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, tuple(x.name for x in r.layers))
-                              for r in regs], self._total_heads)
-        except MappingError as e:
-            raise PullFailed(f"prefill engine {engine_id} (TP={regs[0].tp_size if regs else '?'}, PP="
-                             f"{regs[0].pp_size if regs else '?'}) cannot serve decode tp{self.rank.tp_rank}/"
-                             f"{self.rank.tp_size} pp{self.rank.pp_rank}/{self.rank.pp_size}: {e}") from None
-        by_rank = {(r.tp_rank, r.pp_rank): r for r in regs}
-        out = []
-        try:
-            for leg in legs:
-                reg = by_rank[(leg.remote_tp, leg.remote_pp)]
-                out.append(_Leg(None, self._leg_layers(engine_id, reg, leg), leg.remote_tp, leg.remote_pp))
-            for leg in out:
-                leg.peer = self.engine.connect(by_rank[(leg.tp_rank, leg.pp_rank)].transport_addr)
-        except LayoutError as e:
-            raise PullFailed(f"prefill engine {engine_id} TP={regs[0].tp_size}, decode TP={self.rank.tp_size}: "
-                             f"{e}; run equal TP or a heads-outermost (HND) layout") from None
-        remote = _Remote(key, out)
+            legs = legs_for(engine_id, regs, LocalKV(
+                self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
+                self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash))
+        except PullFailed as e:
+            if e.detail and key not in self._mismatch_logged:
+                self._mismatch_logged.add(key)
+                logger.error("%s", e.detail)
+            raise
+        remote = _Remote(key, [_Leg(self.engine.connect(reg.transport_addr), layers, reg.tp_rank, reg.pp_rank)
+                               for reg, layers in legs])
         with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
             remote = self._remotes.setdefault(key, remote)
         logger.info("kvlink: connected to prefill engine %s (TP=%d, PP=%d) from tp%d pp%d: %s", engine_id,
                     regs[0].tp_size, regs[0].pp_size, self.rank.tp_rank, self.rank.pp_rank,
-                    ", ".join(f"tp{g.tp_rank} pp{g.pp_rank} at {by_rank[(g.tp_rank, g.pp_rank)].transport_addr} "
-                              f"({len(g.layers)} layers)" for g in remote.legs))
+                    ", ".join(f"tp{reg.tp_rank} pp{reg.pp_rank} at {reg.transport_addr} ({len(layers)} layers)"
+                              for reg, layers in legs))
         return remote
 
     @property
@@ -645,29 +619,6 @@ class KVLinkWorker:
         if not self.layout.heads:
             return 0
         return self.rank.kv_heads or self.layout.heads * self.rank.tp_size
-
-    def _leg_layers(self, engine_id: str, reg, leg) -> list[LayerMap]:
-        """LayerMaps of one leg: whole blocks, or the leg's head range of each block (layout.head_geometry)."""
-        by_name = {layer.name: layer for layer in reg.layers}
-        lay, sl = self.layout, leg.slice
-        remote_heads = len(heads_of(leg.remote_tp, reg.tp_size, self._total_heads)) if self._total_heads else 0
-        want = self.block_bytes // lay.heads * remote_heads if lay.heads else self.block_bytes
-        out = []
-        for n in leg.layers:
-            spec = by_name[n]
-            if spec.block_bytes != want:
-                raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
-                                 f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "
-                                 f"head(s) of this model's layout take {want} B")
-            remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)
-            if sl.whole:
-                out.append(LayerMap(n, self._local_geoms[n], spec.region_id, remote, lay.segments,
-                                    lay.segment_bytes))
-            else:
-                out.append(LayerMap(n, head_geometry(self._local_geoms[n], lay, sl.local_first, lay.heads),
-                                    spec.region_id, head_geometry(remote, lay, sl.remote_first, remote_heads),
-                                    lay.segments * lay.parts, sl.count * lay.head_bytes))
-        return out
 
     def _post(self, a: Post) -> None:
         """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
@@ -763,8 +714,8 @@ class KVLinkWorker:
         else:
             if isinstance(handle, _Landing):
                 with self._lock:
-                    self._stage_stats.add("bytes_landed", len(handle.moves) * self._stager.slot_bytes)
-                    self._stage_stats.sample("landing_s", handle.copy_s)
+                    self._stats.add("bytes_landed", len(handle.moves) * self._stager.slot_bytes)
+                    self._stats.sample("landing_s", handle.copy_s)
             self._apply(lambda t, now: t.batch_ended(batch, None, now))
 
     def _settle_finished(self) -> None:

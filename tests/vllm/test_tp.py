@@ -15,6 +15,7 @@ Why not two TP=2 servers: on the 2-core test machine their 4 workers' gloo threa
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -142,3 +143,53 @@ def test_rank_i_pulls_rank_i_shard_over_its_own_port(tp2):
     for r in range(TP):
         assert [key for key in dec[r]._remotes] == [(url, "pre")]
         assert dec[r].get_stats().data["pulls_ok"] == 1
+
+
+def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
+    """A TP=1 prefill server and a TP=2 decode server: each decode rank reads its one KV head out of
+    prefill's two-head blocks (a head range of each block). float32, so TP=1 and TP=2 compute the same
+    tokens and the oracle is exact: decode's answer from pulled KV equals its own local answer."""
+    from tests.vllm.helpers import Server, complete, free_port, kv_config, text, token_prompts
+
+    bport = free_port()
+    # Generous timeouts: once decode's two workers have run a request, their communicator threads busy-poll
+    # both cores and starve every other thread here for seconds at a time (docs/NOTES-connector.md item 13).
+    pre_kv = dict(kv_config("kv_producer", transport_backend="tcp", bootstrap_port=bport, lease_s=300.0,
+                            engine_lease_s=300.0), engine_id="prefill-tp1")
+    dec_kv = dict(kv_config("kv_consumer", transport_backend="tcp", engine_lease_s=300.0, lookup_wait_s=60.0,
+                            transfer_timeout_s=90.0, bootstrap_timeout_s=90.0, pull_timeout_s=240.0,
+                            connect_timeout_s=60.0, spread_threads=True), kv_load_failure_policy="recompute")
+    common = ["--dtype", "float32", "--no-enable-prefix-caching"]
+    pre = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill.log", extra_args=common)
+    try:  # prefill serves decode's bootstrap calls and READs: ahead of decode's busy threads
+        os.setpriority(os.PRIO_PROCESS, pre.proc.pid, -10)
+    except OSError:
+        pass
+    dec = Server(tiny_model, dec_kv, cpu="0|1", log=tmp_path / "decode-tp2.log",
+                 extra_args=[*common, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+    try:
+        pre.wait_ready(300)
+        dec.wait_ready(300)
+        block_bytes = 2 * 1 * 32 * 64 * 4  # K and V x 1 KV head per decode rank x 32 tokens x 64 x fp32
+        pulled = 0
+        for n in (20, 64, 300):  # shorter than a block, exactly 2 blocks, several blocks
+            prompt = token_prompts([n], seed=70 + n)[0]
+            want = text(complete(dec.url, prompt, timeout=300))
+            params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1, timeout=300)["kv_transfer_params"]
+            assert text(complete(dec.url, prompt, params, timeout=300)) == want, n
+            pulled += len(params["remote_block_ids"])
+        assert dec.metric("kvlink_pulls_failed_total") == 0.0
+        # both decode ranks pulled their own head of every block of both layers, once
+        assert dec.metric("kvlink_bytes_pulled_total") == pulled * 2 * block_bytes * 2
+        # negative control: prompt A decoded on prompt B's KV (same length) gives another answer
+        a, b = token_prompts([300, 300], seed=98)
+        want = text(complete(dec.url, a, timeout=300))
+        params_b = complete(pre.url, b, {"do_remote_decode": True}, max_tokens=1, timeout=300)["kv_transfer_params"]
+        assert text(complete(dec.url, a, params_b, timeout=300)) != want
+        deadline = time.monotonic() + 30
+        while pre.metric("kvlink_held_blocks") != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pre.metric("kvlink_held_blocks") == 0.0  # prefill freed every pulled request
+    finally:
+        dec.stop()
+        pre.stop()

@@ -84,6 +84,48 @@ def test_legs_one_per_remote_rank_and_refusals():
         plan_legs(RankView(0, 1, 0, 1, names), [], 4)
 
 
+def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h"):
+    from kvlink.bootstrap import EngineRegistration, KVLayerSpec
+
+    return EngineRegistration(
+        engine_id="pre", dp_rank=dp_rank, dp_size=2, tp_rank=tp_rank, tp_size=tp_size,
+        transport_addr="127.0.0.1:9", protocol_version=3, compat_hash=compat_hash,
+        layers=[KVLayerSpec(name=n, region_id=1, block_bytes=block_bytes, num_blocks=8, tokens_per_block=16,
+                            dtype="bfloat16", layout="x") for n in layers])
+
+
+def _local(tp_rank, tp_size, heads_per_rank=2):
+    from kvlink.vllm.compat import PROTOCOL_VERSION
+    from kvlink.vllm.contact import LocalKV
+    from kvlink.vllm.layout import block_layout
+
+    lay = block_layout((8, heads_per_rank, 16, 64), (heads_per_rank * 1024, 1024, 64, 1), 2)
+    return LocalKV(tp_rank, tp_size, 0, 1, ("a", "b"), lay, {"a": lay.geometry(), "b": lay.geometry(lay.span)},
+                   heads_per_rank * tp_size, {"protocol_version": PROTOCOL_VERSION}, "h")
+
+
+def test_first_contact_maps_head_ranges_and_refuses_what_does_not_fit():
+    from kvlink.vllm.contact import PullFailed, legs_for
+
+    per_head = 16 * 64 * 2
+    # decode TP=2 (2 heads a rank) from prefill TP=1 (4 heads): rank 1 reads heads 2-3 of each block
+    [(reg, maps)] = legs_for("pre", [_reg(0, 1, "ab", 4 * per_head)], _local(1, 2))
+    assert [m.name for m in maps] == ["a", "b"]
+    assert (maps[0].remote.offset, maps[0].local.offset, maps[0].segment_bytes) == (2 * per_head, 0, 2 * per_head)
+    assert maps[0].remote.block_stride == 4 * per_head and maps[0].local.block_stride == 2 * per_head
+    with pytest.raises(PullFailed, match="has 4096 B blocks in layer a; its 4 head") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4096)], _local(1, 2))
+    assert e.value.reason == "block_bytes"
+    with pytest.raises(PullFailed, match="several DP ranks") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head), _reg(0, 1, "ab", 4 * per_head, dp_rank=1)], _local(0, 2))
+    with pytest.raises(PullFailed, match=r"cannot serve decode tp0/2 pp0/1: no prefill PP stage holds") as e:
+        legs_for("pre", [_reg(0, 1, "a", 4 * per_head)], _local(0, 2))
+    assert e.value.reason == "mapping"
+    with pytest.raises(PullFailed, match="compat mismatch") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, compat_hash="other")], _local(0, 2))
+    assert e.value.reason == "compat_hash" and "prefill sent no fields" in e.value.detail
+
+
 # ----- synthetic engines through real transport and bootstrap -------------------------------------------------
 
 BS, D, LAYERS = 16, 32, 5

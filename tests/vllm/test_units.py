@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -148,22 +149,51 @@ def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
 # ----- tensor parallelism -----------------------------------------------------------------------------------
 
 
-def test_unequal_tp_is_refused_with_a_clear_message():
-    """Unequal TP is refused at first contact, naming both sizes (equal TP=2 runs in test_tp.py)."""
-    pytest.importorskip("vllm")
+def test_an_incompatible_engine_is_refused_naming_both_sides_values_and_counted_by_reason(caplog):
+    """First contact compares the compat fields; a mismatch names each differing field with prefill's and
+    decode's values (logged once per engine), fails every pull and is counted by its reason."""
+    torch = pytest.importorskip("torch")
     from kvlink.bootstrap import EngineRegistration
     from kvlink.vllm.worker import KVLinkWorker, PullFailed, RankInfo
 
-    cli = FakeBootstrapClient(engine=EngineRegistration(engine_id="pre", tp_rank=0, tp_size=2,
-                                                        transport_addr="127.0.0.1:9", layers=[],
-                                                        protocol_version=1, compat_hash="x"))
-    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:
-        with pytest.raises(PullFailed, match=r"prefill engine pre runs TP=2, this decode TP=1: kvlink "
-                                             r"supports equal TP only"):
-            w._remote(cli, "http://b", "pre")
+        w.register_kv_caches({"l0": torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)})
+        theirs = dict(w.compat, kv_dtype="float8_e4m3fn", kv_heads=8)
+        cli = FakeBootstrapClient(engine=EngineRegistration(
+            engine_id="pre", tp_rank=0, tp_size=2, transport_addr="127.0.0.1:9", layers=[],
+            protocol_version=w.compat["protocol_version"], compat_hash="v-other", compat=theirs))
+        with caplog.at_level(logging.ERROR, logger="kvlink"):
+            for _ in range(2):
+                with pytest.raises(PullFailed, match=r"compat mismatch with pre \(kv_dtype, kv_heads\)") as e:
+                    w._remote(cli, "http://b", "pre")
+                assert e.value.reason == "kv_dtype"
+        assert caplog.text.count("is not compatible") == 1  # once per engine
+        assert "'kv_dtype': ('float8_e4m3fn', 'bfloat16')" in caplog.text and "'kv_heads': (8, 2)" in caplog.text
     finally:
         w.shutdown()
+
+
+def test_compat_refusals_are_a_prometheus_counter_labelled_by_reason():
+    pytest.importorskip("vllm")
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvlink.vllm.stats import KVLinkPromMetrics, KVLinkStats
+
+    reg = CollectorRegistry()
+    m = KVLinkPromMetrics(SimpleNamespace(kv_transfer_config=None), {c: partial(c, registry=reg) for c in (Counter, Gauge, Histogram)}, ["engine"],
+                          {0: ["0"]})
+    stats = KVLinkStats()
+    for reason in ("layout", "layout", "kv_heads"):
+        stats.add(f"compat_refused.{reason}")
+    m.observe(stats.data, 0)
+    got = {r: reg.get_sample_value("kvlink_compat_refused_total", {"engine": "0", "reason": r})
+           for r in ("layout", "kv_heads", "model")}
+    assert got == {"layout": 2.0, "kv_heads": 1.0, "model": None}
+    assert stats.reduce()["compat_refused.layout"] == 2  # and in vLLM's log line
 
 
 def test_transport_advertise_must_be_host_port():

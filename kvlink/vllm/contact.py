@@ -1,0 +1,106 @@
+"""First contact with a prefill engine: is it compatible, and what does this rank read from which of its
+ranks. Pure functions over the engine's registrations (no I/O; the worker asks the bootstrap server and
+connects), unit-tested directly.
+
+- Compatibility: prefill's compat hash must equal ours. A mismatch names every differing field with both
+  sides' values (``compat_diff``) and the first one is the refusal's reason (counted per reason).
+- Mapping: shard.py says which prefill rank serves which of our layers and heads; here each becomes a
+  ``LayerMap`` per layer (whole blocks, or a head range of each block: layout.head_geometry) with
+  prefill's block sizes checked against what its heads of our layout must take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvlink.vllm.compat import PROTOCOL_VERSION, compat_diff
+from kvlink.vllm.layout import BlockLayout, Geometry, LayoutError, head_geometry
+from kvlink.vllm.plan import LayerMap
+from kvlink.vllm.shard import Leg, MappingError, RankView, heads_of, plan_legs
+
+
+class PullFailed(Exception):
+    """A pull cannot complete; the message says why (logged once per request). ``reason``: the engine is
+    refused at first contact, counted in ``compat_refused`` by this reason; ``detail``: what to log once
+    per engine (both sides' values)."""
+
+    def __init__(self, message: str, reason: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class LocalKV:
+    """This decode rank as first contact needs it: its coordinates, layers, layout and compatibility."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    layers: tuple[str, ...]
+    layout: BlockLayout
+    geoms: dict[str, Geometry]  # where each layer's blocks sit in the destination region
+    total_heads: int  # the model's KV heads over all TP ranks (0: MLA's latent)
+    compat: dict
+    compat_hash: str
+
+
+def check_compat(engine_id: str, reg: Any, local: LocalKV) -> None:
+    """Refuse a prefill engine whose compat hash or protocol differs, naming what differs."""
+    if reg.compat_hash == local.compat_hash and reg.protocol_version == PROTOCOL_VERSION:
+        return
+    diff = compat_diff(local.compat, dict(reg.compat) | {"protocol_version": reg.protocol_version})
+    reason = next(iter(diff), "compat_hash")
+    detail = (f"kvlink: prefill engine {engine_id} is not compatible with this decode engine ({reason}); "
+              f"differing (prefill, decode): {diff or '(prefill sent no fields)'}; prefill compat "
+              f"{reg.compat_hash}, decode compat {local.compat_hash}")
+    raise PullFailed(f"compat mismatch with {engine_id} ({', '.join(diff) or 'compat_hash'}): remote "
+                     f"{reg.compat_hash}, local {local.compat_hash}", reason, detail)
+
+
+def legs_for(engine_id: str, regs: list, local: LocalKV) -> list[tuple[Any, list[LayerMap]]]:
+    """[(prefill rank's registration, the LayerMaps read from it)]: one per prefill rank this rank reads."""
+    if len({r.dp_rank for r in regs}) > 1:
+        raise PullFailed(f"prefill engine {engine_id} has ranks of several DP ranks; each DP rank must "
+                         "register under its own engine id", "mapping")
+    for reg in regs[:1]:
+        check_compat(engine_id, reg, local)
+    me = f"decode tp{local.tp_rank}/{local.tp_size} pp{local.pp_rank}/{local.pp_size}"
+    shape = f"TP={regs[0].tp_size}, PP={regs[0].pp_size}" if regs else "no ranks"
+    try:
+        legs = plan_legs(RankView(local.tp_rank, local.tp_size, local.pp_rank, local.pp_size, local.layers),
+                         [RankView(r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, tuple(x.name for x in r.layers))
+                          for r in regs], local.total_heads)
+    except MappingError as e:
+        raise PullFailed(f"prefill engine {engine_id} ({shape}) cannot serve {me}: {e}", "mapping") from None
+    by_rank = {(r.tp_rank, r.pp_rank): r for r in regs}
+    try:
+        return [(by_rank[(g.remote_tp, g.remote_pp)], _layer_maps(engine_id, by_rank[(g.remote_tp, g.remote_pp)],
+                                                                  g, local)) for g in legs]
+    except LayoutError as e:
+        raise PullFailed(f"prefill engine {engine_id} ({shape}) cannot serve {me}: {e}; run equal TP or a "
+                         "heads-outermost (HND) layout", "layout") from None
+
+
+def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[LayerMap]:
+    """The LayerMaps of one leg: whole blocks, or the leg's head range of each block."""
+    by_name = {layer.name: layer for layer in reg.layers}
+    lay, sl = local.layout, leg.slice
+    remote_heads = len(heads_of(leg.remote_tp, reg.tp_size, local.total_heads)) if local.total_heads else 0
+    want = lay.block_bytes // lay.heads * remote_heads if lay.heads else lay.block_bytes
+    out = []
+    for n in leg.layers:
+        spec = by_name[n]
+        if spec.block_bytes != want:
+            raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
+                             f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "
+                             f"head(s) of this model's layout take {want} B", "block_bytes")
+        remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)
+        if sl.whole:
+            out.append(LayerMap(n, local.geoms[n], spec.region_id, remote, lay.segments, lay.segment_bytes))
+        else:
+            out.append(LayerMap(n, head_geometry(local.geoms[n], lay, sl.local_first, lay.heads), spec.region_id,
+                                head_geometry(remote, lay, sl.remote_first, remote_heads),
+                                lay.segments * lay.parts, sl.count * lay.head_bytes))
+    return out
