@@ -206,8 +206,6 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return error_response(400, "invalid_request", "request body must be a JSON object")
     if not isinstance(body, dict):
         return error_response(400, "invalid_request", "request body must be a JSON object")
-    if body.get("n", 1) != 1:
-        return error_response(400, "invalid_request", "n > 1 is not supported through the PD proxy")
     t0 = time.monotonic()
     try:
         if cfg.mode == "sequential":

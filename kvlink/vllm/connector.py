@@ -175,7 +175,7 @@ class KVLinkConnector(KVConnectorBase_V1):
 
     # ----- scheduler side ----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

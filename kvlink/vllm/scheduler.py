@@ -33,6 +33,7 @@ from kvlink.vllm.held import COUNTER_OF, HeldTable
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
+from kvlink.vllm.siblings import Siblings
 from kvlink.vllm.staging import SlotPool, StagePlanner
 from kvlink.vllm.stats import KVLinkStats
 
@@ -79,6 +80,7 @@ class KVLinkScheduler:
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._new_cancels: list[str] = []
+        self._siblings = Siblings()  # decode requests sharing one prefill request (n > 1 samples)
         if self.is_producer:
             self._start_bootstrap()
 
@@ -316,10 +318,12 @@ class KVLinkScheduler:
             logger.warning("kvlink: request %s: %s; computing it locally", rid, e)
             return None
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         src = self._source(request)
         if src is None:
             return 0, False
+        if self._siblings.should_wait(src.key, request.request_id):
+            return None, False  # a sibling sample pulls this prompt now: asked again next step (siblings.py)
         n = len(request.prompt_token_ids or ())
         if src.num_tokens is not None:
             n = min(n, src.num_tokens)
@@ -346,9 +350,10 @@ class KVLinkScheduler:
         self._processed.add(rid)
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
-            # Everything was in the local prefix cache: prefill may free its copy now.
-            self._release_async(src, Outcome.ABANDONED)
+            # Everything was in the local prefix cache: prefill may free its copy (unless a sibling needs it).
+            self._release_shared(src, rid, pulled=False)
             return
+        self._siblings.started(src.key, rid)
         # Decode's block table by position, null blocks (id 0) included: vLLM puts them where the model
         # never reads (outside a sliding window), and prefill's list has them at the same positions.
         # Only the positions covering the tokens loaded belong to the pull.
@@ -368,7 +373,7 @@ class KVLinkScheduler:
             # Aborted before its pull started: prefill's blocks would wait for their lease otherwise.
             try:
                 if kvparams.flag(params, "do_remote_prefill"):
-                    self._release_async(RemoteSource.from_params(params), Outcome.ABANDONED)
+                    self._release_shared(RemoteSource.from_params(params), rid, pulled=False)
             except BadParams:
                 pass
         self._processed.discard(rid)
@@ -409,7 +414,14 @@ class KVLinkScheduler:
                 continue
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
-            self._release_async(src, Outcome.ABANDONED if cancelled or rid in failed else Outcome.PULLED)
+            self._release_shared(src, rid, pulled=not (cancelled or rid in failed))
+
+    def _release_shared(self, src: RemoteSource, rid: str, pulled: bool) -> None:
+        """Decode request ``rid`` is done with prefill's request: tell prefill once no sibling sample of the
+        same prompt still pulls or waits for it (siblings.py)."""
+        outcome = self._siblings.ended(src.key, rid, pulled)
+        if outcome is not None:
+            self._release_async(src, Outcome.PULLED if outcome else Outcome.ABANDONED)
 
     # ----- both --------------------------------------------------------------------------------------
 

@@ -1,0 +1,67 @@
+"""Decode requests that share one prefill request: the samples of one prompt (``n > 1``). Pure logic, no I/O
+(unit-tested directly); the decode scheduler owns one and calls it on its thread.
+
+vLLM turns a request with ``n > 1`` into ``n`` child requests that all carry the parent's
+``kv_transfer_params``, so all of them name one prefill request. Pulling it once for all of them:
+
+- the first child to ask pulls; a sibling that asks while that pull runs is told to wait (vLLM asks it
+  again every step). Once the first child's KV is in place, vLLM's prefix cache holds its full blocks, so
+  a sibling asking then is offered those blocks locally and pulls only what the cache lacks (at most the
+  prompt's last block; the whole prompt again where decode runs without prefix caching);
+- prefill is told decode is done with the request only when the last sibling that pulled or waited is
+  done: "pulled" if any of them pulled, else "abandoned". A sibling that finishes early (aborted while it
+  waited) does not release it under the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Source:
+    pulling: set[str] = field(default_factory=set)
+    waiting: set[str] = field(default_factory=set)
+    pulled: bool = False  # a sibling's pull ended well
+
+
+class Siblings:
+    """Per prefill request (``RemoteSource.key``): which decode requests pull it and which wait."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, _Source] = {}
+
+    def should_wait(self, key: str, rid: str) -> bool:
+        """``rid`` asks to pull ``key``: True while another request's pull of it runs (``rid`` then waits)."""
+        s = self._by_key.get(key)
+        if s is None or not (s.pulling - {rid}):
+            return False
+        s.waiting.add(rid)
+        return True
+
+    def started(self, key: str, rid: str) -> None:
+        """``rid`` pulls ``key`` now (or has been given all of it by the prefix cache: ``ended`` follows)."""
+        s = self._by_key.setdefault(key, _Source())
+        s.waiting.discard(rid)
+        s.pulling.add(rid)
+
+    def ended(self, key: str, rid: str, pulled: bool) -> bool | None:
+        """``rid`` is done with ``key`` (its pull ended, or it left while waiting). Returns None while a
+        sibling still pulls or waits, else whether to tell prefill "pulled" (True) or "abandoned" (False)."""
+        s = self._by_key.get(key)
+        if s is None:
+            return pulled
+        s.pulling.discard(rid)
+        s.waiting.discard(rid)
+        s.pulled = s.pulled or pulled
+        if s.pulling or s.waiting:
+            return None
+        del self._by_key[key]
+        return s.pulled
+
+    def waiting(self, key: str) -> set[str]:
+        s = self._by_key.get(key)
+        return set(s.waiting) if s else set()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
