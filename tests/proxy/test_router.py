@@ -39,6 +39,21 @@ def test_sequential_copies_prefill_params_into_decode(backends, proxy):
     assert dec["kv_transfer_params"]["remote_block_ids"] == [1, 2]
 
 
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_several_samples_go_to_decode_and_prefill_computes_one(backends, proxy, mode):
+    """n > 1 is forwarded: prefill computes the prompt once (n=1, one token), decode samples n."""
+    p, d = backends("p0"), backends("d0")
+    extra = dict(mode="concurrent", prefill_bootstrap=("http://127.0.0.1:1",), prefill_engine_ids=("p0",)) \
+        if mode == "concurrent" else {}
+    url = proxy(prefill=(p.url,), decode=(d.url,), **extra)
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 8, "n": 3, "seed": 7})
+    assert status == 200, raw
+    (_, pre), = p.bodies
+    (_, dec), = d.bodies
+    assert (pre["n"], pre["max_tokens"]) == (1, 1)
+    assert (dec["n"], dec["max_tokens"], dec["seed"]) == (3, 8, 7)
+
+
 def test_chat_streaming_passthrough(backends, proxy):
     p, d = backends("p0"), backends("d0")
     url = proxy(prefill=(p.url,), decode=(d.url,))

@@ -169,3 +169,39 @@ if __name__ == "__main__":
     res = json.loads(line[len("RESULT "):])
     assert res["cls"] == "kvlink.vllm.connector.KVLinkConnector"
     assert res["params"]["do_remote_prefill"] is True and res["params"]["remote_num_tokens"] == 70
+
+
+def test_n_samples_of_one_prompt_pull_its_kv_once(engines):
+    """n=3 seeded sampling: vLLM makes three child requests with the same kv_transfer_params. One pulls the
+    prompt; the others wait for it, find its full blocks in decode's prefix cache and pull only the last
+    (partial) block; none fails or recomputes, prefill frees the request once, and the samples equal the
+    same engine's computed locally."""
+    import time
+
+    from vllm import SamplingParams
+
+    def sampling(kp=None):
+        return SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True,
+                              extra_args={"kv_transfer_params": kp} if kp else None)
+
+    prompts = token_prompts([BLOCK * 5 + 9], seed=21)  # 6 block positions, the last one partial
+    # computed locally by an engine of the same settings (decode's own prefix cache must not hold the prompt)
+    want = sorted(list(c.token_ids) for c in engines.generate("base", prompts, sampling())[0].outputs)
+    assert len({tuple(w) for w in want}) > 1  # the samples differ: each child's own seed
+    layers = len(engines.agents["dec"]._worker.layer_names)
+    before = engines.agents["dec"].recorded_now()
+    params = prefill(engines, prompts)
+    out = engines.generate("dec", prompts, sampling(params[0]))[0].outputs
+    assert sorted(list(c.token_ids) for c in out) == want
+    after = engines.agents["dec"].recorded_now()
+    assert after["pulls_failed"] == before["pulls_failed"]
+    assert after["pulls_ok"] - before["pulls_ok"] == 3
+    assert after["blocks_pulled"] - before["blocks_pulled"] == (6 + 2 * 1) * layers  # whole prompt once
+    deadline = time.monotonic() + 10
+    while held_requests(engines.scheduler_side("pre")) and time.monotonic() < deadline:
+        engines.generate("pre", token_prompts([4], seed=98), greedy(1))
+        time.sleep(0.05)
+    assert held_requests(engines.scheduler_side("pre")) == {}
+    sched = engines.scheduler_connector("dec").recorded_now()
+    assert len(engines.scheduler_side("dec")._siblings) == 0
+    assert sched["released_pulled"] >= 1

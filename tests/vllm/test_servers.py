@@ -93,6 +93,33 @@ def test_decode_metrics_time_each_pull_and_its_handoff(pd):
         time.sleep(0.5)
 
 
+@pytest.mark.parametrize("mode", ["seq", "conc"])
+def test_several_samples_through_the_proxy_pull_once(pd, mode):
+    """n=3, seeded sampling, through kvlink proxy: the samples equal a server computing them locally, no pull
+    fails (no sample recomputes the prompt), and prefill holds nothing afterwards."""
+    from tests.vllm.helpers import http_json
+
+    def samples(url, prompt):
+        status, out = http_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                          "n": 3, "seed": 5, "temperature": 1.0,
+                                                          "ignore_eos": True}, timeout=60)
+        assert status == 200, out
+        return sorted(c["text"] for c in out["choices"])
+
+    prompt = token_prompts([150], seed=14 if mode == "seq" else 15)[0]
+    failed = pd["dec"].metric("kvlink_pulls_failed_total") or 0.0
+    ok = pd["dec"].metric("kvlink_pulls_ok_total") or 0.0
+    got = samples(pd[mode], prompt)
+    assert got == samples(pd["pre"].url, prompt)
+    assert len(set(got)) > 1
+    assert (pd["dec"].metric("kvlink_pulls_failed_total") or 0.0) == failed
+    deadline = time.monotonic() + 20
+    while (pd["dec"].metric("kvlink_pulls_ok_total") or 0.0) - ok < 3:
+        assert time.monotonic() < deadline, "every sample's pull is reported ok"
+        time.sleep(0.3)
+    assert wait_held_zero(pd)
+
+
 def test_streaming_through_proxy(pd):
     prompts = token_prompts([100], seed=11)
     assert complete(pd["seq"], prompts[0], stream=True) == baseline(pd, prompts)[0]
