@@ -42,6 +42,7 @@ class Preset:
     max_positions: int = 4096
     sliding_window: int | None = None  # tokens; set: a Mistral whose every layer attends to this window
     mla: bool = False  # a DeepSeek-V2 (multi-head latent attention): one 512 + 64 latent per token and layer
+    hybrid: bool = False  # with sliding_window: layers alternate sliding-window and full attention (Gemma 3 style)
     init_std: float = 0.05  # weights ~ N(0, std): larger than HF's default, so greedy outputs depend on the KV
 
     @property
@@ -59,6 +60,10 @@ PRESETS = {
     # tables of long prompts hold null blocks before the window (tests of block pairing by position).
     "swa": Preset("swa", num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                   sliding_window=64),
+    # Hybrid: sliding-window and full-attention layers alternate, so vLLM's hybrid KV cache manager makes two
+    # KV cache groups (a SlidingWindowSpec and a FullAttentionSpec) when the connector supports it.
+    "hybrid": Preset("hybrid", num_layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                     sliding_window=64, hybrid=True),
     # MLA: vLLM builds an MLAAttentionSpec group, one latent tensor per layer and no K/V split. vLLM CPU's
     # MLA backend needs the 512 + 64 latent width (smaller ones fail); every layer dense (no MoE router).
     # At std 0.05 its greedy outputs change with how vLLM chunks a prompt (its MLA prefill and decode paths
@@ -122,6 +127,8 @@ def _build_weights(preset: Preset, out: Path) -> None:
                  "n_shared_experts": 1, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
     if preset.sliding_window is not None:
         config_cls, model_cls, extra = MistralConfig, MistralForCausalLM, {"sliding_window": preset.sliding_window}
+        if preset.hybrid:
+            extra["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(preset.num_layers)]
     cfg = config_cls(
         vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
         num_hidden_layers=preset.num_layers, num_attention_heads=preset.heads,
@@ -151,7 +158,7 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     _build_weights(p, path)
     marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "init_std": p.init_std,
                                   "kv_bytes_per_token": p.kv_bytes_per_token,
-                                  "sliding_window": p.sliding_window}) + "\n")
+                                  "sliding_window": p.sliding_window, "hybrid": p.hybrid}) + "\n")
     return path
 
 

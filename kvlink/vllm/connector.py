@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
@@ -46,18 +47,30 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
 
 
-def _check_groups(kv_cache_config: Any) -> None:
-    """Refuse, at start-up, KV cache groups whose blocks kvlink cannot pair by token position."""
+def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[int, int] | None, ...]:
+    """Refuse, at start-up, KV cache groups whose blocks kvlink cannot pair by token position; the groups'
+    sliding windows (window, extra retained tokens), None for a group that keeps every block."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
-    if len(groups) > 1:
-        raise RuntimeError(f"KVLinkConnector supports models with one KV cache group only; this model has "
-                           f"{len(groups)}: {[type(g.kv_cache_spec).__name__ for g in groups]}")
-    for g in groups:
-        if not isinstance(g.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)):
-            raise RuntimeError(f"KVLinkConnector cannot move a KV cache group of {type(g.kv_cache_spec).__name__} "
-                               "(supported: full attention, sliding window)")
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise RuntimeError(f"KVLinkConnector cannot move KV cache group {i} ({type(spec).__name__}: {spec}); "
+                               "supported: full attention (MLA included) and sliding window")
+    sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(sizes) > 1:
+        raise RuntimeError(f"KVLinkConnector pairs blocks by token position, so every KV cache group needs the "
+                           f"same tokens per block; this model's groups have {sorted(sizes)}: "
+                           f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+    if staged and len(groups) > 1:
+        raise RuntimeError(f"KVLinkConnector: host staging moves one KV cache group; this model has {len(groups)} "
+                           f"({[type(g.kv_cache_spec).__name__ for g in groups]}): use a backend that registers "
+                           "device memory, or vLLM's --disable-hybrid-kv-cache-manager")
+    # Only a SlidingWindowSpec group frees blocks outside the window (a FullAttentionSpec may carry a
+    # sliding_window too, for the model runner, with every block kept).
+    return tuple((g.kv_cache_spec.sliding_window, g.kv_cache_spec.extra_retained_tokens)
+                 if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None for g in groups) or (None,)
 
 
 def groups_desc(kv_cache_config: Any) -> str:
@@ -90,7 +103,10 @@ def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_con
     return slots
 
 
-class KVLinkConnector(KVConnectorBase_V1):
+class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV cache manager on with kvlink (several KV cache groups: models
+    mixing full and sliding-window attention); request_finished_all_groups hands every group's blocks."""
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         attach_vllm_log_handlers()  # before the first line below: kvlink's log goes where vLLM's goes
@@ -106,17 +122,13 @@ class KVLinkConnector(KVConnectorBase_V1):
         self._sched: KVLinkScheduler | None = None
         self._worker: KVLinkWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            _check_groups(kv_cache_config)
-            from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-            # Only a SlidingWindowSpec group frees blocks outside the window (a FullAttentionSpec may carry a
-            # sliding_window too, for the model runner, with every block kept).
-            spec = groups[0].kv_cache_spec if groups else None
-            swa = isinstance(spec, SlidingWindowSpec)
+            slots = _staging_slots(self.config, vllm_config, kv_cache_config)
+            windows = _check_groups(kv_cache_config, staged=slots is not None)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
-                                          window=spec.sliding_window if swa else None,
-                                          window_extra=spec.extra_retained_tokens if swa else 0,
-                                          staging_slots=_staging_slots(self.config, vllm_config, kv_cache_config))
+                                          staging_slots=slots, windows=windows)
+            if len(windows) > 1:
+                logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
+                            groups_desc(kv_cache_config))
             logger.info("kvlink: KVLinkConnector %s engine %s (block size %d, lease %.0f s, bootstrap %s, "
                         "transport backend %s on %s)", kv.kv_role, self.engine_id, block_size,
                         self.config.lease_s, self.config.bootstrap_url or (
@@ -135,7 +147,8 @@ class KVLinkConnector(KVConnectorBase_V1):
                             kv_heads=0 if mla else mc.get_total_num_kv_heads(),
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
-                                        slot_bytes=slot_bytes_of(kv_cache_config) if groups else None)
+                                        slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
+                                        layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names})
 
     # ----- worker side -------------------------------------------------------------------------------
 
@@ -194,6 +207,10 @@ class KVLinkConnector(KVConnectorBase_V1):
         self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:

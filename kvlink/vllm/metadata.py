@@ -12,6 +12,16 @@ from kvlink.vllm.plan import NULL_BLOCK
 
 
 @dataclass(frozen=True)
+class GroupTable:
+    """Decode's block table of one KV cache group for one pull (see PullSpec)."""
+
+    group: int
+    local_block_ids: tuple[int, ...]
+    first_block: int
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
 class PullSpec:
     """One decode request to pull: decode's block table for the request and where prefill's blocks live.
 
@@ -28,11 +38,18 @@ class PullSpec:
     source: RemoteSource
     group: int = 0  # the KV cache group these ids belong to (named in errors)
     num_blocks: int | None = None  # positions the loaded tokens cover; local_block_ids must have as many
+    others: tuple[GroupTable, ...] = ()  # the other KV cache groups' tables (hybrid models)
+
+    @property
+    def tables(self) -> tuple[GroupTable, ...]:
+        """Decode's table of every KV cache group this pull fills, the first group's first."""
+        return (GroupTable(self.group, self.local_block_ids, self.first_block, self.num_blocks), *self.others)
 
     @cached_property
     def blocks_to_fill(self) -> tuple[int, ...]:
-        """The local blocks this pull writes: not null, not in the prefix cache."""
-        return tuple(b for b in self.local_block_ids[self.first_block:] if b != NULL_BLOCK)
+        """The local blocks this pull writes, every group: not null, not in the prefix cache (vLLM's block
+        ids are unique across groups)."""
+        return tuple(b for t in self.tables for b in t.local_block_ids[t.first_block:] if b != NULL_BLOCK)
 
 
 @dataclass

@@ -74,12 +74,18 @@ def _as_groups(value: Any) -> Any:
     return [value] if isinstance(value, list) else value
 
 
-def _one_group(groups: list[list[int]]) -> tuple[int, ...]:
-    # Block id 0 is vLLM's null block (sliding-window models hold it by position): it is a valid id here.
-    if len(groups) != 1:
-        raise _Broken("the block ids of one KV cache group",
-                      f"{len(groups)} KV cache groups; kvlink supports one")
-    return tuple(groups[0])
+def _groups(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    # Block id 0 is vLLM's null block (sliding-window groups hold it by position): it is a valid id here.
+    if not groups:
+        raise _Broken("the block ids of at least one KV cache group", "no group")
+    return tuple(tuple(g) for g in groups)
+
+
+def _listed(value: Any) -> Any:
+    """Block ids as they travel (lists) from the checked form (a tuple per group, or one flat tuple)."""
+    if isinstance(value, tuple):
+        return [list(g) if isinstance(g, tuple) else g for g in value]
+    return value
 
 
 def _bootstrap_url(url: Any) -> str:
@@ -97,7 +103,7 @@ RULES: dict[str, Rule] = {
     "remote_engine_id": _typed(_PUBLISHED["engine_id"], "a non-empty string"),
     "remote_request_id": _typed(_PUBLISHED["request_id"], "a non-empty string"),
     "remote_block_ids": _typed(_PUBLISHED["block_ids"], "a list of block ids (non-negative integers), flat or "
-                               "one list per KV cache group", before=_as_groups, after=_one_group),
+                               "one list per KV cache group", before=_as_groups, after=_groups),
     "remote_num_tokens": _typed(_PUBLISHED["num_tokens"], "a non-negative integer"),
     "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
     "remote_bootstrap_addr": _bootstrap_url,
@@ -172,7 +178,7 @@ class RemoteSource:
     bootstrap_url: str
     engine_id: str | None = None
     request_id: str | None = None
-    block_ids: tuple[int, ...] | None = None  # one KV cache group; 0 is vLLM's null block
+    block_ids: tuple[tuple[int, ...], ...] | None = None  # per KV cache group; 0 is vLLM's null block
     num_tokens: int | None = None
     transfer_id: str | None = None
     lease_s: float | None = None  # prefill's lease; decode renews it while pulling
@@ -182,7 +188,7 @@ class RemoteSource:
             value = getattr(self, attr)
             if value is not None:
                 # A tuple of block ids is the checked form; its rule reads the list that travels.
-                object.__setattr__(self, attr, check(name, list(value) if isinstance(value, tuple) else value))
+                object.__setattr__(self, attr, check(name, _listed(value)))
         if self.bootstrap_url is None:
             raise BadParams("remote_bootstrap_addr",
                             "kv_transfer_params['remote_bootstrap_addr'] is required with do_remote_prefill")
@@ -201,7 +207,9 @@ class RemoteSource:
         for attr, name in _SOURCE_FIELDS:
             value = getattr(self, attr)
             if value is not None:
-                out[name] = list(value) if attr == "block_ids" else value
+                # one group travels flat (vLLM's own form), several as one list per group
+                out[name] = (list(value[0]) if len(value) == 1 else [list(g) for g in value]) \
+                    if attr == "block_ids" else value
         return out
 
     @property

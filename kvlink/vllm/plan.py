@@ -56,6 +56,17 @@ def pair_blocks(request_id: str, group: int, local: tuple[int, ...], first: int,
     return pairs
 
 
+def group_pairs(request_id: str, tables, remote: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int]]:
+    """[(group, local block, remote block)] over every KV cache group of a pull: ``tables`` are decode's
+    (metadata.GroupTable), ``remote`` prefill's published tables, one per group in group order."""
+    if len(remote) != len(tables):
+        raise PairingError(f"request {request_id}: prefill published {len(remote)} KV cache group(s), decode "
+                           f"pulls {len(tables)}")
+    return [(t.group, lb, rb) for t in tables
+            for lb, rb in pair_blocks(request_id, t.group, t.local_block_ids, t.first_block, remote[t.group],
+                                      t.num_blocks)]
+
+
 def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int = 0) -> bool:
     """True when a whole loaded prompt's last token cannot be recomputed from the blocks either side keeps.
 

@@ -30,7 +30,7 @@ from kvlink.bootstrap.schema import Outcome, RequestStatus
 from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.held import COUNTER_OF, HeldTable
-from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
+from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
 from kvlink.vllm.siblings import Siblings
@@ -46,9 +46,11 @@ logger = logging.getLogger(__name__)
 
 class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
-                 window: int | None = None, window_extra: int = 0, staging_slots: int | None = None):
+                 window: int | None = None, window_extra: int = 0, staging_slots: int | None = None,
+                 windows: tuple[tuple[int, int] | None, ...] | None = None):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
-        self.window, self.window_extra = window, window_extra  # the group's sliding window, if it has one
+        # Per KV cache group: (sliding window, extra retained tokens) of a SlidingWindowSpec group, else None.
+        self.windows = windows if windows is not None else ((window, window_extra) if window else None,)
         self.is_producer = role in ("kv_producer", "kv_both")
         self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
@@ -171,7 +173,7 @@ class KVLinkScheduler:
                            self.bootstrap_url, freed)
         return freed
 
-    def _finished_producer(self, request: "Request", params: dict, block_ids: list[int]):
+    def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):
         from vllm.v1.request import RequestStatus as VLLMStatus
 
         if not self.is_producer:
@@ -184,14 +186,14 @@ class KVLinkScheduler:
             if transfer_id is not None:
                 self._abandon_transfer(request.request_id, transfer_id)
             return False, None  # aborted or failed: nothing to keep
-        if not block_ids:
+        if not any(groups):
             return False, None
         rid = request.request_id
         num_tokens = request.num_computed_tokens
         if self._planner is not None:
-            return self._finished_staged(rid, tuple(block_ids), num_tokens, transfer_id)
+            return self._finished_staged(rid, groups[0], num_tokens, transfer_id)  # one group (connector.py)
         try:
-            self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(block_ids)], num_tokens,
+            self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(g) for g in groups], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id)
         except Exception as e:  # noqa: BLE001 - decode recomputes; never keep blocks nobody can find
             logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
@@ -199,10 +201,10 @@ class KVLinkScheduler:
             self._count("publish_failures")
             return False, kvparams.refusal(f"publish failed: {e}")
         with self._held_lock:
-            self._held.published(rid, sum(1 for b in block_ids if b != NULL_BLOCK))  # nulls hold nothing
+            self._held.published(rid, sum(1 for g in groups for b in g if b != NULL_BLOCK))  # nulls hold nothing
         self._count("published")
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
-                                  block_ids=tuple(block_ids), num_tokens=num_tokens, transfer_id=transfer_id,
+                                  block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
                                   lease_s=self.cfg.lease_s).to_params()
 
     def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None):
@@ -330,14 +332,14 @@ class KVLinkScheduler:
         count = n - num_computed_tokens
         if count <= 0:
             return 0, False
-        if (self.window and n == request.num_tokens
-                and window_start_lost(n, self.block_size, self.window, self.window_extra)):
-            # vLLM would recompute the last prompt token over a block neither side keeps: compute it here.
-            self._count("window_refusals")
-            logger.info("kvlink: request %s: %d tokens with a %d-token window and %d-token blocks: the last "
-                        "token's window starts in a block vLLM frees on both sides; computing the prompt locally",
-                        request.request_id, n, self.window, self.block_size)
-            return 0, False
+        for g, w in enumerate(self.windows):
+            if w and n == request.num_tokens and window_start_lost(n, self.block_size, w[0], w[1]):
+                # vLLM would recompute the last prompt token over a block neither side keeps: compute it here.
+                self._count("window_refusals")
+                logger.info("kvlink: request %s: %d tokens with a %d-token window (KV cache group %d) and %d-token "
+                            "blocks: the last token's window starts in a block vLLM frees on both sides; "
+                            "computing the prompt locally", request.request_id, n, w[0], g, self.block_size)
+                return 0, False
         self._local_hit[request.request_id] = num_computed_tokens  # block-aligned (vLLM passes it so)
         return count, True
 
@@ -358,9 +360,12 @@ class KVLinkScheduler:
         # never reads (outside a sliding window), and prefill's list has them at the same positions.
         # Only the positions covering the tokens loaded belong to the pull.
         end = -(-(local_hit + num_external_tokens) // self.block_size)
-        table = tuple(0 if b.is_null else b.block_id for b in blocks.blocks[0][:end])
+        first = local_hit // self.block_size
+        tables = [tuple(0 if b.is_null else b.block_id for b in group[:end]) for group in blocks.blocks]
         self._pulls[rid] = src
-        self._new_pulls.append(PullSpec(rid, table, local_hit // self.block_size, src, num_blocks=end))
+        self._new_pulls.append(PullSpec(rid, tables[0], first, src, num_blocks=end,
+                                        others=tuple(GroupTable(g, t, first, end)
+                                                     for g, t in enumerate(tables) if g)))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
@@ -425,7 +430,9 @@ class KVLinkScheduler:
 
     # ----- both --------------------------------------------------------------------------------------
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict | None]:
+        """``block_ids``: one group's list (request_finished) or one list per group
+        (request_finished_all_groups, hybrid models)."""
         params = request.kv_transfer_params
         if not isinstance(params, dict):
             return False, None
@@ -435,7 +442,9 @@ class KVLinkScheduler:
             self._finished_consumer(request, params)  # ends whatever it began as a decode request
             return self._refuse(request, str(e))
         if to_decode:
-            return self._finished_producer(request, params, block_ids)
+            groups = (tuple(tuple(g) for g in block_ids) if block_ids and isinstance(block_ids[0], (list, tuple))
+                      else (tuple(block_ids or ()),))
+            return self._finished_producer(request, params, groups)
         return self._finished_consumer(request, params)
 
     def _refuse(self, request: "Request", why: str):

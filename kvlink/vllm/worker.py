@@ -53,7 +53,7 @@ from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.layout import Geometry, LayoutError, block_layout, packed_geometry, tokens_per_block
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, pair_blocks
+from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, group_pairs
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
@@ -196,8 +196,11 @@ def _not_settled(e: BaseException) -> bool:
 
 
 class KVLinkWorker:
-    def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None):
+    def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None,
+                 layer_groups: dict[str, int] | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        self._layer_group = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models; else 0)
+        self._group_layers: dict[int, int] = {0: 0}  # KV cache group -> layers of this rank in it
         self.slot_bytes = slot_bytes  # staging: bytes of one slot as the scheduler sizes the pool (staging.py)
         self.engine = None
         self.kv_caches: dict[str, Any] = {}
@@ -281,6 +284,10 @@ class KVLinkWorker:
                                f"kv_both engine cannot stage ({what})")
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
+        self._group_layers = {}
+        for n in self.layer_names:
+            g = self._layer_group.get(n, 0)
+            self._group_layers[g] = self._group_layers.get(g, 0) + 1
         if first.device.type == "cpu":
             _request_amx_permission()
         num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
@@ -572,11 +579,11 @@ class KVLinkWorker:
                 if pull is None:
                     return  # cancelled meanwhile
                 rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
-                engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(rec.block_ids[0])
+                engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(map(tuple, rec.block_ids))
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)
-            pairs = pair_blocks(rid, spec.group, spec.local_block_ids, spec.first_block, blocks, spec.num_blocks)
+            pairs = group_pairs(rid, spec.tables, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             if isinstance(e, PullFailed) and e.reason:
                 with self._lock:
@@ -631,15 +638,16 @@ class KVLinkWorker:
             pulls, landing = self._claim_landing(a)
             if not pulls:
                 return
-        pairs = {p.rid: landing[p.rid] if landing else list(p.pairs) for p in pulls}
+        # (group, local block, remote block) per pull; with staging the local block is a landing slot
+        pairs = {p.rid: [(0, slot, rb) for slot, rb, _ in landing[p.rid]] if landing else list(p.pairs)
+                 for p in pulls}
         parts, nbytes, ndesc = [], 0, 0
         try:
             dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
                 if self._local_region is not None else [
                 (leg.peer, self._layer_dest[lm.name], [lm]) for leg in remote.legs for lm in leg.layers]
             for peer, region, layers in dests:  # one READ per prefill rank (and per layer without one region)
-                plan = ReadPlan.concat([build_plan(layers, [(lb, rb) for lb, rb, _ in pairs[p.rid]]
-                                                   if landing else pairs[p.rid]) for p in pulls])
+                plan = ReadPlan.concat([self._plan(layers, pairs[p.rid]) for p in pulls])
                 parts.append(self.engine.read(peer, region, plan.local_offsets, plan.remote_region_ids,
                                               plan.remote_offsets, plan.lengths,
                                               timeout_s=self.cfg.transfer_timeout_s))
@@ -658,9 +666,18 @@ class KVLinkWorker:
         if landing:
             moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
-        nblocks = sum(len(pairs[p.rid]) for p in pulls) * len(self.layer_names)
+        nblocks = sum(self._group_layers[g] for p in pulls for g, _, _ in pairs[p.rid])
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
+
+    def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int]]) -> ReadPlan:
+        """Descriptors of one pull's (group, local, remote) pairs over ``layers``: each group's blocks in
+        that group's layers only (hybrid models: vLLM's block ids are per group)."""
+        if len(self._group_layers) == 1:
+            return build_plan(layers, [(lb, rb) for _, lb, rb in pairs])
+        return ReadPlan.concat([build_plan([m for m in layers if self._layer_group.get(m.name, 0) == g],
+                                           [(lb, rb) for gg, lb, rb in pairs if gg == g])
+                                for g in sorted({g for g, _, _ in pairs})])
 
     def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
         """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
@@ -683,7 +700,7 @@ class KVLinkWorker:
                     continue
                 fit.append(p)
                 claimed += slots
-                landing[p.rid] = [(s, rb, lb) for s, (lb, rb) in zip(slots, p.pairs)]
+                landing[p.rid] = [(s, rb, lb) for s, (_, lb, rb) in zip(slots, p.pairs)]
             if claimed:
                 self._landing_slots[a.batch] = tuple(claimed)
             if deferred or refused:

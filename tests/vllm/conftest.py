@@ -20,6 +20,14 @@ def tiny_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def hybrid_model() -> str:
+    """A Mistral whose layers alternate 64-token sliding-window and full attention: two KV cache groups."""
+    from kvlink.demo.tiny_model import ensure_model
+
+    return str(ensure_model("hybrid"))
+
+
+@pytest.fixture(scope="session")
 def swa_model() -> str:
     """A Mistral with a 64-token sliding window on every layer (one SlidingWindowSpec KV cache group)."""
     from kvlink.demo.tiny_model import ensure_model

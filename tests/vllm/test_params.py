@@ -64,7 +64,7 @@ def test_what_is_built_parses_back_to_the_same_source(src):
 def test_a_prefill_answer_accepted_here_is_accepted_by_the_bootstrap_server(src):
     """The fields prefill publishes share the bootstrap's bounds: nothing parses here and fails there."""
     checked(PublishBody, engine_id=src.engine_id, request_id=src.request_id, transfer_id=src.transfer_id,
-            block_ids=[list(src.block_ids)], num_tokens=src.num_tokens or 0, lease_s=src.lease_s)
+            block_ids=[list(g) for g in src.block_ids], num_tokens=src.num_tokens or 0, lease_s=src.lease_s)
 
 
 @given(st.none() | ids)
@@ -88,14 +88,19 @@ def test_refusal_makes_decode_compute_locally():
 def test_block_ids_flat_or_one_group_and_the_null_block_allowed():
     flat = RemoteSource.from_params(SEQUENTIAL)
     nested = RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[0, 5, 0, 7]]})
-    assert flat.block_ids == nested.block_ids == (0, 5, 0, 7)  # 0: vLLM's null block, kept by position
-    assert RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": []}).block_ids == ()
-    assert RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[]]}).block_ids == ()
+    assert flat.block_ids == nested.block_ids == ((0, 5, 0, 7),)  # 0: vLLM's null block, kept by position
+    assert RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": []}).block_ids == ((),)
+    assert RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[]]}).block_ids == ((),)
+    assert flat.to_params()["remote_block_ids"] == [0, 5, 0, 7]  # one group travels flat, as vLLM sends it
 
 
-def test_more_than_one_kv_cache_group_is_refused_naming_it():
-    with pytest.raises(BadParams, match="remote_block_ids.*2 KV cache groups; kvlink supports one") as e:
-        RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[1, 2], [3, 4]]})
+def test_several_kv_cache_groups_travel_as_one_list_each():
+    src = RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[1, 2], [0, 4]]})
+    assert src.block_ids == ((1, 2), (0, 4))
+    assert src.to_params()["remote_block_ids"] == [[1, 2], [0, 4]]
+    assert RemoteSource(**{**vars(src)}).block_ids == ((1, 2), (0, 4))  # the checked form checks again
+    with pytest.raises(BadParams, match="remote_block_ids") as e:
+        RemoteSource.from_params(SEQUENTIAL | {"remote_block_ids": [[1, 2], [3, "x"]]})
     assert e.value.field == "remote_block_ids"
 
 
@@ -139,7 +144,7 @@ def test_a_source_built_directly_obeys_the_same_rules(kw, field):
 
 def test_a_source_built_directly_is_kept_in_its_checked_form():
     src = RemoteSource(bootstrap_url="127.0.0.1:5/", engine_id="e", request_id="r", block_ids=(0, 3))
-    assert src.bootstrap_url == "http://127.0.0.1:5" and src.block_ids == (0, 3)
+    assert src.bootstrap_url == "http://127.0.0.1:5" and src.block_ids == ((0, 3),)
     assert src == RemoteSource.from_params(src.to_params())
 
 
@@ -165,7 +170,7 @@ BAD_VALUES = {
     "remote_bootstrap_addr": [12, "", "http://a b", "h" * 513, ["http://a"], "ftp://a", "http://a:1/kv", "a:x"],
     "remote_engine_id": [5, "", "e" * 257, {"id": "e"}],
     "remote_request_id": [5, "", "r" * 513],
-    "remote_block_ids": ["not-a-list", [-1], [1, True], [1.0], [1 << 62], [[1], 2], [1, [2]], [[1], [2]]],
+    "remote_block_ids": ["not-a-list", [-1], [1, True], [1.0], [1 << 62], [[1], 2], [1, [2]], [[1], [2, "x"]]],
     "remote_num_tokens": [-1, True, 1.5, "64", 1 << 40],
     "remote_lease_s": [0, -1.0, True, "30", float("nan"), float("inf"), 86_401.0],
     "transfer_id": [5, "", "t" * 513],

@@ -53,7 +53,7 @@ def test_remote_source_parsing():
     assert s.bootstrap_url == "http://127.0.0.1:5" and s.block_ids is None
     s = RemoteSource.from_params({"remote_bootstrap_addr": "http://h:1", "remote_engine_id": "e",
                                   "remote_request_id": "r", "remote_block_ids": [[1, 2]]})
-    assert s.block_ids == (1, 2)
+    assert s.block_ids == ((1, 2),)
     for bad in ({"transfer_id": "t"}, {"remote_bootstrap_addr": "http://h:1"},
                 {"remote_bootstrap_addr": "http://h:1", "remote_engine_id": "e", "remote_request_id": "r",
                  "remote_block_ids": [-1]},
