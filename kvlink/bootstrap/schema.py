@@ -84,6 +84,7 @@ class KVLayerSpec(_Strict, kw_only=True):
     offset: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
     block_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
     segment_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
+    group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0  # the layer's KV cache group (hybrid models)
 
 
 class EngineRegistration(_Strict, kw_only=True):

@@ -17,6 +17,7 @@ REQUIRED_VLLM_API = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorStats"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorPromMetrics"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
@@ -56,6 +57,8 @@ def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: i
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
     layers are checked by name at first contact (decode's layers must all be registered by prefill)."""
+    if len(model) > 256:  # a registration carries values of at most 512 characters
+        model = f"{model[:200]}...{hashlib.sha256(model.encode()).hexdigest()[:16]}"
     return {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
             "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
             "protocol_version": PROTOCOL_VERSION}

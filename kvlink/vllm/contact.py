@@ -44,17 +44,26 @@ class LocalKV:
     total_heads: int  # the model's KV heads over all TP ranks (0: MLA's latent)
     compat: dict
     compat_hash: str
+    groups: dict[str, int]  # layer name -> KV cache group
+
+
 
 
 def check_compat(engine_id: str, reg: Any, local: LocalKV) -> None:
     """Refuse a prefill engine whose compat hash or protocol differs, naming what differs."""
     if reg.compat_hash == local.compat_hash and reg.protocol_version == PROTOCOL_VERSION:
         return
-    diff = compat_diff(local.compat, dict(reg.compat) | {"protocol_version": reg.protocol_version})
-    reason = next(iter(diff), "compat_hash")
+    if reg.protocol_version != PROTOCOL_VERSION or not reg.compat:
+        diff = {"protocol_version": (reg.protocol_version, PROTOCOL_VERSION)}
+        reason = "protocol_version"
+        what = f"{diff}{'' if reg.compat else ' (prefill sent no compat fields: an older kvlink?)'}"
+    else:
+        diff = compat_diff(local.compat, dict(reg.compat))
+        reason = next(iter(diff), "compat_hash")
+        what = str(diff or "(the same fields, another hash)")
     detail = (f"kvlink: prefill engine {engine_id} is not compatible with this decode engine ({reason}); "
-              f"differing (prefill, decode): {diff or '(prefill sent no fields)'}; prefill compat "
-              f"{reg.compat_hash}, decode compat {local.compat_hash}")
+              f"differing (prefill, decode): {what}; prefill compat {reg.compat_hash}, decode compat "
+              f"{local.compat_hash}")
     raise PullFailed(f"compat mismatch with {engine_id} ({', '.join(diff) or 'compat_hash'}): remote "
                      f"{reg.compat_hash}, local {local.compat_hash}", reason, detail)
 
@@ -64,7 +73,7 @@ def legs_for(engine_id: str, regs: list, local: LocalKV) -> list[tuple[Any, list
     if len({r.dp_rank for r in regs}) > 1:
         raise PullFailed(f"prefill engine {engine_id} has ranks of several DP ranks; each DP rank must "
                          "register under its own engine id", "mapping")
-    for reg in regs[:1]:
+    for reg in regs:  # every rank: a stale rank of an earlier process must not slip through
         check_compat(engine_id, reg, local)
     me = f"decode tp{local.tp_rank}/{local.tp_size} pp{local.pp_rank}/{local.pp_size}"
     shape = f"TP={regs[0].tp_size}, PP={regs[0].pp_size}" if regs else "no ranks"
@@ -92,6 +101,10 @@ def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[Laye
     out = []
     for n in leg.layers:
         spec = by_name[n]
+        if spec.group != local.groups.get(n, 0):
+            raise PullFailed(f"prefill engine {engine_id} has layer {n} in KV cache group {spec.group}, this "
+                             f"engine in group {local.groups.get(n, 0)}: their block ids mean other blocks",
+                             "groups")
         if spec.block_bytes != want:
             raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
                              f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "

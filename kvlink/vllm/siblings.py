@@ -11,6 +11,11 @@ vLLM turns a request with ``n > 1`` into ``n`` child requests that all carry the
 - prefill is told decode is done with the request only when the last sibling that pulled or waited is
   done: "pulled" if any of them pulled, else "abandoned". A sibling that finishes early (aborted while it
   waited) does not release it under the others.
+
+Only siblings that ask while the first pull runs are held for: vLLM adds all ``n`` children at once, so they
+normally do. One that first asks after the others are done (held back by ``max_num_seqs``, say) finds
+prefill's copy released: its lease check fails and it computes the prompt (the outcome is right; the
+work is repeated).
 """
 
 from __future__ import annotations

@@ -113,14 +113,16 @@ class _Batches:
         self.parts = parts
 
     def poll(self) -> bool:
+        """Non-blocking (vLLM's thread polls it): a failed part is reported as NotSettled, so the others are
+        stopped by the kvlink-cancel thread (a backend's cancel may block) before the pulls fail."""
         done, error = True, None
         for b in self.parts:
             try:
                 done = b.poll() and done
-            except Exception as e:  # noqa: BLE001 - poll every part, then stop them all
+            except Exception as e:  # noqa: BLE001 - poll every part, then report
                 error = error or e
         if error is not None:
-            self._stop_all(error)
+            raise NotSettled(f"one READ of a batch failed ({type(error).__name__}: {error}); stopping the others")
         return done
 
     def wait(self, timeout_s: float) -> None:
@@ -284,6 +286,10 @@ class KVLinkWorker:
                                f"kv_both engine cannot stage ({what})")
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
+        unknown = [n for n in self.layer_names if self._layer_group and n not in self._layer_group]
+        if unknown:
+            raise RuntimeError(f"kvlink: KV cache layers {unknown[:3]} are in no KV cache group of vLLM's KV cache "
+                               f"config ({len(set(self._layer_group.values()))} groups)")
         self._group_layers = {}
         for n in self.layer_names:
             g = self._layer_group.get(n, 0)
@@ -391,7 +397,8 @@ class KVLinkWorker:
                               tokens_per_block=self.compat["tokens_per_block"], dtype=self.compat["kv_dtype"],
                               layout=self.compat["layout"], offset=self._source_geoms[n].offset,
                               block_stride=self._source_geoms[n].block_stride,
-                              segment_stride=self._source_geoms[n].segment_stride)
+                              segment_stride=self._source_geoms[n].segment_stride,
+                              group=self._layer_group.get(n, 0))
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,
@@ -604,7 +611,8 @@ class KVLinkWorker:
         try:
             legs = legs_for(engine_id, regs, LocalKV(
                 self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
-                self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash))
+                self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash,
+                {n: self._layer_group.get(n, 0) for n in self.layer_names}))
         except PullFailed as e:
             if e.detail and key not in self._mismatch_logged:
                 self._mismatch_logged.add(key)
@@ -641,6 +649,8 @@ class KVLinkWorker:
         # (group, local block, remote block) per pull; with staging the local block is a landing slot
         pairs = {p.rid: [(0, slot, rb) for slot, rb, _ in landing[p.rid]] if landing else list(p.pairs)
                  for p in pulls}
+        # layer-blocks written: a group with no layers on this PP stage moves nothing here
+        nblocks = sum(self._group_layers.get(g, 0) for p in pulls for g, _, _ in pairs[p.rid])
         parts, nbytes, ndesc = [], 0, 0
         try:
             dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
@@ -666,14 +676,13 @@ class KVLinkWorker:
         if landing:
             moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
-        nblocks = sum(self._group_layers[g] for p in pulls for g, _, _ in pairs[p.rid])
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
 
     def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int]]) -> ReadPlan:
         """Descriptors of one pull's (group, local, remote) pairs over ``layers``: each group's blocks in
         that group's layers only (hybrid models: vLLM's block ids are per group)."""
-        if len(self._group_layers) == 1:
+        if not self._layer_group:  # one KV cache group
             return build_plan(layers, [(lb, rb) for _, lb, rb in pairs])
         return ReadPlan.concat([build_plan([m for m in layers if self._layer_group.get(m.name, 0) == g],
                                            [(lb, rb) for gg, lb, rb in pairs if gg == g])

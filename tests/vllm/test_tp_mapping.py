@@ -84,14 +84,16 @@ def test_legs_one_per_remote_rank_and_refusals():
         plan_legs(RankView(0, 1, 0, 1, names), [], 4)
 
 
-def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h"):
+def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", compat=None, group=0, protocol=None):
     from kvlink.bootstrap import EngineRegistration, KVLayerSpec
+    from kvlink.vllm.compat import PROTOCOL_VERSION
 
     return EngineRegistration(
         engine_id="pre", dp_rank=dp_rank, dp_size=2, tp_rank=tp_rank, tp_size=tp_size,
-        transport_addr="127.0.0.1:9", protocol_version=3, compat_hash=compat_hash,
+        transport_addr="127.0.0.1:9", protocol_version=protocol or PROTOCOL_VERSION, compat_hash=compat_hash,
+        compat={"protocol_version": PROTOCOL_VERSION} if compat is None else compat,
         layers=[KVLayerSpec(name=n, region_id=1, block_bytes=block_bytes, num_blocks=8, tokens_per_block=16,
-                            dtype="bfloat16", layout="x") for n in layers])
+                            dtype="bfloat16", layout="x", group=group) for n in layers])
 
 
 def _local(tp_rank, tp_size, heads_per_rank=2):
@@ -101,7 +103,7 @@ def _local(tp_rank, tp_size, heads_per_rank=2):
 
     lay = block_layout((8, heads_per_rank, 16, 64), (heads_per_rank * 1024, 1024, 64, 1), 2)
     return LocalKV(tp_rank, tp_size, 0, 1, ("a", "b"), lay, {"a": lay.geometry(), "b": lay.geometry(lay.span)},
-                   heads_per_rank * tp_size, {"protocol_version": PROTOCOL_VERSION}, "h")
+                   heads_per_rank * tp_size, {"protocol_version": PROTOCOL_VERSION}, "h", {"a": 0, "b": 0})
 
 
 def test_first_contact_maps_head_ranges_and_refuses_what_does_not_fit():
@@ -121,9 +123,21 @@ def test_first_contact_maps_head_ranges_and_refuses_what_does_not_fit():
     with pytest.raises(PullFailed, match=r"cannot serve decode tp0/2 pp0/1: no prefill PP stage holds") as e:
         legs_for("pre", [_reg(0, 1, "a", 4 * per_head)], _local(0, 2))
     assert e.value.reason == "mapping"
-    with pytest.raises(PullFailed, match="compat mismatch") as e:
+    with pytest.raises(PullFailed, match="compat mismatch") as e:  # another hash, the same fields
         legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, compat_hash="other")], _local(0, 2))
-    assert e.value.reason == "compat_hash" and "prefill sent no fields" in e.value.detail
+    assert e.value.reason == "compat_hash"
+    with pytest.raises(PullFailed) as e:  # an older kvlink: no fields, another protocol
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, compat_hash="other", compat={}, protocol=2)], _local(0, 2))
+    assert e.value.reason == "protocol_version" and "prefill sent no compat fields" in e.value.detail
+    # every rank is checked: a stale rank of an earlier process with other fields is refused
+    stale = _reg(1, 2, "ab", 2 * per_head, compat_hash="old", compat={"protocol_version": 3, "kv_dtype": "f16"})
+    with pytest.raises(PullFailed) as e:
+        legs_for("pre", [_reg(0, 2, "ab", 2 * per_head), stale], _local(0, 1, heads_per_rank=4))
+    assert e.value.reason == "kv_dtype"
+    # a layer prefill keeps in another KV cache group: its block ids name other blocks
+    with pytest.raises(PullFailed, match="has layer a in KV cache group 1, this engine in group 0") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, group=1)], _local(0, 2))
+    assert e.value.reason == "groups"
 
 
 # ----- synthetic engines through real transport and bootstrap -------------------------------------------------
