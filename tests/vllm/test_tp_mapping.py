@@ -170,7 +170,7 @@ class Model:
         if self.hdim is not None:
             hs = heads_of(tp_rank, tp_size, self.heads)
             t = t.narrow(self.hdim, hs.start, len(hs))
-        t = t.contiguous()
+        t = t.contiguous().clone()  # a rank's own memory: never a view of the model-wide tensor
         return t.permute(*self.perm) if self.perm else t
 
     def block(self, t: torch.Tensor, b: int) -> torch.Tensor:
@@ -187,7 +187,7 @@ def _stages(split: list[int]) -> list[list[int]]:
     return out
 
 
-def _engine(name, role, model, tp, split, cfg, heads_total):
+def _engine(name, role, model, tp, split, cfg, heads_total, groups=None):
     from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
     mla = model.hdim is None
@@ -195,7 +195,8 @@ def _engine(name, role, model, tp, split, cfg, heads_total):
     for s, layers in enumerate(_stages(split)):
         for t in range(tp):
             w = KVLinkWorker(cfg, RankInfo(name, t, tp, 0, 1, "m", pp_rank=s, pp_size=len(split),
-                                           kv_heads=0 if mla else heads_total, mla=mla, num_layers=LAYERS), role)
+                                           kv_heads=0 if mla else heads_total, mla=mla, num_layers=LAYERS), role,
+                             layer_groups=groups)
             w.register_kv_caches({f"model.layers.{i}.attn": model.shard(i, t, tp) for i in layers})
             ranks.append((t, s, layers, w))
     return ranks
@@ -367,5 +368,46 @@ def test_a_stage_that_never_registered_is_refused_naming_it(boot, caplog):
             assert pull_outcome(dec[0][3], "q") == "failed"
         assert "prefill rank tp0 pp1 (of TP=1, PP=2) is not registered" in caplog.text
         assert not dec[0][3]._remotes
+    finally:
+        _close(pre, dec)
+
+
+def test_hybrid_groups_across_unequal_tp_and_pp(boot):
+    """Two KV cache groups with their own block ids (layers 0, 2 in group 0; 1, 3, 4 in group 1), prefill
+    TP=2 in stages [2, 3], decode TP=1 in stages [4, 1]: decode's second stage holds no layer of group 0,
+    and every group's blocks land in that group's layers only."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.metadata import GroupTable, PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    groups = {f"model.layers.{i}.attn": (0 if i in (0, 2) else 1) for i in range(LAYERS)}
+    truth, blank = Model("cpu", 4, 12, seed=21), Model("cpu", 4, 8, seed=22)
+    pre = _engine("pre", "kv_producer", truth, 2, [2, 3], ConnectorConfig(transport_backend="tcp"), 4, groups)
+    dec = _engine("dec", "kv_consumer", blank, 1, [4, 1],
+                  ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0), 4, groups)
+    pairs = {0: [(1, 4), (2, 5)], 1: [(3, 9), (5, 2), (6, 3)]}  # per group: decode block <- prefill block
+    try:
+        for *_, w in pre:
+            w._ensure_registered(boot)
+        remote = tuple(tuple(rb for _, rb in pairs[g]) for g in (0, 1))
+        with BootstrapClient(boot) as cli:
+            cli.publish("pre", "p-h", [list(r) for r in remote], num_tokens=3 * BS, lease_s=30.0)
+        for *_, w in dec:
+            src = RemoteSource(bootstrap_url=boot, engine_id="pre", request_id="p-h", block_ids=remote, lease_s=30.0)
+            w._submit(PullSpec("h", tuple(lb for lb, _ in pairs[0]), 0, src,
+                               others=(GroupTable(1, tuple(lb for lb, _ in pairs[1]), 0),)))
+        for t, s, layers, w in dec:
+            assert pull_outcome(w, "h") == "ok", s
+            for i in layers:
+                name = f"model.layers.{i}.attn"
+                g = groups[name]
+                got, want, before = w.kv_caches[name], truth.shard(i, t, 1), blank.shard(i, t, 1)
+                for lb, rb in pairs[g]:
+                    assert torch.equal(got[lb], want[rb]), (name, lb)
+                for b in set(range(blank.nb)) - {lb for lb, _ in pairs[g]}:  # the other group's ids untouched
+                    assert torch.equal(got[b], before[b]), f"{name}: block {b} was written"
+            moved = sum(len(pairs[groups[f"model.layers.{i}.attn"]]) for i in layers)
+            assert w.get_stats().data["blocks_pulled"] == moved
     finally:
         _close(pre, dec)
