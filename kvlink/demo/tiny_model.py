@@ -43,6 +43,7 @@ class Preset:
     sliding_window: int | None = None  # tokens; set: a Mistral whose every layer attends to this window
     mla: bool = False  # a DeepSeek-V2 (multi-head latent attention): one 512 + 64 latent per token and layer
     hybrid: bool = False  # with sliding_window: layers alternate sliding-window and full attention (Gemma 3 style)
+    mamba: bool = False  # a NemotronH: Mamba2 and attention layers alternate (a MambaSpec KV cache group)
     init_std: float = 0.05  # weights ~ N(0, std): larger than HF's default, so greedy outputs depend on the KV
 
     @property
@@ -64,6 +65,11 @@ PRESETS = {
     # KV cache groups (a SlidingWindowSpec and a FullAttentionSpec) when the connector supports it.
     "hybrid": Preset("hybrid", num_layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                      sliding_window=64, hybrid=True),
+    # Mamba: NemotronH layers alternate Mamba2 and attention ("M*M*"): vLLM builds a MambaSpec group (one state
+    # block per request) and a FullAttentionSpec group. vLLM CPU's Mamba2 prefill kernel fails with prefix
+    # caching on (mamba_cache_mode "align"): run it with enable_prefix_caching=False.
+    "mamba": Preset("mamba", num_layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                    mamba=True, init_std=0.2),
     # MLA: vLLM builds an MLAAttentionSpec group, one latent tensor per layer and no K/V split. vLLM CPU's
     # MLA backend needs the 512 + 64 latent width (smaller ones fail); every layer dense (no MoE router).
     # At std 0.05 its greedy outputs change with how vLLM chunks a prompt (its MLA prefill and decode paths
@@ -125,6 +131,13 @@ def _build_weights(preset: Preset, out: Path) -> None:
         extra = {"kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
                  "v_head_dim": 64, "first_k_dense_replace": preset.num_layers, "n_routed_experts": 4,
                  "n_shared_experts": 1, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
+    if preset.mamba:
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        config_cls, model_cls = NemotronHConfig, NemotronHForCausalLM
+        extra = {"hybrid_override_pattern": "M*" * (preset.num_layers // 2), "mamba_num_heads": 8,
+                 "mamba_head_dim": 32, "n_groups": 1, "ssm_state_size": 16, "conv_kernel": 4, "expand": 1,
+                 "chunk_size": 32}
     if preset.sliding_window is not None:
         config_cls, model_cls, extra = MistralConfig, MistralForCausalLM, {"sliding_window": preset.sliding_window}
         if preset.hybrid:
@@ -158,7 +171,8 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     _build_weights(p, path)
     marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "init_std": p.init_std,
                                   "kv_bytes_per_token": p.kv_bytes_per_token,
-                                  "sliding_window": p.sliding_window, "hybrid": p.hybrid}) + "\n")
+                                  "sliding_window": p.sliding_window, "hybrid": p.hybrid,
+                                  "mamba": p.mamba}) + "\n")
     return path
 
 

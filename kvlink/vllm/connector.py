@@ -47,18 +47,26 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
 
 
-def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[int, int] | None, ...]:
-    """Refuse, at start-up, KV cache groups whose blocks kvlink cannot pair by token position; the groups'
-    sliding windows (window, extra retained tokens), None for a group that keeps every block."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[tuple[int, int] | None, ...], tuple[int, ...], int]:
+    """Refuse, at start-up, KV cache groups kvlink cannot move exactly. Returns, per group, its sliding window
+    (window, extra retained tokens) or None, and its tokens per block; and the prompt tokens prefill leaves
+    to decode (1 with a Mamba group: see KVLinkScheduler.on_new_request)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        if isinstance(spec, MambaSpec):
+            # "none": one state block per request, the state after the tokens computed. "align" (prefix
+            # caching) keeps a state per block position and spec decode adds scratch blocks: not moved yet.
+            if getattr(spec, "mamba_cache_mode", "none") != "none" or getattr(spec, "num_speculative_blocks", 0):
+                raise RuntimeError(f"KVLinkConnector moves a Mamba group's state with mamba_cache_mode 'none' and no "
+                                   f"speculative blocks; group {i} has mode {spec.mamba_cache_mode!r} and "
+                                   f"{spec.num_speculative_blocks} speculative blocks (run without prefix caching)")
+        elif not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
             raise RuntimeError(f"KVLinkConnector cannot move KV cache group {i} ({type(spec).__name__}: {spec}); "
-                               "supported: full attention (MLA included) and sliding window")
-    sizes = {g.kv_cache_spec.block_size for g in groups}
+                               "supported: full attention (MLA included), sliding window, Mamba state")
+    sizes = {g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)}
     if len(sizes) > 1:
         raise RuntimeError(f"KVLinkConnector pairs blocks by token position, so every KV cache group needs the "
                            f"same tokens per block; this model's groups have {sorted(sizes)}: "
@@ -69,8 +77,18 @@ def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[int, int] |
                            "device memory, or vLLM's --disable-hybrid-kv-cache-manager")
     # Only a SlidingWindowSpec group frees blocks outside the window (a FullAttentionSpec may carry a
     # sliding_window too, for the model runner, with every block kept).
-    return tuple((g.kv_cache_spec.sliding_window, g.kv_cache_spec.extra_retained_tokens)
-                 if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None for g in groups) or (None,)
+    windows = tuple((g.kv_cache_spec.sliding_window, g.kv_cache_spec.extra_retained_tokens)
+                    if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None for g in groups) or (None,)
+    backoff = 1 if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups) else 0
+    return windows, tuple(g.kv_cache_spec.block_size for g in groups), backoff
+
+
+def _state_layers(kv_cache_config: Any) -> set[str]:
+    """Layers of the Mamba groups: their blocks hold a per-request state, not per-token KV."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return {n for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+            if isinstance(g.kv_cache_spec, MambaSpec) for n in g.layer_names}
 
 
 def groups_desc(kv_cache_config: Any) -> str:
@@ -123,9 +141,11 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: KVLinkWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             slots = _staging_slots(self.config, vllm_config, kv_cache_config)
-            windows = _check_groups(kv_cache_config, staged=slots is not None)
+            windows, sizes, backoff = _check_groups(kv_cache_config, staged=slots is not None)
+            block_size = min(sizes) if sizes else block_size  # the attention groups' (a state group's is larger)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
-                                          staging_slots=slots, windows=windows)
+                                          staging_slots=slots, windows=windows, block_sizes=sizes or None,
+                                          backoff=backoff)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
                             groups_desc(kv_cache_config))
@@ -148,7 +168,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
-                                        layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names})
+                                        layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},
+                                        state_layers=_state_layers(kv_cache_config))
 
     # ----- worker side -------------------------------------------------------------------------------
 
@@ -208,6 +229,10 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids)
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:

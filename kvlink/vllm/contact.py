@@ -45,6 +45,7 @@ class LocalKV:
     compat: dict
     compat_hash: str
     groups: dict[str, int]  # layer name -> KV cache group
+    layouts: dict[str, BlockLayout] | None = None  # per layer where they differ (state layers); else ``layout``
 
 
 
@@ -95,12 +96,16 @@ def legs_for(engine_id: str, regs: list, local: LocalKV) -> list[tuple[Any, list
 def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[LayerMap]:
     """The LayerMaps of one leg: whole blocks, or the leg's head range of each block."""
     by_name = {layer.name: layer for layer in reg.layers}
-    lay, sl = local.layout, leg.slice
+    sl = leg.slice
     remote_heads = len(heads_of(leg.remote_tp, reg.tp_size, local.total_heads)) if local.total_heads else 0
-    want = lay.block_bytes // lay.heads * remote_heads if lay.heads else lay.block_bytes
     out = []
     for n in leg.layers:
-        spec = by_name[n]
+        spec, lay = by_name[n], (local.layouts or {}).get(n, local.layout)
+        if lay.desc.startswith("state") and reg.tp_size != local.tp_size:
+            raise PullFailed(f"prefill engine {engine_id} runs TP={reg.tp_size}, this engine TP={local.tp_size}: "
+                             f"layer {n} holds a per-request state (Mamba) sharded by TP, which kvlink moves "
+                             "between equal TP only", "mapping")
+        want = lay.block_bytes // lay.heads * remote_heads if lay.heads else lay.block_bytes
         if spec.group != local.groups.get(n, 0):
             raise PullFailed(f"prefill engine {engine_id} has layer {n} in KV cache group {spec.group}, this "
                              f"engine in group {local.groups.get(n, 0)}: their block ids mean other blocks",

@@ -96,6 +96,24 @@ def head_geometry(g: Geometry, layout: BlockLayout, first: int, heads: int) -> G
     return Geometry(g.offset + first * layout.head_bytes, g.block_stride, stride)
 
 
+def state_layout(parts: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]) -> BlockLayout:
+    """A layer whose block is a per-request state (Mamba: conv state, then SSM state, packed in one page of a
+    buffer vLLM shares with the other groups): ``parts`` are the state tensors as (data pointer, shape,
+    strides in elements, element size), each ``[num_blocks, ...]``. One segment per block, from the first
+    tensor's pointer to the end of the last state byte; moved whole (never cut by heads)."""
+    base, shape0, strides0, size0 = parts[0]
+    page, num_blocks = strides0[0] * size0, shape0[0]
+    what = f"state tensors {[(list(sh), list(st)) for _, sh, st, _ in parts]}"
+    end = 0
+    for ptr, shape, strides, size in parts:
+        row = (sum((n - 1) * st for n, st in zip(shape[1:], strides[1:])) + 1) * size
+        if shape[0] != num_blocks or strides[0] * size != page or ptr < base or ptr - base + row > page:
+            raise LayoutError(f"{what}: the state tensors of a block do not share one page of {page} bytes")
+        end = max(end, ptr - base + row)
+    return BlockLayout(num_blocks=num_blocks, segments=1, segment_stride=0, block_stride=page, segment_bytes=end,
+                       span=(num_blocks - 1) * page + end, desc=f"state:{end}:{page}")
+
+
 def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, mla: bool = False) -> BlockLayout:
     """The block layout of one layer's KV tensor (``strides`` in elements, as torch gives them). ``mla``: the
     tensor is MLA's latent cache (no heads; vLLM CPU's 4-D MLA shape is otherwise its attention shape)."""

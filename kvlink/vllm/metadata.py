@@ -47,8 +47,8 @@ class PullSpec:
 
     @cached_property
     def blocks_to_fill(self) -> tuple[int, ...]:
-        """The local blocks this pull writes, every group: not null, not in the prefix cache (vLLM's block
-        ids are unique across groups)."""
+        """The local blocks this pull writes, every group: not null, not in the prefix cache (with several
+        groups an id names a block within its group only: the worker then reports failures per request)."""
         return tuple(b for t in self.tables for b in t.local_block_ids[t.first_block:] if b != NULL_BLOCK)
 
 

@@ -47,8 +47,14 @@ logger = logging.getLogger(__name__)
 class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
                  window: int | None = None, window_extra: int = 0, staging_slots: int | None = None,
-                 windows: tuple[tuple[int, int] | None, ...] | None = None):
+                 windows: tuple[tuple[int, int] | None, ...] | None = None,
+                 block_sizes: tuple[int, ...] | None = None, backoff: int = 0):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
+        # Per KV cache group: tokens per block (a state group's block covers the whole request).
+        self.block_sizes = block_sizes or (block_size,)
+        # Prompt tokens prefill leaves to decode (1 with Mamba layers: decode derives state N from prefill's
+        # state N-1 when it recomputes the last prompt token, which it always does after a full load).
+        self.backoff = backoff
         # Per KV cache group: (sliding window, extra retained tokens) of a SlidingWindowSpec group, else None.
         self.windows = windows if windows is not None else ((window, window_extra) if window else None,)
         self.is_producer = role in ("kv_producer", "kv_both")
@@ -329,6 +335,8 @@ class KVLinkScheduler:
         n = len(request.prompt_token_ids or ())
         if src.num_tokens is not None:
             n = min(n, src.num_tokens)
+        if self.backoff and n > self.backoff and n >= len(request.prompt_token_ids or ()):
+            n = len(request.prompt_token_ids) - self.backoff  # what prefill computed (on_new_request)
         count = n - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -359,13 +367,17 @@ class KVLinkScheduler:
         # Decode's block table by position, null blocks (id 0) included: vLLM puts them where the model
         # never reads (outside a sliding window), and prefill's list has them at the same positions.
         # Only the positions covering the tokens loaded belong to the pull.
-        end = -(-(local_hit + num_external_tokens) // self.block_size)
-        first = local_hit // self.block_size
-        tables = [tuple(0 if b.is_null else b.block_id for b in group[:end]) for group in blocks.blocks]
+        tokens = local_hit + num_external_tokens
+        tables = []
+        for g, group in enumerate(blocks.blocks):
+            bs = self.block_sizes[g] if g < len(self.block_sizes) else self.block_size
+            end = -(-tokens // bs)
+            tables.append(GroupTable(g, tuple(0 if b.is_null else b.block_id for b in group[:end]),
+                                     local_hit // bs, end))
         self._pulls[rid] = src
-        self._new_pulls.append(PullSpec(rid, tables[0], first, src, num_blocks=end,
-                                        others=tuple(GroupTable(g, t, first, end)
-                                                     for g, t in enumerate(tables) if g)))
+        t0 = tables[0]
+        self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
+                                        others=tuple(tables[1:])))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
@@ -420,6 +432,28 @@ class KVLinkScheduler:
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
             self._release_shared(src, rid, pulled=not (cancelled or rid in failed))
+
+    def on_new_request(self, request: "Request") -> None:
+        """Prefill, a request for decode on a model with state layers (Mamba): compute all but the last
+        ``backoff`` prompt tokens and one output token, so the published state is the one decode continues
+        from when it recomputes the last prompt token (as vLLM does after loading a whole prompt). Once per
+        request (a preempted request comes back here)."""
+        params = request.kv_transfer_params
+        if not (self.backoff and self.is_producer and isinstance(params, dict)) or params.get("_kvlink_backoff"):
+            return
+        try:
+            if not kvparams.flag(params, "do_remote_decode"):
+                return
+        except BadParams:
+            return  # request_finished refuses it
+        ids = request.prompt_token_ids
+        if ids is None or request.num_prompt_tokens <= self.backoff:
+            return
+        del ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params["_kvlink_backoff"] = self.backoff
 
     def _release_shared(self, src: RemoteSource, rid: str, pulled: bool) -> None:
         """Decode request ``rid`` is done with prefill's request: tell prefill once no sibling sample of the

@@ -50,7 +50,8 @@ from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.layout import Geometry, LayoutError, block_layout, packed_geometry, tokens_per_block
+from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, packed_geometry, state_layout,
+                                tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, group_pairs
@@ -199,8 +200,9 @@ def _not_settled(e: BaseException) -> bool:
 
 class KVLinkWorker:
     def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None,
-                 layer_groups: dict[str, int] | None = None):
+                 layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        self._state_layers = set(state_layers or ())  # layers of a Mamba group: a per-request state per block
         self._layer_group = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models; else 0)
         self._group_layers: dict[int, int] = {0: 0}  # KV cache group -> layers of this rank in it
         self.slot_bytes = slot_bytes  # staging: bytes of one slot as the scheduler sizes the pool (staging.py)
@@ -264,12 +266,21 @@ class KVLinkWorker:
 
         if not kv_caches:
             raise RuntimeError("kvlink: vLLM gave no KV cache tensors to register")
-        first = next(iter(kv_caches.values()))
-        for name, t in kv_caches.items():
+        # State layers (Mamba: the connector names them) hand a byte view of their pages, or a list of state
+        # tensors in one page; attention layers one tensor each.
+        states = {n: (list(t) if isinstance(t, (list, tuple)) else [t]) for n, t in kv_caches.items()
+                  if n in self._state_layers or isinstance(t, (list, tuple))}
+        attn = {n: t for n, t in kv_caches.items() if n not in states}
+        if not attn:
+            raise RuntimeError(f"kvlink: no attention KV cache among {list(kv_caches)[:3]}")
+        first = next(iter(attn.values()))
+        for name, t in [*attn.items(), *((n, x) for n, ts in states.items() for x in ts)]:
             if not isinstance(t, torch.Tensor):
                 raise RuntimeError(f"kvlink: KV cache {name} is not a tensor ({type(t).__name__})")
-            if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
-                    or t.device != first.device):
+            if t.device != first.device:
+                raise RuntimeError(f"kvlink: KV cache {name} is on {t.device}, the first layer on {first.device}")
+        for name, t in attn.items():
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
                 raise RuntimeError(f"kvlink: all KV cache layers must have the same shape, strides, dtype and "
                                    f"device; {name} has {list(t.shape)} {list(t.stride())} {t.dtype} on {t.device}, "
                                    f"the first {list(first.shape)} {list(first.stride())} {first.dtype} on "
@@ -278,9 +289,14 @@ class KVLinkWorker:
                 f"{self.cfg.transport_backend!r}")
         try:
             self.layout = block_layout(first.shape, first.stride(), first.element_size(), mla=self.rank.mla)
+            self.layouts = {n: self.layout for n in attn} | {
+                n: state_layout([(x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.element_size()) for x in ts])
+                for n, ts in states.items()}
             self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
         except (LayoutError, ValueError) as e:
             raise RuntimeError(f"kvlink: {e} ({what})") from None
+        if states and self.staged:
+            raise RuntimeError(f"kvlink: host staging ({why}) cannot move state layers (Mamba: {list(states)[:2]})")
         if self.staged and self.role == "kv_both":
             raise RuntimeError(f"kvlink: host staging ({why}) serves kv_producer and kv_consumer engines; a "
                                f"kv_both engine cannot stage ({what})")
@@ -299,7 +315,9 @@ class KVLinkWorker:
         num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
         self.block_bytes = self.layout.block_bytes
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
-                                    layout=self.layout.desc, tokens_per_block=block_size,
+                                    layout="+".join(sorted({lay.desc for lay in self.layouts.values()},
+                                                           key=lambda d: d.startswith("state"))),
+                                    tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups)
         self.compat_hash = compat_hash(self.compat)
@@ -318,9 +336,15 @@ class KVLinkWorker:
                 self._layer_regions = dict.fromkeys(kv_caches, pool_region)
                 self._source_geoms = {name: packed_geometry(self.layout, i, n) for i, name in enumerate(kv_caches)}
             else:
-                self._layer_regions = {name: self.engine.register((t.data_ptr(), self.layout.span), access=Access.READ)
-                                       for name, t in kv_caches.items()}
-                self._source_geoms = dict.fromkeys(kv_caches, self.layout.geometry())
+                # one region per allocation: layers of different groups may share memory (a state layer's
+                # pages and an attention layer's)
+                spans: dict[int, int] = {}
+                for name in kv_caches:
+                    ptr = self._base(name)
+                    spans[ptr] = max(spans.get(ptr, 0), self.layouts[name].span)
+                regions = {ptr: self.engine.register((ptr, span), access=Access.READ) for ptr, span in spans.items()}
+                self._layer_regions = {name: regions[self._base(name)] for name in kv_caches}
+                self._source_geoms = {name: self.layouts[name].geometry() for name in kv_caches}
         if self.role in ("kv_consumer", "kv_both"):
             if pool_region is not None:
                 self._local_region = pool_region
@@ -358,22 +382,27 @@ class KVLinkWorker:
         return region
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
-        ptrs = [t.data_ptr() for t in kv_caches.values()]
-        lo, hi = min(ptrs), max(ptrs) + self.layout.span
-        if self.role == "kv_both" or hi - lo > len(ptrs) * self.layout.span:
+        ptrs = {self._base(n): self.layouts[n].span for n in kv_caches}
+        lo, hi = min(ptrs), max(p + span for p, span in ptrs.items())
+        if self.role == "kv_both" or hi - lo > sum(ptrs.values()):
             # Not one allocation (or also a source): one region per layer, one READ per layer.
             access = Access.READ | Access.WRITE
             if self.role == "kv_both":
                 self._local_region = None
                 self._layer_dest = self._layer_regions
             else:
-                self._layer_dest = {n: self.engine.register((t.data_ptr(), self.layout.span), access=access)
-                                    for n, t in kv_caches.items()}
-            self._local_geoms = dict.fromkeys(kv_caches, self.layout.geometry())
+                self._layer_dest = {n: self.engine.register((self._base(n), self.layouts[n].span), access=access)
+                                    for n in kv_caches}
+            self._local_geoms = {n: self.layouts[n].geometry() for n in kv_caches}
         else:
             self._local_region = self.engine.register((lo, hi - lo), access=Access.WRITE)
-            self._local_geoms = {n: self.layout.geometry(t.data_ptr() - lo) for n, t in kv_caches.items()}
+            self._local_geoms = {n: self.layouts[n].geometry(self._base(n) - lo) for n in kv_caches}
             self._layer_dest = {}
+
+    def _base(self, name: str) -> int:
+        """Where layer ``name``'s blocks start: its tensor's data pointer (a state layer's first tensor)."""
+        t = self.kv_caches[name]
+        return (t[0] if isinstance(t, (list, tuple)) else t).data_ptr()
 
     def _clients_for(self, url: str):
         from kvlink.bootstrap import ClientPool
@@ -393,7 +422,7 @@ class KVLinkWorker:
         from kvlink.bootstrap import EngineRegistration, Heartbeater, KVLayerSpec
 
         num_blocks = self._stager.slots + 1 if self.staged else self.layout.num_blocks
-        layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.block_bytes, num_blocks=num_blocks,
+        layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.layouts[n].block_bytes, num_blocks=num_blocks,
                               tokens_per_block=self.compat["tokens_per_block"], dtype=self.compat["kv_dtype"],
                               layout=self.compat["layout"], offset=self._source_geoms[n].offset,
                               block_stride=self._source_geoms[n].block_stride,
@@ -479,9 +508,12 @@ class KVLinkWorker:
         return done
 
     def take_load_error_blocks(self) -> set[int]:
-        """Local block ids of pulls that failed since the last call."""
+        """Local block ids of pulls that failed since the last call. None with several KV cache groups: a
+        block id names a block within its group only, and vLLM refuses (stops the engine on) block-level
+        failures there; those pulls are reported per request (``failed_recving``) alone."""
         with self._lock:
-            return self._table.take_error_blocks()
+            blocks = self._table.take_error_blocks()
+        return set() if len(set(self._layer_group.values())) > 1 else blocks
 
     def get_stats(self) -> KVLinkStats | None:
         with self._lock:
@@ -612,7 +644,7 @@ class KVLinkWorker:
             legs = legs_for(engine_id, regs, LocalKV(
                 self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
                 self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash,
-                {n: self._layer_group.get(n, 0) for n in self.layer_names}))
+                groups={n: self._layer_group.get(n, 0) for n in self.layer_names}, layouts=self.layouts))
         except PullFailed as e:
             if e.detail and key not in self._mismatch_logged:
                 self._mismatch_logged.add(key)

@@ -28,6 +28,14 @@ def hybrid_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def mamba_model() -> str:
+    """A NemotronH whose layers alternate Mamba2 and attention: a MambaSpec and a FullAttentionSpec group."""
+    from kvlink.demo.tiny_model import ensure_model
+
+    return str(ensure_model("mamba"))
+
+
+@pytest.fixture(scope="session")
 def swa_model() -> str:
     """A Mistral with a 64-token sliding window on every layer (one SlidingWindowSpec KV cache group)."""
     from kvlink.demo.tiny_model import ensure_model

@@ -112,23 +112,45 @@ def test_corrupted_kv_changes_output(engines):
 
 def test_a_group_kind_kvlink_cannot_move_is_refused_naming_its_spec():
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                            MLAAttentionSpec)
 
     from kvlink.vllm.connector import _check_groups
 
+    def config(*specs):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)])
-    with pytest.raises(RuntimeError, match=r"cannot move KV cache group 1 \(MambaSpec"):
-        _check_groups(cfg, staged=False)
+    mamba = MambaSpec(block_size=2048, shapes=((4, 8),), dtypes=(torch.float32,))
+    aligned = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    assert _check_groups(config(mamba, full), staged=False) == ((None, None), (2048, 16), 1)  # state: backoff 1
+    with pytest.raises(RuntimeError, match=r"mamba_cache_mode 'none'.*group 0 has mode 'align'"):
+        _check_groups(config(aligned, full), staged=False)
     other = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], other)])
     with pytest.raises(RuntimeError, match=r"same tokens per block; this model's groups have \[16, 32\]"):
-        _check_groups(cfg, staged=False)
-    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], full)])
-    assert _check_groups(cfg, staged=False) == (None, None)
+        _check_groups(config(full, other), staged=False)
+    assert _check_groups(config(full, full), staged=False) == ((None, None), (16, 16), 0)
     with pytest.raises(RuntimeError, match="host staging moves one KV cache group; this model has 2"):
-        _check_groups(cfg, staged=True)
+        _check_groups(config(full, full), staged=True)
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    class Odd(KVCacheSpec):  # a kind kvlink has never seen
+        pass
+
+    with pytest.raises(RuntimeError, match=r"cannot move KV cache group 1 \(Odd"):
+        _check_groups(config(full, Odd(block_size=16)), staged=False)
+    assert MLAAttentionSpec  # MLA is a FullAttentionSpec: accepted (tests/vllm/test_mla.py)
+
+
+def test_a_failed_pull_is_reported_per_request_and_the_engine_keeps_serving(engines):
+    """With several KV cache groups vLLM stops the engine on block-level load failures (a block id names a
+    block within its group only): kvlink reports a failed pull per request alone, and decode recomputes."""
+    prompts = token_prompts([150], seed=34)
+    want = outputs(engines, "base", prompts)
+    params = dict(prefill(engines, prompts)[0], remote_engine_id="no-such-engine")
+    agent = engines.agents["dec"]
+    before = agent.recorded_now()
+    assert decode(engines, "dec", prompts, [params]) == want
+    assert agent.recorded_now()["pulls_failed"] - before["pulls_failed"] == 1
+    assert decode(engines, "dec", prompts, prefill(engines, prompts)) == want  # and serves the next one

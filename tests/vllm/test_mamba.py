@@ -1,0 +1,81 @@
+"""A hybrid Mamba model (NemotronH: Mamba2 and attention layers alternate) through prefill and decode engines
+in one process.
+
+vLLM builds a MambaSpec group (one state block per request: conv state, then SSM state, in a page of a
+buffer it shares with the attention group) and a FullAttentionSpec group. After loading a whole prompt vLLM
+recomputes its last token, which would apply that token to a Mamba state twice; so prefill computes all but
+the last prompt token (KVLinkScheduler.on_new_request) and decode derives the last state itself. vLLM CPU's
+Mamba2 kernel fails with prefix caching on, so these engines run without it (mamba_cache_mode "none").
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.vllm.helpers import Engines, corrupting_kv_config, decode, outputs, prefill, recording_kv_config, \
+    token_prompts
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+LENGTHS = [3, 40, 63, 64, 65, 200, 700]
+OFF = {"enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module")
+def engines(mamba_model):
+    e = Engines(mamba_model)
+    e.make("base", None, **OFF)
+    e.make("pre", recording_kv_config("kv_producer"), **OFF)
+    e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"), **OFF)
+    e.make("dec_bad", corrupting_kv_config(), **OFF)
+    yield e
+    e.close()
+
+
+def test_vllm_builds_a_mamba_and_an_attention_group(engines):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    cfg = engines.llms["dec"].llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    assert [type(g.kv_cache_spec) for g in cfg.kv_cache_groups] == [MambaSpec, FullAttentionSpec]
+    w = engines.agents["dec"]._worker
+    states = [n for n, lay in w.layouts.items() if lay.desc.startswith("state")]
+    assert len(states) == 2 and all(w._layer_group[n] == 0 for n in states)
+
+
+def test_outputs_equal_a_single_engine_with_every_state_and_block_pulled(engines):
+    prompts = token_prompts(LENGTHS, seed=41)
+    want = outputs(engines, "base", prompts)
+    params = prefill(engines, [list(p) for p in prompts])  # prefill shortens its request's prompt in place
+    agent = engines.agents["dec"]
+    problems = []
+    for p, w, kp in zip(prompts, want, params):
+        assert kp["remote_num_tokens"] == len(p) - 1  # prefill left the last prompt token to decode
+        assert len(kp["remote_block_ids"]) == 2  # a table per group
+        before = agent.recorded_now()
+        got = decode(engines, "dec", [p], [kp])[0]
+        after = agent.recorded_now()
+        ok, failed = after["pulls_ok"] - before["pulls_ok"], after["pulls_failed"] - before["pulls_failed"]
+        if got != w or ok != 1 or failed:
+            problems.append(f"{len(p)} tokens: output {'ok' if got == w else got} (want {w}), pulls ok {ok}, "
+                            f"failed {failed}")
+    assert not problems, "\n".join(problems)
+
+
+def test_corrupted_state_and_kv_change_the_output(engines):
+    prompts = token_prompts([300], seed=42)
+    want = outputs(engines, "base", prompts)
+    assert decode(engines, "dec_bad", prompts, prefill(engines, [list(p) for p in prompts])) != want
+
+
+def test_the_state_matters_and_a_failed_pull_recomputes(engines):
+    """Without the pulled state (a failed pull: nothing moved) decode recomputes the whole prompt and still
+    answers right; the engine keeps serving (failures are reported per request with several groups)."""
+    prompts = token_prompts([120], seed=43)
+    want = outputs(engines, "base", prompts)
+    params = dict(prefill(engines, [list(p) for p in prompts])[0], remote_engine_id="no-such-engine")
+    agent = engines.agents["dec"]
+    before = agent.recorded_now()
+    assert decode(engines, "dec", prompts, [params]) == want
+    assert agent.recorded_now()["pulls_failed"] - before["pulls_failed"] == 1
