@@ -142,7 +142,11 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             slots = _staging_slots(self.config, vllm_config, kv_cache_config)
             windows, sizes, backoff = _check_groups(kv_cache_config, staged=slots is not None)
-            block_size = min(sizes) if sizes else block_size  # the attention groups' (a state group's is larger)
+            from vllm.v1.kv_cache_interface import MambaSpec
+
+            attn_sizes = [g.kv_cache_spec.block_size for g in groups or ()
+                          if not isinstance(g.kv_cache_spec, MambaSpec)]
+            block_size = min(attn_sizes) if attn_sizes else block_size  # the attention groups' tokens per block
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
                                           backoff=backoff)
@@ -169,7 +173,9 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},
-                                        state_layers=_state_layers(kv_cache_config))
+                                        state_layers=_state_layers(kv_cache_config),
+                                        num_groups=len(groups) if groups else None,
+                                        num_blocks=getattr(kv_cache_config, "num_blocks", None))
 
     # ----- worker side -------------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ def state_layout(parts: list[tuple[int, tuple[int, ...], tuple[int, ...], int]])
             raise LayoutError(f"{what}: the state tensors of a block do not share one page of {page} bytes")
         end = max(end, ptr - base + row)
     return BlockLayout(num_blocks=num_blocks, segments=1, segment_stride=0, block_stride=page, segment_bytes=end,
-                       span=(num_blocks - 1) * page + end, desc=f"state:{end}:{page}")
+                       span=(num_blocks - 1) * page + end, desc=f"state:{end}")
 
 
 def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, mla: bool = False) -> BlockLayout:

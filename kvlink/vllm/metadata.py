@@ -39,6 +39,7 @@ class PullSpec:
     group: int = 0  # the KV cache group these ids belong to (named in errors)
     num_blocks: int | None = None  # positions the loaded tokens cover; local_block_ids must have as many
     others: tuple[GroupTable, ...] = ()  # the other KV cache groups' tables (hybrid models)
+    num_tokens: int | None = None  # set with Mamba groups: prefill must have computed exactly these tokens
 
     @property
     def tables(self) -> tuple[GroupTable, ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ from kvlink.vllm.held import COUNTER_OF, HeldTable
 from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
-from kvlink.vllm.siblings import Siblings
+from kvlink.vllm.siblings import SIBLING_GRACE_S, Siblings, is_sample
 from kvlink.vllm.staging import SlotPool, StagePlanner
 from kvlink.vllm.stats import KVLinkStats
 
@@ -88,7 +89,10 @@ class KVLinkScheduler:
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._new_cancels: list[str] = []
-        self._siblings = Siblings()  # decode requests sharing one prefill request (n > 1 samples)
+        # Decode requests sharing one prefill request (n > 1 samples); the release timers touch it too.
+        self._siblings = Siblings()
+        self._siblings_lock = threading.Lock()
+        self._backed_off: set[str] = set()  # prefill: requests whose last prompt token was left to decode
         if self.is_producer:
             self._start_bootstrap()
 
@@ -330,13 +334,23 @@ class KVLinkScheduler:
         src = self._source(request)
         if src is None:
             return 0, False
-        if self._siblings.should_wait(src.key, request.request_id):
+        with self._siblings_lock:
+            wait = self._siblings.should_wait(src.key, request.request_id)
+        if wait:
             return None, False  # a sibling sample pulls this prompt now: asked again next step (siblings.py)
         n = len(request.prompt_token_ids or ())
         if src.num_tokens is not None:
             n = min(n, src.num_tokens)
-        if self.backoff and n > self.backoff and n >= len(request.prompt_token_ids or ()):
-            n = len(request.prompt_token_ids) - self.backoff  # what prefill computed (on_new_request)
+        if self.backoff:
+            # Mamba: the pulled state is the one after exactly the tokens prefill computed, which must be
+            # short of the prompt (on_new_request) for decode to compute the rest once. Unknown (concurrent
+            # pairing): prefill backs off by ``backoff``; the worker checks the published count.
+            n = len(request.prompt_token_ids or ()) - self.backoff if src.num_tokens is None else src.num_tokens
+            if n >= len(request.prompt_token_ids or ()) or n <= 0:
+                logger.info("kvlink: request %s: prefill computed %s of its %d prompt tokens; with Mamba layers "
+                            "decode continues a state only from fewer: computing the prompt locally",
+                            request.request_id, src.num_tokens, len(request.prompt_token_ids or ()))
+                return 0, False
         count = n - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -363,7 +377,8 @@ class KVLinkScheduler:
             # Everything was in the local prefix cache: prefill may free its copy (unless a sibling needs it).
             self._release_shared(src, rid, pulled=False)
             return
-        self._siblings.started(src.key, rid)
+        with self._siblings_lock:
+            self._siblings.started(src.key, rid)
         # Decode's block table by position, null blocks (id 0) included: vLLM puts them where the model
         # never reads (outside a sliding window), and prefill's list has them at the same positions.
         # Only the positions covering the tokens loaded belong to the pull.
@@ -377,7 +392,7 @@ class KVLinkScheduler:
         self._pulls[rid] = src
         t0 = tables[0]
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
-                                        others=tuple(tables[1:])))
+                                        others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
@@ -439,7 +454,8 @@ class KVLinkScheduler:
         from when it recomputes the last prompt token (as vLLM does after loading a whole prompt). Once per
         request (a preempted request comes back here)."""
         params = request.kv_transfer_params
-        if not (self.backoff and self.is_producer and isinstance(params, dict)) or params.get("_kvlink_backoff"):
+        rid = request.request_id
+        if not (self.backoff and self.is_producer and isinstance(params, dict)) or rid in self._backed_off:
             return
         try:
             if not kvparams.flag(params, "do_remote_decode"):
@@ -447,20 +463,40 @@ class KVLinkScheduler:
         except BadParams:
             return  # request_finished refuses it
         ids = request.prompt_token_ids
-        if ids is None or request.num_prompt_tokens <= self.backoff:
-            return
+        if ids is None or request.prompt_embeds is not None or request.num_prompt_tokens <= self.backoff:
+            return  # a prompt of embeddings: decode, which has no ids of it, computes it
         del ids[-self.backoff:]
         del request._all_token_ids[-self.backoff:]
         request.num_prompt_tokens -= self.backoff
         request.max_tokens = 1
-        params["_kvlink_backoff"] = self.backoff
+        self._backed_off.add(rid)
 
     def _release_shared(self, src: RemoteSource, rid: str, pulled: bool) -> None:
         """Decode request ``rid`` is done with prefill's request: tell prefill once no sibling sample of the
         same prompt still pulls or waits for it (siblings.py)."""
-        outcome = self._siblings.ended(src.key, rid, pulled)
-        if outcome is not None:
+        with self._siblings_lock:
+            outcome = self._siblings.ended(src.key, rid, pulled)
+            starts = self._siblings.starts(src.key)
+            if outcome is not None and not is_sample(rid):
+                self._siblings.settle(src.key, starts)
+        if outcome is None:
+            return
+        if not is_sample(rid):
             self._release_async(src, Outcome.PULLED if outcome else Outcome.ABANDONED)
+            return
+
+        # A sample (vLLM's child request "<i>_<parent>"): its siblings reach the engine one by one and may
+        # not have asked yet. Keep prefill's copy SIBLING_GRACE_S longer; a sibling that asks meanwhile pulls
+        # (what its prefix cache lacks) and releases it in turn.
+        def later():
+            time.sleep(SIBLING_GRACE_S)
+            with self._siblings_lock:
+                free = self._siblings.settle(src.key, starts)
+            if free:
+                self._release_async(src, Outcome.PULLED if outcome else Outcome.ABANDONED)
+
+        if not self._closed.is_set():
+            self._pool.submit(later)
 
     # ----- both --------------------------------------------------------------------------------------
 
@@ -475,6 +511,7 @@ class KVLinkScheduler:
         except BadParams as e:
             self._finished_consumer(request, params)  # ends whatever it began as a decode request
             return self._refuse(request, str(e))
+        self._backed_off.discard(request.request_id)
         if to_decode:
             groups = (tuple(tuple(g) for g in block_ids) if block_ids and isinstance(block_ids[0], (list, tuple))
                       else (tuple(block_ids or ()),))

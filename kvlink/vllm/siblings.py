@@ -12,13 +12,16 @@ vLLM turns a request with ``n > 1`` into ``n`` child requests that all carry the
   done: "pulled" if any of them pulled, else "abandoned". A sibling that finishes early (aborted while it
   waited) does not release it under the others.
 
-Only siblings that ask while the first pull runs are held for: vLLM adds all ``n`` children at once, so they
-normally do. One that first asks after the others are done (held back by ``max_num_seqs``, say) finds
-prefill's copy released: its lease check fails and it computes the prompt (the outcome is right; the
-work is repeated).
+A server adds the ``n`` children to the engine one by one, so the first may pull and finish before the
+others ask. So the decode scheduler keeps prefill's copy ``SIBLING_GRACE_S`` longer after the last sample
+it knows of is done; a sibling that asks meanwhile pulls what its prefix cache lacks. One that asks later
+still (held back by ``max_num_seqs``, say) finds prefill's copy released: its lease check fails and it
+computes the prompt (the outcome is right; the work is repeated).
 """
 
 from __future__ import annotations
+
+import re
 
 from dataclasses import dataclass, field
 
@@ -30,11 +33,21 @@ class _Source:
     pulled: bool = False  # a sibling's pull ended well
 
 
+SIBLING_GRACE_S = 2.0  # how long prefill's copy outlives the last sample decode knows of
+_SAMPLE = re.compile(r"\d+_.")
+
+
+def is_sample(request_id: str) -> bool:
+    """vLLM names the child requests of an ``n > 1`` request ``<index>_<parent id>``."""
+    return _SAMPLE.match(request_id) is not None
+
+
 class Siblings:
     """Per prefill request (``RemoteSource.key``): which decode requests pull it and which wait."""
 
     def __init__(self) -> None:
         self._by_key: dict[str, _Source] = {}
+        self._starts: dict[str, int] = {}  # pulls started per key, until its release is decided (settle)
 
     def should_wait(self, key: str, rid: str) -> bool:
         """``rid`` asks to pull ``key``: True while another request's pull of it runs (``rid`` then waits)."""
@@ -49,6 +62,7 @@ class Siblings:
         s = self._by_key.setdefault(key, _Source())
         s.waiting.discard(rid)
         s.pulling.add(rid)
+        self._starts[key] = self._starts.get(key, 0) + 1
 
     def ended(self, key: str, rid: str, pulled: bool) -> bool | None:
         """``rid`` is done with ``key`` (its pull ended, or it left while waiting). Returns None while a
@@ -63,6 +77,18 @@ class Siblings:
             return None
         del self._by_key[key]
         return s.pulled
+
+    def starts(self, key: str) -> int:
+        """How many pulls of ``key`` have started (a release decided later is void if this grew)."""
+        return self._starts.get(key, 0)
+
+    def settle(self, key: str, starts: int) -> bool:
+        """A release of ``key`` decided when ``starts`` pulls had started: True (and ``key`` forgotten) when
+        no request pulls or waits for it and no pull started since; else False (a later one releases)."""
+        if key in self._by_key or self._starts.get(key, 0) != starts:
+            return False
+        self._starts.pop(key, None)
+        return True
 
     def waiting(self, key: str) -> set[str]:
         s = self._by_key.get(key)

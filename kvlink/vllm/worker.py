@@ -54,7 +54,7 @@ from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, packed_geom
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, ReadPlan, build_plan, group_pairs
+from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
@@ -200,8 +200,12 @@ def _not_settled(e: BaseException) -> bool:
 
 class KVLinkWorker:
     def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None,
-                 layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None):
+                 layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None,
+                 num_groups: int | None = None, num_blocks: int | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        # vLLM's KV cache groups (all of them, also those without a layer on this PP stage) and blocks per group
+        self._num_groups = num_groups or len(set((layer_groups or {}).values())) or 1
+        self._num_blocks = num_blocks
         self._state_layers = set(state_layers or ())  # layers of a Mamba group: a per-request state per block
         self._layer_group = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models; else 0)
         self._group_layers: dict[int, int] = {0: 0}  # KV cache group -> layers of this rank in it
@@ -295,6 +299,10 @@ class KVLinkWorker:
             self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
         except (LayoutError, ValueError) as e:
             raise RuntimeError(f"kvlink: {e} ({what})") from None
+        if self._num_blocks and self.layout.num_blocks != self._num_blocks:
+            raise RuntimeError(f"kvlink: vLLM's KV cache has {self._num_blocks} blocks but hands the attention "
+                               f"backend {self.layout.num_blocks} (kernel blocks smaller than vLLM's blocks); kvlink "
+                               f"moves vLLM's blocks and does not map them onto kernel blocks ({what})")
         if states and self.staged:
             raise RuntimeError(f"kvlink: host staging ({why}) cannot move state layers (Mamba: {list(states)[:2]})")
         if self.staged and self.role == "kv_both":
@@ -316,7 +324,7 @@ class KVLinkWorker:
         self.block_bytes = self.layout.block_bytes
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
                                     layout="+".join(sorted({lay.desc for lay in self.layouts.values()},
-                                                           key=lambda d: d.startswith("state"))),
+                                                           key=lambda d: (d.startswith("state"), d))),
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups)
@@ -382,7 +390,9 @@ class KVLinkWorker:
         return region
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
-        ptrs = {self._base(n): self.layouts[n].span for n in kv_caches}
+        ptrs: dict[int, int] = {}  # allocation base -> span (layers of different groups may share one)
+        for n in kv_caches:
+            ptrs[self._base(n)] = max(ptrs.get(self._base(n), 0), self.layouts[n].span)
         lo, hi = min(ptrs), max(p + span for p, span in ptrs.items())
         if self.role == "kv_both" or hi - lo > sum(ptrs.values()):
             # Not one allocation (or also a source): one region per layer, one READ per layer.
@@ -391,8 +401,8 @@ class KVLinkWorker:
                 self._local_region = None
                 self._layer_dest = self._layer_regions
             else:
-                self._layer_dest = {n: self.engine.register((self._base(n), self.layouts[n].span), access=access)
-                                    for n in kv_caches}
+                regions = {p: self.engine.register((p, span), access=access) for p, span in ptrs.items()}
+                self._layer_dest = {n: regions[self._base(n)] for n in kv_caches}
             self._local_geoms = {n: self.layouts[n].geometry() for n in kv_caches}
         else:
             self._local_region = self.engine.register((lo, hi - lo), access=Access.WRITE)
@@ -513,7 +523,7 @@ class KVLinkWorker:
         failures there; those pulls are reported per request (``failed_recving``) alone."""
         with self._lock:
             blocks = self._table.take_error_blocks()
-        return set() if len(set(self._layer_group.values())) > 1 else blocks
+        return set() if self._num_groups > 1 else blocks
 
     def get_stats(self) -> KVLinkStats | None:
         with self._lock:
@@ -619,6 +629,9 @@ class KVLinkWorker:
                     return  # cancelled meanwhile
                 rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(map(tuple, rec.block_ids))
+                if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
+                    raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
+                                       f"{spec.num_tokens}: a Mamba state continues only from the tokens it saw")
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)

@@ -47,3 +47,17 @@ def test_unrelated_prompts_and_single_requests_are_untouched():
     assert s.ended("k3", "c", pulled=False) is False  # never seen (aborted before asking): as before
     assert s.ended("k1", "a", pulled=True) is True
     assert len(s) == 0
+
+
+def test_a_release_decided_before_a_late_sibling_started_is_void():
+    from kvlink.vllm.siblings import is_sample
+
+    s = Siblings()
+    s.started("k", "0_r")
+    assert s.ended("k", "0_r", pulled=True) is True
+    starts = s.starts("k")  # the release waits a grace period for late samples
+    s.started("k", "1_r")  # a late sibling arrives and pulls
+    assert not s.settle("k", starts)  # the first release is void
+    assert s.ended("k", "1_r", pulled=True) is True
+    assert s.settle("k", s.starts("k"))  # the last one's release goes out, once
+    assert is_sample("0_cmpl-abc") and is_sample("12_x") and not is_sample("cmpl-1") and not is_sample("0_")
