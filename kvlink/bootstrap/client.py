@@ -194,10 +194,11 @@ class BootstrapClient:
         num_tokens: int,
         lease_s: float,
         transfer_id: str | None = None,
+        epoch: int = 0,
     ) -> None:
         """Publish a finished prefill request (the same publish again renews it; other content conflicts)."""
         body = s.checked(s.PublishBody, engine_id=engine_id, request_id=request_id, transfer_id=transfer_id,
-                         block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s)
+                         block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s, epoch=epoch)
         self._call("/v1/request/publish", body, s.OkAnswer)
 
     def lookup(
@@ -215,8 +216,11 @@ class BootstrapClient:
                 out[rid] = status
         return out
 
-    def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None) -> RequestRecord:
-        """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it.
+    def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None,
+                        after: int | None = None) -> RequestRecord:
+        """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it. With
+        ``after`` (streamed KV) prefill's progress also answers, as a record with ``partial`` set, once its
+        ``version`` is above ``after``.
 
         Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
         when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
@@ -225,7 +229,8 @@ class BootstrapClient:
         deadline = time.monotonic() + wait_s
         while True:
             remaining = max(0.0, deadline - time.monotonic())
-            body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id)
+            body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
+                             after=after)
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
             except LookupTimeout:
@@ -257,6 +262,18 @@ class BootstrapClient:
         RequestReleased at once. Idempotent (True if it had already ended)."""
         body = s.checked(s.AbandonTransferBody, engine_id=engine_id, transfer_id=transfer_id)
         return self._call("/v1/transfer/abandon", body, s.ReleaseAnswer).already_released
+
+    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: list[s.StreamPiece]) -> list[str]:
+        """Report one prefill rank's streamed pieces; returns the transfer ids whose stream is over (decode
+        stopped waiting, or the request was published or abandoned): send no more for them."""
+        body = s.checked(s.StreamPiecesBody, engine_id=engine_id, rank=rank, ranks=ranks,
+                         pieces=[msgspec.to_builtins(p) for p in pieces])
+        return self._call("/v1/stream/pieces", body, s.StreamPiecesAnswer).ended
+
+    def stop_stream(self, transfer_id: str) -> bool:
+        """Decode no longer waits for this transfer: prefill is told to stop streaming it."""
+        body = s.checked(s.StreamStopBody, transfer_id=transfer_id)
+        return self._call("/v1/stream/stop", body, s.ReleaseAnswer).already_released
 
     def poll_released(self, engine_id: str) -> list[tuple[str, Outcome]]:
         """Outcomes (request id, pulled/abandoned/expired) of the engine's requests since the last poll.

@@ -56,6 +56,14 @@ class _Collector:
         yield counter("conflicts", "Refused conflicting registrations and publishes.", stats.conflicts)
         yield counter("outcomes_dropped", "Outcomes dropped because prefill never acknowledged.",
                       stats.outcomes_dropped)
+        st = table.streams.stats
+        yield gauge("streams", "Requests prefill is still computing and streaming pieces of.", len(table.streams))
+        yield counter("stream_pieces", "Streamed pieces applied.", st.pieces)
+        yield counter("stream_duplicates", "Streamed pieces that arrived again (first arrival won).", st.duplicates)
+        yield counter("stream_stale", "Streamed pieces of an earlier epoch (the request restarted).", st.stale)
+        yield counter("stream_dropped", "Streamed pieces for a stream that had ended (published, abandoned, "
+                      "stopped by decode).", st.dropped)
+        yield counter("streams_stopped", "Streams decode stopped waiting for.", st.stopped)
         yield counter("waits", "Long polls started.", c.waits)
         yield counter("wait_timeouts", "Long polls that ended without an answer.", c.wait_timeouts)
         released = CounterMetricFamily(

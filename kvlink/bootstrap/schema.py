@@ -140,6 +140,12 @@ class RequestRecord(_Strict, kw_only=True):
     block_ids: BlockIds
     num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
     lease_remaining_s: float
+    # Streamed KV (lookup_transfer with ``after``): ``partial`` is a progress report of a request prefill is
+    # still computing (no lease: its blocks belong to the running request), ``version`` orders them;
+    # ``epoch`` counts the request's (re)starts on prefill (a preempted request may get other blocks).
+    partial: bool = False
+    version: Annotated[int, Meta(ge=0)] = 0
+    epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
 
 
 class ReleasedRequest(_Strict, kw_only=True):
@@ -176,6 +182,41 @@ class PublishBody(_Strict, kw_only=True):
     block_ids: BlockIds
     num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
     lease_s: LeaseS | None = None
+    epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+
+
+class StreamPiece(_Strict, kw_only=True):
+    """Prefill has the KV of the first ``num_tokens`` tokens of a request it is still computing in place, in
+    the full blocks ``block_ids`` (by position, one list per KV cache group). Cumulative: each piece
+    repeats what the earlier ones said. ``index`` only grows for a request (across chunks and restarts)."""
+
+    transfer_id: RequestId
+    request_id: RequestId
+    index: Annotated[int, Meta(ge=1, lt=1 << 62)]
+    epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+    num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
+    block_ids: BlockIds
+
+
+class StreamPiecesBody(_Strict, kw_only=True):
+    """One prefill rank's pieces of one step; ``rank`` is its (PP stage, TP rank) index among ``ranks``."""
+
+    engine_id: EngineId
+    rank: Rank = 0
+    ranks: Size = 1
+    pieces: Annotated[list[StreamPiece], Meta(max_length=4096)]
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.ranks:
+            raise ValueError(f"invalid `rank`: {self.rank} is not below ranks {self.ranks}")
+
+
+class StreamPiecesAnswer(_Strict, kw_only=True):
+    ended: list[str] = []  # transfer ids whose stream is over (decode gone, published, abandoned): stop sending
+
+
+class StreamStopBody(_Strict, kw_only=True):
+    transfer_id: RequestId
 
 
 class LookupBody(_Strict, kw_only=True):
@@ -188,6 +229,8 @@ class LookupTransferBody(_Strict, kw_only=True):
     transfer_id: RequestId
     wait_s: WaitS = 0.0
     engine_id: EngineId | None = None
+    # Streamed KV: also answer with prefill's progress once its version is above ``after`` (a partial record)
+    after: Annotated[int, Meta(ge=0)] | None = None
 
 
 class RenewBody(_Strict, kw_only=True):

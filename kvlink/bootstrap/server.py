@@ -66,6 +66,7 @@ class BootstrapApp:
         self._closing = False
         table.on_publish = self._on_publish
         table.on_transfer_end = self._on_transfer_end
+        table.on_progress = self._on_transfer_end  # wakes the same long polls (by transfer id)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
@@ -87,6 +88,10 @@ class BootstrapApp:
             already_released=t.release(b.engine_id, b.request_id, b.outcome)))
         self._post("/v1/transfer/abandon", s.AbandonTransferBody, lambda b: s.ReleaseAnswer(
             already_released=t.abandon_transfer(b.engine_id, b.transfer_id)))
+        self._post("/v1/stream/pieces", s.StreamPiecesBody, lambda b: s.StreamPiecesAnswer(
+            ended=t.stream_pieces(b.engine_id, b.rank, b.ranks, b.pieces)))
+        self._post("/v1/stream/stop", s.StreamStopBody, lambda b: s.ReleaseAnswer(
+            already_released=t.stop_stream(b.transfer_id)))
         self._post("/v1/request/poll_released", s.PollReleasedBody, lambda b: t.poll_released(
             b.engine_id, b.server_id, b.ack))
 
@@ -175,7 +180,7 @@ class BootstrapApp:
 
     def _publish(self, body: s.PublishBody) -> s.OkAnswer:
         self.table.publish(body.engine_id, body.request_id, body.block_ids, body.num_tokens, body.lease_s,
-                           body.transfer_id)
+                           body.transfer_id, body.epoch)
         return s.OkAnswer()
 
     def _check_ids(self, ids: list[str]) -> None:
@@ -202,11 +207,11 @@ class BootstrapApp:
     async def _lookup_transfer(self, body: s.LookupTransferBody) -> s.RequestRecord:
         if body.engine_id is not None and not self.table.has_engine(body.engine_id):
             raise UnknownEngine(f"engine {body.engine_id!r} is not registered", field="engine_id")
-        found = self.table.lookup_transfer(body.transfer_id)
+        found = self.table.lookup_transfer(body.transfer_id, body.after)
         if found is s.RequestStatus.UNKNOWN and body.wait_s > 0:
             deadline = time.monotonic() + min(body.wait_s, self.config.max_wait_s)
             while found is s.RequestStatus.UNKNOWN and await self._wait([("t", body.transfer_id)], deadline):
-                found = self.table.lookup_transfer(body.transfer_id)
+                found = self.table.lookup_transfer(body.transfer_id, body.after)
             if found is s.RequestStatus.UNKNOWN:
                 raise LookupTimeout(f"transfer id {body.transfer_id!r} was not published in time", field="transfer_id")
         if isinstance(found, s.RequestRecord):

@@ -37,6 +37,7 @@ from kvlink.bootstrap.errors import (
     UnknownEngine,
     UnknownRequest,
 )
+from kvlink.bootstrap.streams import PieceStatus, Progress, StreamBook, StreamConflict
 from kvlink.bootstrap.schema import (
     EngineRegistration,
     LookupAnswer,
@@ -69,6 +70,7 @@ class _Request:
     block_ids: list[list[int]]
     num_tokens: int
     expires_at: float
+    epoch: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -117,6 +119,9 @@ class PairingTable:
         """Called after each new publish; the HTTP adapter wakes its long polls with it."""
         self.on_transfer_end: Callable[[str], None] | None = None
         """Called with a transfer id that was abandoned before anything was published under it."""
+        self.on_progress: Callable[[str], None] | None = None
+        """Called with a transfer id whose streamed progress moved (pieces)."""
+        self.streams = StreamBook(self.limits.max_tombstones, self.limits.tombstone_ttl_s)
         self._engines: dict[str, _Engine] = {}
         self._transfers: dict[str, _Request] = {}
         self._rank_heap: list[tuple[float, int, _Rank]] = []
@@ -228,8 +233,10 @@ class PairingTable:
         num_tokens: int,
         lease_s: float | None = None,
         transfer_id: str | None = None,
+        epoch: int = 0,
     ) -> RequestRecord:
-        """Publish a finished prefill request. The same publish again renews it; a different one conflicts."""
+        """Publish a finished prefill request. The same publish again renews it; a different one conflicts.
+        It ends the request's stream of pieces, if it had one (streams.py)."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
@@ -247,12 +254,13 @@ class PairingTable:
         if transfer_id is not None and transfer_id in self._transfers:
             self.stats.conflicts += 1
             raise Conflict(f"transfer id {transfer_id!r} is bound to another live request", field="transfer_id")
-        request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s)
+        request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch)
         engine.requests[request_id] = request
         self._tombstones.pop((engine_id, request_id), None)
         if transfer_id is not None:
             self._transfers[transfer_id] = request
             self._transfer_tombstones.pop(transfer_id, None)
+            self.streams.end(transfer_id, now)
         heapq.heappush(self._request_heap, (request.expires_at, next(self._tie), request))
         self.stats.published += 1
         record = self._record(request, now)
@@ -279,14 +287,50 @@ class PairingTable:
         self.stats.looked_up += len(ready) + len(expired) + len(released) + len(unknown)
         return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
 
-    def lookup_transfer(self, transfer_id: str) -> RequestRecord | RequestStatus:
+    def lookup_transfer(self, transfer_id: str, after: int | None = None) -> RequestRecord | RequestStatus:
+        """The published record; else, with ``after`` (streamed KV), prefill's progress once its version
+        is above ``after`` (a partial record, no lease); else what is known of the id."""
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
         if request is not None:
             return self._record(request, now)
         tomb = self._transfer_tombstones.get(transfer_id)
-        return tomb[0] if tomb is not None else RequestStatus.UNKNOWN
+        if tomb is not None:
+            return tomb[0]
+        if after is not None:
+            progress = self.streams.progress(transfer_id)
+            if progress is not None and progress.version > after:
+                return _partial(transfer_id, progress)
+        return RequestStatus.UNKNOWN
+
+    # ----- streamed KV ------------------------------------------------------------------------------------
+
+    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: Iterable) -> list[str]:
+        """One prefill rank's pieces (schema.StreamPiece); returns the transfer ids whose stream is over,
+        so that rank stops sending for them. Rules: streams.py."""
+        now = self._sweep()
+        self._engine(engine_id)
+        ended: list[str] = []
+        for p in pieces:
+            tid = p.transfer_id
+            if (tid in self._transfers or tid in self._transfer_tombstones) and not self.streams.ended(tid):
+                self.streams.end(tid, now)  # published (or abandoned) already: the piece came late
+            try:
+                status = self.streams.piece(engine_id, rank, ranks, tid, p.request_id, p.index, p.epoch,
+                                            p.num_tokens, p.block_ids, now)
+            except StreamConflict as e:
+                self.stats.conflicts += 1
+                raise Conflict(str(e), field="transfer_id") from None
+            if status is PieceStatus.ENDED:
+                ended.append(tid)
+            elif status is PieceStatus.APPLIED and self.on_progress is not None:
+                self.on_progress(tid)
+        return ended
+
+    def stop_stream(self, transfer_id: str) -> bool:
+        """Decode gave the request up: prefill's later pieces for it are dropped (and it is told so)."""
+        return self.streams.stop(transfer_id, self._sweep())
 
     def has_engine(self, engine_id: str) -> bool:
         self._sweep()
@@ -345,6 +389,7 @@ class PairingTable:
         now = self._sweep()
         engine = self._engine(engine_id)
         request = self._transfers.get(transfer_id)
+        self.streams.end(transfer_id, now)
         if request is not None:
             if request.engine_id != engine_id:
                 self.stats.conflicts += 1
@@ -378,7 +423,7 @@ class PairingTable:
 
     def expire(self) -> None:
         """Expire everything that is due now (the adapter also calls this periodically)."""
-        self._sweep()
+        self.streams.sweep(self._sweep())
 
     # ----- internals --------------------------------------------------------------------------------------
 
@@ -410,6 +455,7 @@ class PairingTable:
             block_ids=request.block_ids,
             num_tokens=request.num_tokens,
             lease_remaining_s=max(0.0, request.expires_at - now),
+            epoch=request.epoch,
         )
 
     def _sweep(self) -> float:
@@ -483,3 +529,9 @@ class PairingTable:
             if at > horizon:
                 break
             del tombs[key]
+
+
+def _partial(transfer_id: str, progress: Progress) -> RequestRecord:
+    return RequestRecord(engine_id=progress.engine_id, request_id=progress.request_id, transfer_id=transfer_id,
+                         block_ids=[list(g) for g in progress.block_ids], num_tokens=progress.num_tokens,
+                         lease_remaining_s=0.0, partial=True, version=progress.version, epoch=progress.epoch)
