@@ -45,6 +45,9 @@ class ConnectorConfig:
     # inheriting vLLM's OMP pinning (VLLM_CPU_OMP_THREADS_BIND). Off by default: on the 2-core benchmark
     # machine spreading made same-host copies slower and their tail longer (bench/results/connector.md).
     spread_threads: bool = False
+    # Prefill: stream a request's finished blocks to decode while it still computes (concurrent pairing
+    # only: decode is waiting by then; stream.py). Off: publish once, at the end.
+    stream_kv: bool = True
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
@@ -85,7 +88,7 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..64, got {self.transport_streams!r}")
-        for key in ("crc", "allow_insecure", "spread_threads"):
+        for key in ("crc", "allow_insecure", "spread_threads", "stream_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
         for key in ("bootstrap_url", "bootstrap_token", "transport_token", "transport_advertise"):

@@ -147,9 +147,12 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             attn_sizes = [g.kv_cache_spec.block_size for g in groups or ()
                           if not isinstance(g.kv_cache_spec, MambaSpec)]
             block_size = min(attn_sizes) if attn_sizes else block_size  # the attention groups' tokens per block
+            streamable = ("host staging" if slots is not None else "Mamba state" if backoff
+                          else "several KV cache groups" if len(windows) > 1
+                          else "sliding window" if windows[0] else None)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
-                                          backoff=backoff)
+                                          backoff=backoff, streamable=streamable)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
                             groups_desc(kv_cache_config))
@@ -193,7 +196,11 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         return  # pull model: prefill keeps its blocks, decode reads them
 
     def wait_for_save(self) -> None:
-        return
+        """After the step's forward: prefill sends the step's streamed pieces (stream.py)."""
+        if self._worker is not None:
+            meta = self._connector_metadata
+            if isinstance(meta, KVLinkMetadata) and meta.streams:
+                self._worker.send_pieces(meta.streams)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Finished sends and receives plus failed receives per request (``failed_recving``)."""

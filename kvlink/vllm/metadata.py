@@ -63,3 +63,4 @@ class KVLinkMetadata(KVConnectorMetadata):
     # prefill with host staging: (request id, device blocks, pool slots) to copy, then report as finished_sending
     stages: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     bootstrap_url: str | None = None  # prefill: where workers register
+    streams: list = field(default_factory=list)  # prefill: stream.StreamSpec pieces to send after this step

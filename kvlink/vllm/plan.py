@@ -67,6 +67,21 @@ def group_pairs(request_id: str, tables, remote: tuple[tuple[int, ...], ...]) ->
                                       t.num_blocks)]
 
 
+def ready_pairs(request_id: str, tables, remote: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int]]:
+    """Streamed KV: [(group, local block, remote block)] of the positions prefill has finished so far;
+    ``remote`` is its partial table per group (full blocks only, by position), shorter than decode's."""
+    if len(remote) != len(tables):
+        raise PairingError(f"request {request_id}: prefill streamed {len(remote)} KV cache group(s), decode "
+                           f"pulls {len(tables)}")
+    out = []
+    for t in tables:
+        have = remote[t.group]
+        n = min(len(t.local_block_ids), len(have))
+        out += [(t.group, lb, rb) for lb, rb in pair_blocks(request_id, t.group, t.local_block_ids[:n],
+                                                             min(t.first_block, n), have[:n])]
+    return out
+
+
 def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int = 0) -> bool:
     """True when a whole loaded prompt's last token cannot be recomputed from the blocks either side keeps.
 

@@ -18,6 +18,16 @@ asked again on every tick until it says the batch is settled, or the batch ends 
 The other pulls of a batch that had to be cancelled for one of them are posted again; if the batch
 ended by itself meanwhile, their bytes arrived and they go on to the lease check.
 
+Streamed KV (concurrent pairing, prefill still computing): before the published record (``resolved``)
+arrives, ``piece`` hands the table the pairs of the blocks prefill has finished so far. A RESOLVING pull
+with such pairs goes READY -> READING like any other and, when that batch ends, back to RESOLVING to
+wait for more (one batch per pull at a time, so cancel works exactly as above). A position read once is
+not read again (the first arrival wins), unless prefill restarted the request (a higher ``epoch``: what
+was read may be stale). The published record is the end of the stream: only positions not read yet at
+its epoch are read (the tail), and a read of a piece counts only if its epoch is the record's: a running
+request's blocks are prefill's until the record is published (then the lease holds them), so a READ that
+ended before ``held_until`` read what the record names.
+
 A READ is trusted only with proof that prefill held the blocks when it ended: it ended before
 ``held_until``, the bound given by the last lease renewal (or the concurrent lookup). Renewals are
 scheduled here too: one call in flight per (bootstrap server, prefill engine) group, a new pull's
@@ -77,13 +87,22 @@ class Pull:
     deadline: float
     state: State = State.RESOLVING
     remote: Hashable | None = None  # the adapter's key of the remote engine (set when resolved)
-    pairs: tuple[tuple[int, int], ...] = ()  # (local block, remote block)
+    pairs: tuple[tuple[int, int, int], ...] = ()  # (group, local block, remote block) of the batch on the wire
     lease: Lease | None = None
     held_until: float = 0.0  # prefill provably holds the blocks until then
     next_renew: float = 0.0
     read_at: float = 0.0  # when its READ ended (0: not yet)
     batch: int | None = None  # the batch carrying it (READING, SETTLING)
     pending: tuple[State, str] | None = None  # SETTLING: the outcome to report once settled
+    # (group, local block) -> remote block: to read next, in the batch on the wire, read (at ``epoch``)
+    queued: dict[tuple[int, int], int] = field(default_factory=dict)
+    inflight: dict[tuple[int, int], int] = field(default_factory=dict)
+    got: dict[tuple[int, int], int] = field(default_factory=dict)
+    epoch: int = 0
+    inflight_epoch: int = 0
+    final: bool = False  # the published record arrived (resolved): nothing more to wait for
+    final_at: float = 0.0
+    streamed: int = 0  # blocks read before the published record arrived
 
     @property
     def rid(self) -> str:
@@ -215,16 +234,42 @@ class PullTable:
             return []
         return [Resolve(pull)]
 
-    def resolved(self, rid: str, remote: Hashable, pairs: list[tuple[int, int]], lease: Lease,
-                 held_until: float, renew_at: float, now: float) -> list[Post | Renew]:
-        """Paired and connected; ``renew_at``: when its first renewal is due (``now``: at once)."""
+    def resolved(self, rid: str, remote: Hashable, pairs: list[tuple[int, int, int]], lease: Lease,
+                 held_until: float, renew_at: float, now: float, epoch: int = 0) -> list[Post | Renew]:
+        """Paired and connected (the published record: the end of a stream); ``pairs`` are (group, local,
+        remote) blocks; ``renew_at``: when its first renewal is due (``now``: at once)."""
         pull = self._pulls.get(rid)
-        if pull is None or pull.state is not State.RESOLVING:
+        if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
             return []  # cancelled or failed meanwhile (already reported)
-        pull.remote, pull.pairs, pull.lease = remote, tuple(pairs), lease
+        if pull.remote is not None and pull.remote != remote:
+            pull.got.clear()  # streamed from another engine object (reconnected): read it all again
+        pull.remote, pull.lease, pull.final, pull.final_at = remote, lease, True, now
         pull.held_until, pull.next_renew = max(pull.held_until, held_until), renew_at
-        pull.state = State.READY
+        self._want(pull, pairs, epoch)
+        if pull.state is State.RESOLVING:
+            if pull.queued:
+                pull.state = State.READY
+            else:
+                self._check_lease(pull, now)  # everything was streamed already
         return [*self.take_posts(now), *self._renewals_due(now)]
+
+    def piece(self, rid: str, remote: Hashable, pairs: list[tuple[int, int, int]], epoch: int,
+              now: float) -> list[Post]:
+        """Streamed KV: prefill has finished the blocks of these (group, local, remote) pairs of a request it
+        is still computing. Read what was not read yet at this epoch."""
+        pull = self._pulls.get(rid)
+        if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
+            self._count("pieces_dropped")  # decode no longer waits for it (cancelled, failed, done)
+            return []
+        if epoch < pull.epoch or (pull.remote is not None and pull.remote != remote):
+            self._count("pieces_dropped")
+            return []
+        pull.remote = remote
+        self._count("pieces")
+        self._want(pull, pairs, epoch)
+        if pull.state is State.RESOLVING and pull.queued:
+            pull.state = State.READY
+        return self.take_posts(now)
 
     def resolve_failed(self, rid: str, why: str, now: float) -> None:
         pull = self._pulls.get(rid)
@@ -244,6 +289,8 @@ class PullTable:
             self._batches[b.id] = b
             for p in pulls:
                 p.state, p.batch = State.READING, b.id
+                p.inflight, p.queued, p.inflight_epoch = p.queued, {}, p.epoch
+                p.pairs = tuple((g, lb, rb) for (g, lb), rb in p.inflight.items())
             posts.append(Post(b.id, remote, tuple(pulls)))
         return posts
 
@@ -274,6 +321,7 @@ class PullTable:
                 self._report(p, State.FAILED, now, refused[rid])
             else:
                 p.state, p.batch = State.READY, None
+                p.queued, p.inflight = self._requeue(p), {}
                 self._count("staging_pool_full")
         if not b.rids:
             del self._batches[batch]
@@ -287,7 +335,7 @@ class PullTable:
             state, reason = p.pending or (State.FAILED, why)
             self._report(p, state, now, reason)
 
-    def batch_ended(self, batch: int, error: str | None, now: float) -> list[Renew]:
+    def batch_ended(self, batch: int, error: str | None, now: float) -> list[Post | Renew]:
         """The transport says the batch finished (``error`` None) or failed.
 
         A failure of a batch we asked to cancel is not proof that it settled (a backend that cannot stop
@@ -310,9 +358,8 @@ class PullTable:
             elif error is not None:
                 self._report(p, State.FAILED, now, error)
             else:
-                p.read_at, p.batch = now, None
-                self._check_lease(p, now)
-        return self._renewals_due(now)
+                self._read(p, now)
+        return [*self.take_posts(now), *self._renewals_due(now)]
 
     def batch_unsettled(self, batch: int, why: str, now: float) -> list[CancelBatch]:
         """The transport gave up on the batch but its memory may still be written (the wait timed out and
@@ -336,6 +383,7 @@ class PullTable:
                 self._report(p, p.pending[0], now, p.pending[1])
             else:
                 p.state, p.batch = State.READY, None
+                p.queued, p.inflight = self._requeue(p), {}
         return self.take_posts(now)
 
     def cancel(self, rid: str, now: float) -> list[CancelBatch]:
@@ -440,6 +488,41 @@ class PullTable:
         b.cancel_wanted, b.cancel_since, b.next_cancel_at = True, now, now + b.cancel_retry_s
         return [CancelBatch(b.id, b.handle)] if b.handle is not None else []
 
+    def _want(self, p: Pull, pairs: list[tuple[int, int, int]], epoch: int) -> None:
+        """Queue the pairs not read (nor on the wire) yet at ``epoch``; a higher epoch makes all earlier
+        reads stale (prefill restarted the request)."""
+        if epoch != p.epoch:
+            p.got.clear()
+            p.queued.clear()
+            p.epoch = epoch
+        on_wire = p.inflight if p.inflight_epoch == epoch else {}
+        for pair in pairs:
+            g, lb, rb = pair if len(pair) == 3 else (0, *pair)  # (local, remote): one KV cache group
+            if p.got.get((g, lb)) != rb and on_wire.get((g, lb)) != rb:
+                p.queued[(g, lb)] = rb
+
+    @staticmethod
+    def _requeue(p: Pull) -> dict[tuple[int, int], int]:
+        """Its batch did not carry it after all: what it carried is to read again (unless stale)."""
+        return {**p.inflight, **p.queued} if p.inflight_epoch == p.epoch else p.queued
+
+    def _read(self, p: Pull, now: float) -> None:
+        """Its batch ended well: more to read (READY), the end of the stream still to come (RESOLVING),
+        or the lease check."""
+        if p.inflight and not p.final:
+            p.streamed += len(p.inflight)
+            self._count("blocks_streamed", len(p.inflight))
+        if p.inflight_epoch == p.epoch:
+            p.got.update(p.inflight)  # (a read of an earlier epoch is stale: its positions are queued again)
+        p.inflight = {}
+        p.read_at, p.batch = now, None
+        if p.queued:
+            p.state = State.READY
+        elif p.final:
+            self._check_lease(p, now)
+        else:
+            p.state = State.RESOLVING
+
     def _check_lease(self, p: Pull, now: float) -> None:
         """Its READ ended: done if the lease provably held until then, else wait for a renewal (due now)."""
         if p.read_at < p.held_until:
@@ -472,6 +555,8 @@ class PullTable:
             if p.read_at:
                 self._sample("pull_s", now - p.submitted)
                 self._settled_at[p.rid] = now
+            if p.final_at and p.spec.source.transfer_id is not None:
+                self._sample("tail_s", now - p.final_at)  # concurrent pairing: after prefill published
         elif state is State.CANCELLED:
             self._results.done.add(p.rid)
             self._count("pulls_cancelled")

@@ -37,6 +37,7 @@ from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
 from kvlink.vllm.siblings import SIBLING_GRACE_S, Siblings, is_sample
 from kvlink.vllm.staging import SlotPool, StagePlanner
 from kvlink.vllm.stats import KVLinkStats
+from kvlink.vllm.stream import StreamPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,7 +50,7 @@ class KVLinkScheduler:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
                  window: int | None = None, window_extra: int = 0, staging_slots: int | None = None,
                  windows: tuple[tuple[int, int] | None, ...] | None = None,
-                 block_sizes: tuple[int, ...] | None = None, backoff: int = 0):
+                 block_sizes: tuple[int, ...] | None = None, backoff: int = 0, streamable: str | None = None):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
         # Per KV cache group: tokens per block (a state group's block covers the whole request).
         self.block_sizes = block_sizes or (block_size,)
@@ -93,6 +94,13 @@ class KVLinkScheduler:
         self._siblings = Siblings()
         self._siblings_lock = threading.Lock()
         self._backed_off: set[str] = set()  # prefill: requests whose last prompt token was left to decode
+        # Prefill, streamed KV (stream.py): requests of concurrent pairing whose finished blocks are announced
+        # while they compute. ``streamable``: why this engine cannot stream (None: it can).
+        self._stream = (StreamPlanner(block_size) if self.is_producer and cfg.stream_kv and streamable is None
+                        else None)
+        if self.is_producer:
+            logger.info("kvlink: streamed KV %s", "on (concurrent pairing)" if self._stream is not None else
+                        f"off ({'stream_kv is false' if not cfg.stream_kv else streamable})")
         if self.is_producer:
             self._start_bootstrap()
 
@@ -186,6 +194,7 @@ class KVLinkScheduler:
     def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):
         from vllm.v1.request import RequestStatus as VLLMStatus
 
+        epoch = self._stream.finished(request.request_id) if self._stream is not None else 0  # its stream ends
         if not self.is_producer:
             return self._refuse(request, "do_remote_decode sent to an engine that is not kv_producer")
         try:
@@ -204,7 +213,7 @@ class KVLinkScheduler:
             return self._finished_staged(rid, groups[0], num_tokens, transfer_id)  # one group (connector.py)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(g) for g in groups], num_tokens,
-                                                         self.cfg.lease_s, transfer_id=transfer_id)
+                                                         self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
         except Exception as e:  # noqa: BLE001 - decode recomputes; never keep blocks nobody can find
             logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
                            self.bootstrap_url, e)
@@ -367,6 +376,8 @@ class KVLinkScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        if self._stream is not None:
+            self._track_stream(request)
         src = self._source(request)
         if src is None:
             return
@@ -393,6 +404,37 @@ class KVLinkScheduler:
         t0 = tables[0]
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
+
+    def _track_stream(self, request: "Request") -> None:
+        """Prefill: a request of concurrent pairing (a transfer id) was given blocks (again after a
+        preemption): stream its finished blocks from now on."""
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return
+        try:
+            if not kvparams.flag(params, "do_remote_decode"):
+                return
+            transfer_id = PrefillRequest.from_params(params).transfer_id
+        except BadParams:
+            return  # request_finished refuses it
+        if transfer_id is not None and request.prompt_embeds is None:
+            self._stream.track(request.request_id, transfer_id, request.num_prompt_tokens)
+
+    def _stream_pieces(self, so: Any) -> list:
+        """This step's streamed pieces, from vLLM's scheduler output (blocks of one KV cache group)."""
+        new = [(r.req_id, list(r.block_ids[0]) if r.block_ids else [], r.num_computed_tokens)
+               for r in getattr(so, "scheduled_new_reqs", ()) or () if r.req_id in self._stream]
+        c = getattr(so, "scheduled_cached_reqs", None)
+        cached = []
+        if c is not None:
+            resumed = getattr(c, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(c.req_ids):
+                if rid in self._stream:
+                    ids = c.new_block_ids[i]
+                    cached.append((rid, list(ids[0]) if ids else None, rid in resumed, c.num_computed_tokens[i]))
+        if not new and not cached:
+            return []
+        return self._stream.step(new, cached, dict(getattr(so, "num_scheduled_tokens", {}) or {}))
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
@@ -424,6 +466,11 @@ class KVLinkScheduler:
         def work():
             cli = self.clients.get(src.bootstrap_url)
             engine_id, request_id = src.engine_id, src.request_id
+            if waits and src.transfer_id is not None:
+                try:  # prefill may still be computing it: stop its streamed pieces now
+                    cli.stop_stream(src.transfer_id)
+                except Exception as e:  # noqa: BLE001 - its pieces are dropped at decode anyway
+                    logger.debug("kvlink: could not stop the stream of %s: %s", src.key, e)
             try:
                 if request_id is None or engine_id is None or (waits and src.transfer_id is not None):
                     rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0)
@@ -526,8 +573,9 @@ class KVLinkScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
         frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
         stages = self._stage_jobs(frees) if self._planner is not None else []
+        streams = self._stream_pieces(scheduler_output) if self._stream is not None else []
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
-                              bootstrap_url=self.bootstrap_url if self.is_producer else None)
+                              bootstrap_url=self.bootstrap_url if self.is_producer else None, streams=streams)
         self._new_pulls, self._new_cancels = [], []
         return meta
 

@@ -18,7 +18,9 @@ COUNTERS = (
     "leases_expired", "bad_params", "aborted_transfers", "lease_renewals",
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
-    "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
+    "window_refusals",
+    "pieces", "pieces_dropped", "blocks_streamed",  # decode, streamed KV: pieces read, or dropped (not waited for)
+    "pieces_sent", "pieces_ended",  # prefill, streamed KV: pieces reported; streams the server said were over  # decode computed a prompt itself: its last token's window lies in freed blocks
     # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests
     # staged; a request (prefill) or pull (decode) that found the pool full and waited; requests larger than
     # the pool (computed by decode); requests that waited a whole lease for room and were given up.
@@ -37,7 +39,7 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
 # first compat field that differs (model, kv_dtype, layout, kv_heads, groups, protocol_version, ...), or
 # "mapping" (TP/PP/layers cannot be mapped), "layout" (a head range of an NHD block), "block_bytes".
 REFUSED = "compat_refused."
-SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s")
+SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s", "tail_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
 
@@ -112,6 +114,9 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                                                         "step collecting it (get_transfer_results)", _BUCKETS),
                 "staging_s": ("kvlink_staging_seconds", "kvlink: one request's copy from device blocks into the "
                                                         "host staging pool", _BUCKETS),
+                "tail_s": ("kvlink_tail_seconds", "kvlink: concurrent pairing, from decode seeing prefill's published "
+                                                  "record to the request's KV in place (the transfer time not hidden "
+                                                  "behind prefill's compute)", _BUCKETS),
                 "landing_s": ("kvlink_landing_seconds", "kvlink: one batch's copy from the host staging pool "
                                                         "into the KV cache", _BUCKETS)}
         self._hists = {}

@@ -54,11 +54,12 @@ from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, packed_geom
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs
+from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs
 from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
+from kvlink.vllm.stream import PieceSender
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,8 @@ class KVLinkWorker:
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
         self._closed = False
-        self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-resolve",
+        # Concurrent pairing holds a resolver for the whole of prefill's compute (long polls, streamed pieces).
+        self._resolver = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvlink-resolve",
                                             initializer=self._place_thread)
         self._waiter = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-wait",
                                           initializer=self._place_thread)
@@ -250,6 +252,7 @@ class KVLinkWorker:
         self._canceller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-cancel",
                                              initializer=self._place_thread)
         self._leases: LeaseCalls | None = None
+        self._sender: PieceSender | None = None  # prefill, streamed KV: sends each step's pieces
         self._bytes_local_seen = 0
         self._thread: threading.Thread | None = None
         self._running_sent: int | None = None  # last pulls_in_progress gauge handed out
@@ -474,6 +477,36 @@ class KVLinkWorker:
         for rid in meta.cancels:
             self._apply(lambda t, now, rid=rid: t.cancel(rid, now))
 
+    def send_pieces(self, specs: list) -> None:
+        """Prefill, vLLM's thread, after the step's forward: hand its streamed pieces to the sender thread
+        (stream.py); on CUDA they go out once an event recorded behind the forward has completed."""
+        url = self._bootstrap_url
+        if url is None or self.engine is None or self.staged:
+            return
+        if self._sender is None:
+            from kvlink.bootstrap.schema import StreamPiece
+
+            cli = self._clients_for(url)
+            rank, ranks = self.rank.port_index, self.rank.tp_size * self.rank.pp_size
+
+            def send(pieces):
+                return cli.stream_pieces(self.rank.engine_id, rank, ranks, [StreamPiece(
+                    transfer_id=p.transfer_id, request_id=p.request_id, index=p.index, epoch=p.epoch,
+                    num_tokens=p.num_tokens, block_ids=[list(p.block_ids)]) for p in pieces])
+
+            def count(key: str, n: int) -> None:
+                with self._lock:
+                    self._stats.add(key, n)
+
+            self._sender = PieceSender(send, count)
+        fence = None
+        if self.layout is not None and self.kv_caches and next(iter(self.kv_caches.values())).device.type == "cuda":
+            import torch
+
+            fence = torch.cuda.Event()
+            fence.record()  # behind the forward vLLM queued on the current stream
+        self._sender.submit(list(specs), fence)
+
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
 
@@ -621,13 +654,13 @@ class KVLinkWorker:
             lease_s = src.lease_s or self.cfg.lease_s
             now = time.monotonic()
             held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
+            epoch = 0
             if src.transfer_id is not None and (blocks is None or engine_id is None):
-                with self._lock:
-                    pull = self._table.get(rid)
-                    wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - now)) if pull else 0.0
-                if pull is None:
+                found = self._await_record(cli, spec, engine_id)
+                if found is None:
                     return  # cancelled meanwhile
-                rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id)
+                rec, now = found
+                epoch = rec.epoch
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(map(tuple, rec.block_ids))
                 if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
                     raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
@@ -643,7 +676,28 @@ class KVLinkWorker:
             self._apply(lambda t, now: t.resolve_failed(rid, _why(e), now))
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
-        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now))
+        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
+
+    def _await_record(self, cli, spec: PullSpec, engine_id: str | None):
+        """Concurrent pairing: long-poll the bootstrap server until prefill publishes the request, and
+        meanwhile read the blocks it reports finished (streamed KV: pulls.py, ``piece``). Returns (the
+        published record, when it was asked for), or None when the pull ended meanwhile."""
+        rid, src = spec.request_id, spec.source
+        after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
+        while True:
+            with self._lock:
+                pull = self._table.get(rid)
+                asked = time.monotonic()
+                wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - asked)) if pull else 0.0
+            if pull is None:
+                return None
+            rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after)
+            if not rec.partial:
+                return rec, asked
+            after = rec.version
+            remote = self._remote(cli, src.bootstrap_url, rec.engine_id)
+            pairs = ready_pairs(rid, spec.tables, tuple(map(tuple, rec.block_ids)))
+            self._apply(lambda t, now, rec=rec: t.piece(rid, remote, pairs, rec.epoch, now))
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
         """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which)."""
@@ -878,6 +932,8 @@ class KVLinkWorker:
             self._stage_exec.shutdown(wait=True, cancel_futures=True)  # no copy into a pool being freed
         if self._leases is not None:
             self._leases.stop()
+        if self._sender is not None:
+            self._sender.close()
         if self._heartbeater is not None:
             self._heartbeater.stop()
         if self._clients is not None:

@@ -136,7 +136,8 @@ def ready_together(t: PullTable, rids, held_until: float = 0.0) -> Post:
     for rid in rids:
         t.submit(spec(rid), 0.0)
         p = t.get(rid)
-        p.remote, p.pairs, p.lease, p.state, p.held_until = REMOTE, ((1, 11),), lease(rid), State.READY, held_until
+        p.remote, p.queued, p.lease, p.state, p.held_until = REMOTE, {(0, 1): 11}, lease(rid), State.READY, held_until
+        p.final = True  # the published record arrived (no stream of pieces)
     (post,) = t.take_posts(0.0)
     return post
 
