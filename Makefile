@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlink-installed
 
-.PHONY: install test layers test-py test-wheel wheel sanitize demo bench bench-transport bench-connector clean
+.PHONY: install test layers test-py test-wheel wheel sanitize demo bench bench-transport bench-connector bench-stream clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -76,6 +76,12 @@ bench: install
 bench-connector: install
 	bash bench/install_nixl.sh
 	$(VPY) bench/bench_connector.py --requests 8 --runs 3 --nixl-threads 1 --nixl-path bench/.peers/nixl
+	$(MAKE) bench-stream
+
+# Streamed KV: single server vs PD non-streamed vs PD streamed, 1k/2k/4k tokens at concurrency 1 and 4,
+# over an emulated link (a rate-limited relay) and plain loopback (bench/results/stream.md).
+bench-stream: install
+	PYTHONPATH=. $(VPY) bench/bench_stream.py
 
 clean:
 	rm -rf build dist $(VENV) kvlink/_kvlink_c*.so kvlink/bench/_baseline_c*.so *.egg-info

@@ -67,14 +67,14 @@ class Proc:
 class VLLMServer(Proc):
     def __init__(self, name: str, model: str, log_dir: Path, kv: dict | None = None, cpu: int | None = None,
                  block_size: int = 32, max_model_len: int = 4096, kv_bytes: int = 512 << 20,
-                 env: dict | None = None):
+                 env: dict | None = None, extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "bfloat16", "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
                 "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--seed", "0",
-                "--disable-uvicorn-access-log"]
+                "--disable-uvicorn-access-log", *extra_args]
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
         e = dict(env or {})

@@ -46,8 +46,10 @@ class ConnectorConfig:
     # machine spreading made same-host copies slower and their tail longer (bench/results/connector.md).
     spread_threads: bool = False
     # Prefill: stream a request's finished blocks to decode while it still computes (concurrent pairing
-    # only: decode is waiting by then; stream.py). Off: publish once, at the end.
-    stream_kv: bool = True
+    # only: decode is waiting by then; stream.py). Off by default until measured where it pays: on the
+    # 2-core benchmark machine it cut the exposed transfer to 6-23% but raised TTFT over loopback
+    # (bench/results/stream.md). Off: publish once, at the end.
+    stream_kv: bool = False
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it

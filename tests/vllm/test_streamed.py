@@ -29,7 +29,7 @@ SERVER_ARGS = ("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "16")
 def sd(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("streamed")
     bport = free_port()
-    pre = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0),
+    pre = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0, stream_kv=True),
                                   engine_id="prefill-s"), cpu=0, log=logs / "prefill.log", extra_args=SERVER_ARGS)
     dec_kv = dict(kv_config("kv_consumer", lookup_wait_s=10.0, transfer_timeout_s=10.0, pull_timeout_s=20.0),
                   kv_load_failure_policy="recompute")

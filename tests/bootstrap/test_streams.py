@@ -1,0 +1,112 @@
+"""Streamed pieces at the pairing table (kvlink/bootstrap/streams.py), against a fake clock: duplicates,
+reordering, restarts, several ranks, the end of a stream, and decode's long-poll view of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlink.bootstrap import Conflict, RequestRecord, RequestStatus
+from kvlink.bootstrap.schema import StreamPiece
+from kvlink.bootstrap.streams import PieceStatus, StreamBook
+
+
+def piece(index, tokens, blocks, epoch=0, tid="t", rid="r"):
+    return StreamPiece(transfer_id=tid, request_id=rid, index=index, epoch=epoch, num_tokens=tokens,
+                       block_ids=[list(blocks)])
+
+
+@pytest.fixture
+def engine(table, make_registration):
+    table.register_engine(make_registration("E"), lease_s=600.0)
+    return "E"
+
+
+def partial(table, after=0):
+    found = table.lookup_transfer("t", after)
+    return found if isinstance(found, RequestRecord) else None
+
+
+def test_a_duplicate_piece_is_applied_once_first_arrival_wins(table, engine):
+    assert table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])]) == []
+    first = partial(table)
+    assert (first.partial, first.version, first.block_ids, first.num_tokens) == (True, 1, [[5]], 32)
+    # the same index again, even with other content: ignored, counted
+    table.stream_pieces(engine, 0, 1, [piece(1, 64, [5, 9])])
+    assert partial(table) == first and table.streams.stats.duplicates == 1
+
+
+def test_reordered_pieces_never_move_progress_back(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 6])])
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])  # late: index below the last applied
+    rec = partial(table)
+    assert (rec.version, rec.num_tokens, rec.block_ids) == (1, 64, [[5, 6]])
+    assert partial(table, after=1) is None  # nothing newer than what decode has
+
+
+def test_indices_keep_growing_across_a_restart_and_an_old_epoch_is_stale(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 64, [5, 6])])
+    table.stream_pieces(engine, 0, 1, [piece(2, 32, [8], epoch=1)])  # preempted, restarted in block 8
+    rec = partial(table)
+    assert (rec.epoch, rec.num_tokens, rec.block_ids) == (1, 32, [[8]])
+    table.stream_pieces(engine, 0, 1, [piece(3, 64, [5, 6], epoch=0)])  # a straggler of the old run
+    assert partial(table).epoch == 1 and table.streams.stats.stale == 1
+
+
+def test_every_rank_must_report_and_decode_sees_the_least_progress(table, engine):
+    table.stream_pieces(engine, 0, 2, [piece(1, 96, [5, 6, 7])])
+    assert partial(table) is None  # rank 1 has not said its KV is in place
+    table.stream_pieces(engine, 1, 2, [piece(1, 64, [5, 6])])
+    rec = partial(table)
+    assert (rec.num_tokens, rec.block_ids) == (64, [[5, 6]])
+    table.stream_pieces(engine, 1, 2, [piece(2, 128, [5, 6, 7, 8])])
+    assert partial(table).num_tokens == 96
+
+
+def test_the_published_record_ends_the_stream_and_later_pieces_are_dropped(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    table.publish(engine, "r", [[5, 6]], 50, 30.0, transfer_id="t", epoch=0)
+    rec = table.lookup_transfer("t", 1)
+    assert not rec.partial and rec.block_ids == [[5, 6]] and rec.lease_remaining_s > 0
+    assert table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 6])]) == ["t"]  # prefill: stop sending
+    assert table.streams.stats.dropped == 1
+    assert table.lookup_transfer("t", 1).partial is False
+
+
+def test_decode_stopping_a_stream_tells_prefill_to_stop(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5]), piece(1, 32, [7], tid="u", rid="r2")])
+    assert table.stop_stream("t") is False and table.stop_stream("t") is True
+    assert table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 6]), piece(2, 64, [7, 8], tid="u", rid="r2")]) == ["t"]
+    assert table.lookup_transfer("t", 0) is RequestStatus.UNKNOWN  # decode waits for the record (or gives up)
+    assert table.streams.stats.stopped == 1
+
+
+def test_an_abandoned_transfer_ends_its_stream(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    table.abandon_transfer(engine, "t")
+    assert table.lookup_transfer("t", 0) is RequestStatus.RELEASED
+    assert table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 6])]) == ["t"]
+
+
+def test_a_transfer_id_streamed_by_another_request_conflicts(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    with pytest.raises(Conflict):
+        table.stream_pieces(engine, 0, 1, [piece(2, 32, [5], rid="other")])
+
+
+def test_pieces_need_a_registered_engine(table):
+    from kvlink.bootstrap import UnknownEngine
+
+    with pytest.raises(UnknownEngine):
+        table.stream_pieces("nobody", 0, 1, [piece(1, 32, [5])])
+
+
+def test_a_stream_prefill_stopped_feeding_is_forgotten_and_memory_stays_bounded():
+    book = StreamBook(max_streams=3, ttl_s=10.0)
+    for i in range(5):
+        assert book.piece("E", 0, 1, f"t{i}", f"r{i}", 1, 0, 32, [[i]], now=float(i)) is PieceStatus.APPLIED
+    assert len(book) == 3 and book.progress("t0") is None  # oldest forgotten
+    book.sweep(20.0)
+    assert len(book) == 0
+    for i in range(5):
+        book.end(f"e{i}", now=30.0)
+    assert len(book._ended) == 3

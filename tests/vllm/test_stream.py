@@ -1,0 +1,166 @@
+"""Streamed KV, pure parts: prefill's StreamPlanner over vLLM-shaped scheduler outputs, and decode's pull
+table reading pieces (kvlink/vllm/pulls.py ``piece``): no threads, no sockets, an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlink.vllm.plan import PairingError, ready_pairs
+from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Resolve, State
+from kvlink.vllm.stream import StreamPlanner
+
+pytest.importorskip("vllm")  # PullSpec is vLLM metadata
+
+URL, ENGINE, REMOTE = "http://boot", "pre", "remote-A"
+
+
+# ----- prefill: which blocks each step finishes ----------------------------------------------------------
+
+
+def test_each_chunk_announces_its_full_blocks_and_the_last_chunk_none():
+    sp = StreamPlanner(block_size=32)
+    sp.track("r", "t", prompt_tokens=300)
+    out = sp.step([("r", [1, 2], 0)], [], {"r": 64})
+    assert [(p.index, p.num_tokens, p.block_ids) for p in out] == [(1, 64, (1, 2))]
+    out = sp.step([], [("r", [3, 4, 5], False, 64)], {"r": 100})  # 164 done: 5 full blocks
+    assert [(p.index, p.num_tokens, p.block_ids) for p in out] == [(2, 160, (1, 2, 3, 4, 5))]
+    out = sp.step([], [("r", None, False, 164)], {"r": 20})  # 184: still 5 full blocks, nothing new
+    assert out == []
+    assert sp.step([], [("r", [6, 7, 8, 9, 10], False, 184)], {"r": 116}) == []  # completes the prompt
+    assert sp.finished("r") == 0 and "r" not in sp
+
+
+def test_a_restart_after_preemption_is_a_new_epoch_with_the_new_table():
+    sp = StreamPlanner(block_size=32)
+    sp.track("r", "t", prompt_tokens=300)
+    (p1,) = sp.step([("r", [1, 2], 0)], [], {"r": 64})
+    sp.track("r", "t", prompt_tokens=300)  # vLLM allocated it again (preempted, resumed)
+    (p2,) = sp.step([], [("r", [7, 8], True, 0)], {"r": 64})
+    assert (p2.epoch, p2.index, p2.block_ids) == (1, p1.index + 1, (7, 8))
+    # a resume vLLM reports without a new allocation call is a restart all the same
+    (p3,) = sp.step([], [("r", [9, 10, 11], True, 0)], {"r": 96})
+    assert (p3.epoch, p3.block_ids) == (2, (9, 10, 11))
+    assert sp.finished("r") == 2
+
+
+def test_requests_not_tracked_are_ignored():
+    sp = StreamPlanner(block_size=32)
+    assert sp.step([("x", [1, 2], 0)], [("y", [3], False, 0)], {"x": 64, "y": 64}) == []
+
+
+# ----- decode: pieces into the pull table -----------------------------------------------------------------
+
+
+def spec(rid: str, blocks=(1, 2, 3, 4)):
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    src = RemoteSource(bootstrap_url=URL, transfer_id="t-" + rid)
+    return PullSpec(rid, tuple(blocks), 0, src, num_blocks=len(blocks))
+
+
+def lease(rid: str) -> Lease:
+    return Lease(URL, ENGINE, "p-" + rid, 30.0)
+
+
+def posts(actions) -> list[Post]:
+    return [a for a in actions if isinstance(a, Post)]
+
+
+def pairs_of(post: Post) -> list[tuple[int, int, int]]:
+    (p,) = post.pulls
+    return sorted(p.pairs)
+
+
+def end_batch(t: PullTable, post: Post, now: float):
+    t.posted(post.batch, "h", 1, 1, 1, now)
+    return t.batch_ended(post.batch, None, now)
+
+
+def test_pieces_are_read_as_they_come_and_the_record_leaves_only_the_tail():
+    t = PullTable(60.0)
+    assert [type(a) for a in t.submit(spec("a"), 0.0)] == [Resolve]
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12)], 0, 0.1))
+    assert pairs_of(post) == [(0, 1, 11), (0, 2, 12)]
+    assert t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12), (0, 3, 13)], 0, 0.15) == []  # one batch at a time
+    (post2,) = posts(end_batch(t, post, 0.2))  # ...block 3 goes next, blocks 1-2 are not read again
+    assert pairs_of(post2) == [(0, 3, 13)]
+    assert posts(end_batch(t, post2, 0.3)) == [] and t.state("a") is State.RESOLVING  # waits for more
+    assert posts(t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12), (0, 3, 13)], 0, 0.35)) == []  # a duplicate
+    acts = t.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12), (0, 3, 13), (0, 4, 14)], lease("a"), 30.4, 99.0,
+                      0.4)
+    (tail,) = posts(acts)
+    assert pairs_of(tail) == [(0, 4, 14)]  # the end of the stream: only the tail moves
+    end_batch(t, tail, 0.5)
+    r = t.take_results(1.0)
+    assert r.done == {"a"} and not r.failed
+    counts, samples = t.take_stats()
+    assert counts["blocks_streamed"] == 3 and counts["pieces"] == 3 and len(samples["tail_s"]) == 1
+
+
+def test_everything_streamed_before_the_record_is_done_at_once():
+    t = PullTable(60.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12)], 0, 0.1))
+    end_batch(t, post, 0.2)
+    assert posts(t.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12)], lease("a"), 30.3, 99.0, 0.3)) == []
+    assert t.take_results(1.0).done == {"a"}
+
+
+def test_a_record_of_another_epoch_or_other_blocks_reads_those_again():
+    t = PullTable(60.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12)], 0, 0.1))
+    end_batch(t, post, 0.2)
+    (tail,) = posts(t.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12)], lease("a"), 30.3, 99.0, 0.3, epoch=1))
+    assert pairs_of(tail) == [(0, 1, 11), (0, 2, 12)]  # prefill restarted it: the earlier reads may be stale
+    t2 = PullTable(60.0)
+    t2.submit(spec("b", (1, 2)), 0.0)
+    (post,) = posts(t2.piece("b", REMOTE, [(0, 1, 11), (0, 2, 12)], 0, 0.1))
+    end_batch(t2, post, 0.2)
+    (tail,) = posts(t2.resolved("b", REMOTE, [(0, 1, 11), (0, 2, 19)], lease("b"), 30.3, 99.0, 0.3))
+    assert pairs_of(tail) == [(0, 2, 19)]
+
+
+def test_a_restart_while_a_piece_is_on_the_wire_does_not_count_that_read():
+    t = PullTable(60.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11)], 0, 0.1))
+    t.posted(post.batch, "h", 1, 1, 1, 0.1)
+    assert t.piece("a", REMOTE, [(0, 1, 11)], 1, 0.15) == []  # same block, new epoch: queued again
+    (again,) = posts(t.batch_ended(post.batch, None, 0.2))
+    assert pairs_of(again) == [(0, 1, 11)]
+
+
+def test_cancel_mid_stream_waits_for_the_batch_on_the_wire_then_drops_later_pieces():
+    t = PullTable(60.0)
+    t.submit(spec("a"), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11)], 0, 0.1))
+    t.posted(post.batch, "h", 1, 1, 1, 0.1)
+    assert t.cancel("a", 0.2) == [CancelBatch(post.batch, "h")]
+    assert t.state("a") is State.SETTLING and t.take_results(0.3).done == set()  # blocks not given back yet
+    assert t.piece("a", REMOTE, [(0, 2, 12)], 0, 0.3) == []
+    t.cancel_settled(post.batch, 0.4)
+    assert t.take_results(0.5).done == {"a"}  # only now: nothing writes into its blocks any more
+    assert t.piece("a", REMOTE, [(0, 2, 12)], 0, 0.6) == []
+    assert t.take_stats()[0]["pieces_dropped"] == 2
+
+
+def test_cancel_between_pieces_is_immediate_and_the_deadline_covers_the_stream():
+    t = PullTable(5.0)
+    t.submit(spec("a"), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11)], 0, 0.1))
+    end_batch(t, post, 0.2)
+    t.tick(6.0)  # prefill went silent mid-stream: the pull fails at its deadline
+    r = t.take_results(6.1)
+    assert "a" in r.failed and r.failed["a"] == (1, 2, 3, 4)
+
+
+def test_ready_pairs_pairs_only_the_positions_prefill_finished():
+    from kvlink.vllm.metadata import GroupTable
+
+    tables = (GroupTable(0, (5, 6, 7, 8), 1, 4),)  # position 0 is in decode's prefix cache
+    assert ready_pairs("r", tables, ((11, 12, 13),)) == [(0, 6, 12), (0, 7, 13)]
+    assert ready_pairs("r", tables, ((),)) == []
+    with pytest.raises(PairingError):
+        ready_pairs("r", tables, ((11,), (12,)))
