@@ -366,6 +366,8 @@ class KVLinkWorker:
             self._leases = LeaseCalls(self._clients_for, self._apply)
             self._thread = threading.Thread(target=self._run, name="kvlink-pulls", daemon=True)
             self._thread.start()
+        if self.role in ("kv_producer", "kv_both") and self._expected_bootstrap() is not None:
+            self._ensure_registered(self._expected_bootstrap(), early=True)
         logger.info("kvlink: %s worker tp%d/%d transport %s (backend %s, streams %d, auth %s, crc %s), "
                     "%d layers, %d blocks of %d B/layer on %s (%s), compat %s, threads %s",
                     self.role, self.rank.tp_rank, self.rank.tp_size, self.engine.address,
@@ -425,7 +427,20 @@ class KVLinkWorker:
                 self._clients = ClientPool(self.cfg.bootstrap_token, self.cfg.bootstrap_timeout_s, retries=1)
         return self._clients.get(url)
 
-    def _ensure_registered(self, bootstrap_url: str | None) -> None:
+    def _expected_bootstrap(self) -> str | None:
+        """Prefill: the bootstrap server's URL when the config fixes it (``bootstrap_url``, or the embedded
+        server's ``bootstrap_port``), so the rank registers at start-up, before the first request: a decode
+        paired concurrently with that request would otherwise find the engine unknown. None: learnt from
+        the scheduler's first metadata."""
+        if self.cfg.bootstrap_url is not None:
+            return self.cfg.bootstrap_url
+        if not self.cfg.bootstrap_port:
+            return None
+        host = self.cfg.bootstrap_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+        return f"http://[{host}]:{self.cfg.bootstrap_port}" if ":" in host else f"http://{host}:{self.cfg.bootstrap_port}"
+
+    def _ensure_registered(self, bootstrap_url: str | None, early: bool = False) -> None:
         """Prefill: register this rank with the bootstrap server once its URL is known; keep it alive."""
         if self._heartbeater is not None or self.role not in ("kv_producer", "kv_both"):
             return
@@ -452,7 +467,9 @@ class KVLinkWorker:
         try:
             cli.register_engine(reg, self.cfg.engine_lease_s)  # first time synchronously: decode may ask soon
         except Exception as e:  # noqa: BLE001 - the heartbeater retries
-            logger.warning("kvlink: registering with bootstrap %s failed: %s; retrying", url, e)
+            # At start-up the embedded server may not listen yet (vLLM starts it after the workers).
+            (logger.info if early else logger.warning)("kvlink: registering with bootstrap %s failed: %s; "
+                                                       "retrying", url, e)
         self._heartbeater = Heartbeater(cli, reg, self.cfg.engine_lease_s).start()
         self._bootstrap_url = url
         logger.info("kvlink: engine %s tp%d registered with bootstrap %s", self.rank.engine_id,
@@ -673,7 +690,8 @@ class KVLinkWorker:
             if isinstance(e, PullFailed) and e.reason:
                 with self._lock:
                     self._stats.add(f"compat_refused.{e.reason}")
-            self._apply(lambda t, now: t.resolve_failed(rid, _why(e), now))
+            # fail, not resolve_failed: a streamed piece's READ may be on the wire (it is stopped first)
+            self._apply(lambda t, now: t.fail(rid, _why(e), now))
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
         self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
