@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlink.backends import open_backend
+from kvlink.bootstrap.errors import BootstrapUnavailable
 from kvlink.errors import Canceled, NotSettled
 from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
@@ -661,9 +662,11 @@ class KVLinkWorker:
         else:
             self._carry_out(actions)
 
-    def _resolve(self, spec: PullSpec) -> None:
+    def _resolve(self, spec: PullSpec, attempt: int = 0) -> None:
         """Find the remote record and engine, check compatibility, connect, pair; then post. On a resolver
-        thread, or inline from _submit when everything is known already (no network)."""
+        thread, or inline from _submit when everything is known already (no network). A bootstrap server
+        that did not answer (a stall, a dropped connection) is asked again, up to twice, on a resolver
+        thread while the pull's deadline allows: one slow answer does not cost decode a recompute."""
         src, rid = spec.source, spec.request_id
         try:
             cli = self._clients_for(src.bootstrap_url)
@@ -687,6 +690,10 @@ class KVLinkWorker:
             remote = self._remote(cli, src.bootstrap_url, engine_id)
             pairs = group_pairs(rid, spec.tables, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
+            if isinstance(e, BootstrapUnavailable) and attempt < 2 and self._may_retry(rid):
+                logger.info("kvlink: pull for request %s: %s; asking again", rid, _why(e))
+                self._resolver.submit(self._resolve, spec, attempt + 1)
+                return
             if isinstance(e, PullFailed) and e.reason:
                 with self._lock:
                     self._stats.add(f"compat_refused.{e.reason}")
@@ -695,6 +702,13 @@ class KVLinkWorker:
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
         self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
+
+    def _may_retry(self, rid: str) -> bool:
+        """The pull still runs and its deadline leaves room for one more bootstrap call."""
+        with self._lock:
+            pull = self._table.get(rid)
+            return (pull is not None and not self._closed
+                    and pull.deadline - time.monotonic() > self.cfg.bootstrap_timeout_s + 1.0)
 
     def _await_record(self, cli, spec: PullSpec, engine_id: str | None):
         """Concurrent pairing: long-poll the bootstrap server until prefill publishes the request, and

@@ -411,3 +411,40 @@ def test_hybrid_groups_across_unequal_tp_and_pp(boot):
             assert w.get_stats().data["blocks_pulled"] == moved
     finally:
         _close(pre, dec)
+
+
+def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
+    """A bootstrap server that stalls once (seen: 5 s in a loaded CI run) costs decode a retry, not a recompute;
+    one that never answers fails the pull after three tries, well before its deadline."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.errors import BootstrapUnavailable
+
+    real, calls = BootstrapClient.engine_ranks, []
+
+    def flaky(self, engine_id):
+        calls.append(engine_id)
+        if len(calls) == 1:
+            raise BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out")
+        return real(self, engine_id)
+
+    monkeypatch.setattr(BootstrapClient, "engine_ranks", flaky)
+    truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
+    try:
+        _check_landed(truth, blank, dec, 1)
+        assert len(calls) == 2
+    finally:
+        _close(pre, dec)
+
+    def dead(self, engine_id):
+        calls.append(engine_id)
+        raise BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out")
+
+    monkeypatch.setattr(BootstrapClient, "engine_ranks", dead)
+    calls.clear()
+    t0 = time.monotonic()
+    truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
+    try:
+        assert pull_outcome(dec[0][3], "r") == "failed"
+        assert len(calls) == 3 and time.monotonic() - t0 < 20  # the pull's deadline is 30 s
+    finally:
+        _close(pre, dec)
