@@ -63,6 +63,11 @@ class ConnectorConfig:
     # release instead (a release ends the wait at once), so the idle engine stops competing with decode
     # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
     idle_step_wait_ms: float = 10.0
+    # Decode: while its engine has nothing to run but requests waiting for their KV (concurrent pairing
+    # waits through the whole of prefill's compute), vLLM steps it back to back so the connector can
+    # report finished pulls; on a shared host that loop takes CPU from prefill's forward. Each such step
+    # sleeps this long first: a finished pull is seen up to this much later. 0: no wait.
+    pull_step_wait_ms: float = 5.0
     # Host staging of KV that lives on a GPU (staging.py). "auto": stage when the KV is on a device the
     # transport cannot address (kvlink's TCP and same-host transports, a non-CUDA Mooncake build), move it
     # straight from device memory when it can (a CUDA Mooncake build), never stage host KV; "always": stage
@@ -119,10 +124,11 @@ class ConnectorConfig:
                 "'transport_token' is set: anyone who can reach that address could read this engine's KV "
                 "cache. Set 'transport_token' (the same secret on prefill and decode), or listen on "
                 "127.0.0.1, or set 'allow_insecure': true to accept an unauthenticated transport")
-        v = self.idle_step_wait_ms
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1000:
-            raise ConnectorConfigError("kv_connector_extra_config['idle_step_wait_ms'] must be a number "
-                                       f"0..1000, got {v!r}")
+        for key in ("idle_step_wait_ms", "pull_step_wait_ms"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1000:
+                raise ConnectorConfigError(f"kv_connector_extra_config['{key}'] must be a number 0..1000, "
+                                           f"got {v!r}")
         if self.mooncake is not None and not isinstance(self.mooncake, dict):
             raise ConnectorConfigError("kv_connector_extra_config['mooncake'] must be an object of Mooncake "
                                        f"settings, got {self.mooncake!r}")

@@ -572,6 +572,7 @@ class KVLinkScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
         frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
+        self._pull_wait(scheduler_output)
         stages = self._stage_jobs(frees) if self._planner is not None else []
         streams = self._stream_pieces(scheduler_output) if self._stream is not None else []
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
@@ -610,6 +611,16 @@ class KVLinkScheduler:
                     # for room take the normal wait: freed slots end it at once.)
                     return min(0.001, self.cfg.idle_step_wait_ms / 1e3)
         return self.cfg.idle_step_wait_ms / 1e3
+
+    def _pull_wait(self, scheduler_output: Any) -> None:
+        """Decode: a step with nothing to run while pulls are under way sleeps ``pull_step_wait_ms``
+        first, so waiting for KV does not spin the engine (and its worker) at ~1 kHz beside prefill."""
+        if (self.cfg.pull_step_wait_ms and self._pulls and not self._new_pulls and not self._new_cancels
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+                and not getattr(scheduler_output, "finished_req_ids", None)):
+            import time
+
+            time.sleep(self.cfg.pull_step_wait_ms / 1e3)
 
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on

@@ -120,13 +120,38 @@ def test_an_idle_step_waits_for_a_release_and_ends_with_it(prefill):
     assert _freed(sched, {"r9"}) == {"r9"}
 
 
-def test_idle_step_wait_is_validated():
+@pytest.mark.parametrize("key", ["idle_step_wait_ms", "pull_step_wait_ms"])
+def test_step_waits_are_validated(key):
     from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
 
-    assert ConnectorConfig.from_extra({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0
+    assert getattr(ConnectorConfig.from_extra({key: 0}), key) == 0
     for bad in (-1, 1001, "5", True):
-        with pytest.raises(ConnectorConfigError, match="idle_step_wait_ms"):
-            ConnectorConfig.from_extra({"idle_step_wait_ms": bad})
+        with pytest.raises(ConnectorConfigError, match=key):
+            ConnectorConfig.from_extra({key: bad})
+
+
+def test_decode_step_with_nothing_to_run_but_pulls_sleeps_first():
+    """Decode: while requests only wait for their KV, each engine step sleeps pull_step_wait_ms (vLLM
+    would otherwise step back to back beside prefill); a step with work, new pulls or cancels, or no
+    pull under way, does not."""
+    import dataclasses
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import RemoteSource
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(pull_step_wait_ms=200.0), "dec", "kv_consumer", 32)
+    try:
+        assert _idle_step(sched)[1] < 0.15  # no pull under way: vLLM would not step for nothing
+        sched._pulls["d1"] = RemoteSource(bootstrap_url="http://127.0.0.1:9", transfer_id="t1")
+        assert _idle_step(sched)[1] >= 0.19
+        assert _idle_step(sched, scheduled_tokens=1)[1] < 0.15  # other requests run: never wait
+        sched._new_cancels.append("d1")
+        assert _idle_step(sched)[1] < 0.15  # a cancel goes to the worker at once
+        sched.cfg = dataclasses.replace(sched.cfg, pull_step_wait_ms=0)
+        assert _idle_step(sched)[1] < 0.15
+    finally:
+        sched.shutdown()
 
 
 def _finished(rid: str, params, status: str = "FINISHED_STOPPED"):
