@@ -159,6 +159,8 @@ class BootstrapClient:
         self._decoders: dict[type, msgspec.json.Decoder] = {}
         self._poll_lock = threading.Lock()  # serializes poll_released; guards _acks
         self._acks: dict[str, tuple[str, int]] = {}  # engine_id -> (server_id, last seq handed out)
+        # The server refused ``after`` (a bootstrap from before streamed KV): ask it without from then on.
+        self._no_progress = False
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -230,9 +232,16 @@ class BootstrapClient:
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
-                             after=after)
+                             after=None if self._no_progress else after)
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
+            except InvalidField as e:
+                if body.after is None or e.field != "after":
+                    raise
+                # An older server: no progress reports, only the published record (nothing is streamed).
+                log.warning("kvlink: bootstrap server %s does not know streamed KV ('after'); decode waits "
+                    "for published records only (upgrade it to stream)", self.url)
+                self._no_progress = True
             except LookupTimeout:
                 # The server bounds each wait (max_wait_s); go on until our own deadline.
                 if deadline - time.monotonic() <= 0.01:

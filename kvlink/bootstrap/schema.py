@@ -225,7 +225,7 @@ class LookupBody(_Strict, kw_only=True):
     wait_s: WaitS = 0.0
 
 
-class LookupTransferBody(_Strict, kw_only=True):
+class LookupTransferBody(_Strict, kw_only=True, omit_defaults=True):  # no "after" sent unless set
     transfer_id: RequestId
     wait_s: WaitS = 0.0
     engine_id: EngineId | None = None

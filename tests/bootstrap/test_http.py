@@ -346,3 +346,35 @@ def test_a_long_poll_whose_client_left_frees_its_slot(server, raw, token):
         time.sleep(0.01)
     assert server.app.counters.waiting == 0
     assert server.app._waiters == {}
+
+
+def test_a_server_from_before_streamed_kv_is_asked_without_after(config, clock, make_registration, monkeypatch):
+    """A bootstrap server that does not know ``after`` (an older standalone one) refuses it as an unknown
+    field: the client asks again without it, from then on, and gets the published record (nothing streams)."""
+    from kvlink.bootstrap import schema as s
+
+    # the body as it was before streamed KV
+    OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
+        "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
+                                  ("engine_id", s.EngineId | None, None)], bases=(s._Strict,), kw_only=True,
+        namespace={"after": None})  # not a field: what today's handler reads of it, an older one never did
+
+    with monkeypatch.context() as m:
+        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
+        old = BootstrapServer(config, clock=clock).start()
+    try:
+        from tests.bootstrap.conftest import TOKEN
+
+        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P"), lease_s=600.0)
+            with pytest.raises(InvalidField) as err:
+                cli._call("/v1/request/lookup_transfer", s.LookupTransferBody(transfer_id="t1", after=0),
+                          RequestRecord)
+            assert err.value.field == "after"  # what the older server says, so the fallback is needed
+            cli.publish("P", "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+            record = cli.lookup_transfer("t1", after=0)
+            assert (record.request_id, record.partial) == ("r1", False)
+            assert cli._no_progress
+            assert cli.lookup_transfer("t1", after=3).request_id == "r1"
+    finally:
+        old.stop()
