@@ -26,6 +26,7 @@ class Relay:
         self.rate: float | None = None
         self.first_byte = threading.Event()  # set when throttled data starts to flow
         self.first_at = self.last_at = 0.0  # bracket the throttled bytes
+        self.up_at = self.down_at = 0.0  # when data last went upstream (a request) and was last delivered down
         self.throttled_bytes = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -50,6 +51,12 @@ class Relay:
         """(bytes, seconds from the first to the last of them) throttled since the last ``throttle(rate)``."""
         with self._lock:
             return self.throttled_bytes, self.last_at - self.first_at
+
+    def awaiting_answer(self) -> bool:
+        """A client sent something upstream (a READ request: the transport sends nothing unasked) after the
+        last data the relay delivered to a client: an answer is still owed."""
+        with self._lock:
+            return self.up_at > self.down_at
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -83,7 +90,13 @@ class Relay:
                     rate = self.rate  # read after recv: bytes that arrive after throttle() are all throttled
                     if rate:
                         self._throttle_chunk(len(data), rate)
+                if not downstream:
+                    with self._lock:  # before it is passed on: the answer is delivered after this
+                        self.up_at = time.monotonic()
                 dst.sendall(data)
+                if downstream:
+                    with self._lock:
+                        self.down_at = time.monotonic()
         except OSError:
             pass
         finally:

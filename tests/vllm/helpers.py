@@ -117,10 +117,19 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"server not ready in {timeout} s; log {self.log}")
 
+    def pause(self) -> None:
+        """SIGSTOP every process of the server (an embedded bootstrap server too): it stops answering, its
+        connections stay open."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server handles SIGTERM once it runs
             except ProcessLookupError:
                 pass
             try:
@@ -134,13 +143,18 @@ class Server:
         self.kill(signal.SIGTERM)
 
     def metric(self, name: str) -> float | None:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        total = None
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-        return total
+        return scrape(self.url, name)
+
+
+def scrape(url: str, name: str) -> float | None:
+    """The sum of a Prometheus series over its labels on ``url``/metrics (a server, a bootstrap server)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = None
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
 
 
 # ----- several LLMs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: test_inprocess.py, test_sliding_window.py)
@@ -241,6 +255,28 @@ def complete(url, prompt, params=None, max_tokens=10, timeout=60.0, stream=False
 
 def text(out):
     return out["choices"][0]["text"]
+
+
+def open_completion(url, prompt, params=None, max_tokens=10):
+    """Send a completion request and leave its answer unread: ``close()`` the connection to hang up
+    (vLLM aborts the request)."""
+    import http.client
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def concurrent_legs(bootstrap: str, engine_id: str, transfer_id: str) -> tuple[dict, dict]:
+    """The kv_transfer_params of a concurrent pair, as the proxy builds them: (prefill's, decode's)."""
+    from kvlink.vllm.params import PrefillRequest, RemoteSource
+
+    return (PrefillRequest(transfer_id).to_params(),
+            RemoteSource(bootstrap_url=bootstrap, engine_id=engine_id, transfer_id=transfer_id).to_params())
 
 
 # ----- driving a KVLinkWorker directly (tests/vllm/test_worker.py, test_tp.py) -----------------------------

@@ -1,0 +1,182 @@
+"""No byte lands in decode's blocks after decode gave them back: a streamed pull cancelled while a piece's
+READ is on the wire, over real kvlink TCP engines and the throttling Relay.
+
+A prefill and a decode KVLinkWorker (as tests/vllm/test_worker.py builds them, but with the real ``tcp``
+backend) and an embedded bootstrap server. Prefill's transport is advertised through a Relay, so the
+READ of a streamed piece can be held slow: decode's kernel is handed the bytes a few KiB at a time, for
+seconds. Prefill's pieces are reported to the bootstrap server as its PieceSender would, so decode's
+worker reads them through its real concurrent path (long poll, piece, READ).
+
+The control case lets a held READ go on instead of cancelling it: the same checksum then sees the
+blocks change, so the check would notice a write after the give-back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+
+import pytest
+
+from tests.relay import Relay
+from tests.vllm.helpers import free_port
+
+torch = pytest.importorskip("torch")
+
+BLOCKS, HEADS, BLOCK, HEAD2 = 48, 2, 32, 128  # 16 KiB a block a layer, 32 KiB a block over both layers
+PIECE = 24  # blocks of the streamed piece: 768 KiB, one stream of the transport (< 1 MiB, not striped)
+SLOW_RATE = 32 << 10  # bytes/s while throttled: the piece's READ would take ~24 s
+
+
+@pytest.fixture
+def relayed():
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    tport = free_port()
+    relay = Relay(f"127.0.0.1:{tport}")
+    pre = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", transport_port=tport,
+                                         transport_advertise=relay.address),
+                         W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=120.0, lookup_wait_s=60.0,
+                                         transfer_timeout_s=120.0),
+                         W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        src = torch.randint(-100, 100, (2, BLOCKS, HEADS, BLOCK, HEAD2)).to(torch.bfloat16)
+        pre.register_kv_caches({f"model.layers.{i}.self_attn.attn": src[i] for i in range(2)})
+        dst = torch.zeros_like(src)  # one allocation, layer after layer, as vLLM lays it out
+        dec.register_kv_caches({f"model.layers.{i}.self_attn.attn": dst[i] for i in range(2)})
+        pre._ensure_registered(srv.url)
+        yield pre, dec, srv.url, relay
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        relay.close()
+        srv.stop()
+
+
+def _stream(dec, url: str, rid: str, local: list[int]) -> str:
+    """Hand decode a concurrent pull (transfer id only: it long-polls for prefill's pieces and record)."""
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    tid = "t-" + uuid.uuid4().hex
+    dec._submit(PullSpec(request_id=rid, local_block_ids=tuple(local), first_block=0,
+                         source=RemoteSource(bootstrap_url=url, engine_id="pre", transfer_id=tid)))
+    return tid
+
+
+def _piece(url: str, tid: str, rid: str, remote: list[int], index: int = 1) -> None:
+    """Prefill reports the first blocks of a request it is still computing (what PieceSender sends)."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.schema import StreamPiece
+
+    with BootstrapClient(url) as cli:
+        cli.stream_pieces("pre", 0, 1, [StreamPiece(transfer_id=tid, request_id="p-" + rid, index=index,
+                                                    num_tokens=BLOCK * len(remote), block_ids=[remote])])
+
+
+def _publish(url: str, tid: str, rid: str, remote: list[int]) -> None:
+    from kvlink.bootstrap import BootstrapClient
+
+    with BootstrapClient(url) as cli:
+        cli.publish("pre", "p-" + rid, [remote], num_tokens=BLOCK * len(remote), lease_s=60.0, transfer_id=tid)
+
+
+def _checksum(worker, blocks: list[int]) -> str:
+    h = hashlib.sha256()
+    for t in worker.kv_caches.values():
+        h.update(t[blocks].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _same_as_source(pre, dec, local: list[int], remote: list[int]) -> bool:
+    return all(torch.equal(dec.kv_caches[n][local], pre.kv_caches[n][remote]) for n in dec.kv_caches)
+
+
+def _counted(dec, key: str) -> int:
+    with dec._lock:
+        return dec._table.counts.get(key, 0)
+
+
+def _outcome(dec, rid: str, wait_s: float) -> str:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        _, recving, failed = dec.transfer_results()
+        if rid in failed:
+            return "failed"
+        if rid in recving:
+            return "given back"
+        time.sleep(0.005)
+    return "still held"
+
+
+def _warm(pre, dec, url: str, first: int = 1) -> None:
+    """A whole streamed pull at full speed (piece, then the record's tail) into blocks ``first``..+3: decode
+    connects through the relay, so the throttled bytes that follow are READ data, not the handshake."""
+    local, remote = list(range(first, first + 4)), [40, 41, 42, 43]
+    rid = f"warm{first}"
+    tid = _stream(dec, url, rid, local)
+    _piece(url, tid, rid, remote[:2])
+    deadline = time.monotonic() + 60
+    while _counted(dec, "blocks_streamed") < 2:  # the piece is read before the record comes
+        assert time.monotonic() < deadline, "the streamed piece was never read"
+        time.sleep(0.01)
+    _publish(url, tid, rid, remote)
+    assert _outcome(dec, rid, 60) == "given back"
+    assert _same_as_source(pre, dec, local, remote)
+    dec.get_stats()  # counted from zero again
+
+
+def _held_piece_read(pre, dec, url, relay, rid):
+    """Start a streamed pull whose piece's READ the relay holds slow; return once its bytes flow."""
+    _warm(pre, dec, url)
+    local, remote = list(range(8, 8 + PIECE)), list(range(BLOCKS - PIECE - 1, BLOCKS - 1))
+    before = _checksum(dec, local)
+    relay.throttle(SLOW_RATE)
+    tid = _stream(dec, url, rid, local + [8 + PIECE])  # one block more than the piece: the tail
+    _piece(url, tid, rid, remote)
+    assert relay.first_byte.wait(60), "the piece's READ never started"
+    return local, remote, tid, before
+
+
+def test_no_byte_lands_after_a_cancelled_streamed_read_gave_its_blocks_back(relayed):
+    pre, dec, url, relay = relayed
+    local, remote, _, before = _held_piece_read(pre, dec, url, relay, "s1")
+    deadline = time.monotonic() + 60
+    while _checksum(dec, local) == before:  # cancel once the READ's first bytes have landed: mid-READ
+        assert time.monotonic() < deadline, "no byte of the held READ ever landed"
+        time.sleep(0.01)
+    dec.start_load_kv(_cancels("s1"))  # vLLM aborted the request
+    assert _outcome(dec, "s1", 60) == "given back"  # cancelled: released as finished, not failed
+    given_back = _checksum(dec, local)
+    relay.throttle(None)  # whatever the relay and the kernels still hold now flows at full speed
+    time.sleep(2.0)
+    assert _checksum(dec, local) == given_back, "bytes landed in the blocks after they went back to vLLM"
+    assert not _same_as_source(pre, dec, local, remote), "the READ was not cut short: nothing was tested"
+    # The engine goes on serving: the next pull lands whole.
+    _warm(pre, dec, url, first=36)
+
+
+def test_control_a_held_read_that_goes_on_does_change_the_blocks(relayed):
+    """Without the cancel, the same checksum sees the READ's bytes land after the moment it was taken."""
+    pre, dec, url, relay = relayed
+    local, remote, tid, _ = _held_piece_read(pre, dec, url, relay, "s2")
+    held = _checksum(dec, local)
+    relay.throttle(None)
+    deadline = time.monotonic() + 30
+    while not _same_as_source(pre, dec, local, remote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _checksum(dec, local) != held
+    assert _same_as_source(pre, dec, local, remote)
+    _publish(url, tid, "s2", remote + [BLOCKS - 1])
+    assert _outcome(dec, "s2", 60) == "given back"
+
+
+def _cancels(rid: str):
+    from kvlink.vllm.metadata import KVLinkMetadata
+
+    return KVLinkMetadata(cancels=[rid])
