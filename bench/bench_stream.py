@@ -47,9 +47,11 @@ def prompts(n: int, size: int, seed: int) -> list[list[int]]:
 
 
 def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
-    """TTFT per (size, concurrency); decode's tail and bytes per request from /metrics deltas."""
+    """TTFT per (size, concurrency); decode's tail and bytes per request from /metrics deltas. One request
+    of each size first, not counted: the first prompt of a new length after start-up runs slower."""
     out = {}
     for size in SIZES:
+        ttft(url, prompts(1, size, seed - size)[0])
         for conc in CONCURRENCY:
             n = reps if conc == 1 else conc * max(1, reps // 2)
             ps = prompts(n, size, seed + size * 10 + conc)
@@ -86,10 +88,11 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
         relay = Relay(f"127.0.0.1:{tport}", rate=rate) if rate else None
         if relay is not None:
             relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
-        extra = {"transport_backend": "tcp", "stream_kv": mode == "pd-stream"}
+        extra = {"transport_backend": "tcp", "stream_kv": mode.startswith("pd-stream")}
         pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, transport_port=tport,
                                **({"transport_advertise": relay.address} if relay else {}), **extra)
-        dec_kv = kvlink_config("kv_consumer", **extra)
+        # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
+        dec_kv = kvlink_config("kv_consumer", **extra, **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}))
         pre = stack.add(VLLMServer("prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=2 << 30,
                                    extra_args=CHUNK))
         dec = stack.add(VLLMServer("decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=2 << 30))
@@ -107,12 +110,20 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
 
 
 def main() -> int:
+    global SIZES, CONCURRENCY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s (default: from "
                     "the single server's 2k TTFT, so the 2k transfer takes 40%% of prefill's compute)")
     ap.add_argument("--reps", type=int, default=3, help="requests per cell at concurrency 1")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
+    ap.add_argument("--pacing-ab", action="store_true", help="also PD streamed over the emulated link with "
+                    "decode's pull_step_wait_ms 0 (decode's engine spinning while it waits)")
+    ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
     args = ap.parse_args()
+    SIZES = tuple(int(x) for x in args.sizes.split(","))
+    CONCURRENCY = tuple(int(x) for x in args.concurrency.split(","))
     model = str(ensure_model("kvheavy"))
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-stream-"))
     print(f"kvheavy model, chunked prefill of 256 tokens, kvlink TCP transport; logs {logs}", flush=True)
@@ -120,17 +131,22 @@ def main() -> int:
     results: dict[str, dict] = {}
     print("single server:", flush=True)
     results["single"] = run("single", model, logs, args.reps, 100, None)
+    ref = 2048 if 2048 in SIZES else SIZES[0]  # the link is set so this size's transfer is 40% of its compute
     rate = args.link_mbps * 1e6 if args.link_mbps else (
-        2048 * KV_PER_TOKEN / (0.4 * med(results["single"][(2048, 1)]["ttft_ms"]) / 1e3))
+        ref * KV_PER_TOKEN / (0.4 * med(results["single"][(ref, CONCURRENCY[0])]["ttft_ms"]) / 1e3))
     print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
-    for link, r in (("emulated", rate), ("loopback", None)):
+    links = (("emulated", rate),) + (() if args.emulated_only else (("loopback", None),))
+    for link, r in links:
         for mode in ("pd", "pd-stream"):
             print(f"{mode} over {link}:", flush=True)
             results[f"{mode}/{link}"] = run(mode, model, logs, args.reps, 100, r)
+    if args.pacing_ab:
+        print("pd-stream over emulated, pull_step_wait_ms 0:", flush=True)
+        results["pd-stream-nopace/emulated"] = run("pd-stream-nopace", model, logs, args.reps, 100, rate)
     print(f"\n| link | size | conc | single TTFT ms | PD TTFT ms (x single) | PD streamed TTFT ms (x single) | "
           f"transfer ms (non-streamed tail) | exposed ms (streamed tail) | exposed / transfer | achieved MB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for link in ("emulated", "loopback"):
+    for link, _ in links:
         for size in SIZES:
             for conc in CONCURRENCY:
                 s = med(results["single"][(size, conc)]["ttft_ms"])
@@ -139,6 +155,13 @@ def main() -> int:
                 achieved = a["mib"] * 2**20 / (a["tail_ms"] / 1e3) / 1e6 if a["tail_ms"] else float("nan")
                 print(f"| {link} | {size} | {conc} | {s:.0f} | {ta:.0f} ({ta / s:.2f}) | {tb:.0f} ({tb / s:.2f}) | "
                       f"{a['tail_ms']:.0f} | {b['tail_ms']:.0f} | {b['tail_ms'] / a['tail_ms']:.2f} | {achieved:.0f} |")
+    if args.pacing_ab:
+        print("\n| size | conc | PD streamed TTFT ms, pull_step_wait_ms 5 | same, 0 (x of 5) |\n|---|---|---|---|")
+        for size in SIZES:
+            for conc in CONCURRENCY:
+                a = med(results["pd-stream/emulated"][(size, conc)]["ttft_ms"])
+                b = med(results["pd-stream-nopace/emulated"][(size, conc)]["ttft_ms"])
+                print(f"| {size} | {conc} | {a:.0f} | {b:.0f} ({b / a:.2f}) |")
     if args.out:
         Path(args.out).write_text(json.dumps({k: {f"{s}x{c}": v for (s, c), v in r.items()}
                                               for k, r in results.items()} | {"rate_bytes_s": rate}, indent=1))

@@ -9,6 +9,9 @@ worker reads them through its real concurrent path (long poll, piece, READ).
 
 The control case lets a held READ go on instead of cancelling it: the same checksum then sees the
 blocks change, so the check would notice a write after the give-back.
+
+Also here, through the same real path: pieces that arrive out of order and twice are applied once (the
+first arrival wins), and decode reads each block once.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import uuid
 import pytest
 
 from tests.relay import Relay
-from tests.vllm.helpers import free_port
+from tests.vllm.helpers import free_port, scrape
 
 torch = pytest.importorskip("torch")
 
@@ -180,3 +183,33 @@ def _cancels(rid: str):
     from kvlink.vllm.metadata import KVLinkMetadata
 
     return KVLinkMetadata(cancels=[rid])
+
+
+def test_reordered_and_duplicate_pieces_are_applied_once_and_each_block_read_once(relayed):
+    """Prefill's pieces reach the real bootstrap server out of order and twice (a retried call, a late
+    one): a piece whose index was applied already changes nothing, even with other blocks in it (first
+    arrival wins), progress never goes back, and decode reads each block once, then only the tail."""
+    pre, dec, url, _ = relayed
+    _warm(pre, dec, url)
+    local, remote = list(range(10, 18)), list(range(20, 28))
+    applied0 = scrape(url, "kvlink_bootstrap_stream_pieces_total") or 0.0
+    dups0 = scrape(url, "kvlink_bootstrap_stream_duplicates_total") or 0.0
+    streamed0 = _counted(dec, "blocks_streamed")
+    tid = _stream(dec, url, "d1", local)
+    _piece(url, tid, "d1", remote[:4], index=2)  # index 2 comes first
+    deadline = time.monotonic() + 60
+    while _counted(dec, "blocks_streamed") < streamed0 + 4:
+        assert time.monotonic() < deadline, "the first piece was never read"
+        time.sleep(0.01)
+    _piece(url, tid, "d1", remote[:2], index=1)  # late: below the last applied index
+    _piece(url, tid, "d1", [30, 31, 32, 33, 34, 35], index=2)  # the same index again, other blocks
+    _piece(url, tid, "d1", remote[:6], index=3)
+    while _counted(dec, "blocks_streamed") < streamed0 + 6:
+        assert time.monotonic() < deadline, "the third piece was never read"
+        time.sleep(0.01)
+    _publish(url, tid, "d1", remote)  # the end of the stream: the last two blocks are the tail
+    assert _outcome(dec, "d1", 60) == "given back"
+    assert _same_as_source(pre, dec, local, remote)
+    assert _counted(dec, "blocks_streamed") == streamed0 + 6  # blocks 30-35 were never read
+    assert (scrape(url, "kvlink_bootstrap_stream_pieces_total") or 0.0) == applied0 + 2
+    assert (scrape(url, "kvlink_bootstrap_stream_duplicates_total") or 0.0) == dups0 + 2
