@@ -146,6 +146,21 @@ class Server:
         return scrape(self.url, name)
 
 
+def metric(server, name: str) -> float:
+    """A server's series on /metrics, 0 when it has none yet."""
+    return server.metric(name) or 0.0
+
+
+def wait_for(cond, timeout: float = 60.0) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def scrape(url: str, name: str) -> float | None:
     """The sum of a Prometheus series over its labels on ``url``/metrics (a server, a bootstrap server)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
@@ -291,6 +306,18 @@ def submit_pull(worker, url: str, rid: str, pairs: list[tuple[int, int]], engine
                        block_ids=tuple(r for _, r in pairs), lease_s=30.0)
     worker._submit(PullSpec(request_id=rid, local_block_ids=tuple(lb for lb, _ in pairs), first_block=0,
                             source=src))
+
+
+def register_two_layers(pre, dec, url: str, blocks: int, heads: int, block: int, head2: int) -> None:
+    """Two attention layers on each worker, each side's layers views of one allocation (as vLLM lays
+    them out): prefill's random, decode's zeroed; prefill registered with the bootstrap server ``url``."""
+    import torch
+
+    src = torch.randint(-100, 100, (2, blocks, heads, block, head2)).to(torch.bfloat16)
+    pre.register_kv_caches({f"model.layers.{i}.self_attn.attn": src[i] for i in range(2)})
+    dst = torch.zeros_like(src)
+    dec.register_kv_caches({f"model.layers.{i}.self_attn.attn": dst[i] for i in range(2)})
+    pre._ensure_registered(url)
 
 
 def pull_outcome(worker, rid: str, wait_s: float = 20.0) -> str:

@@ -26,7 +26,7 @@ import pytest
 
 from tests.fakes_vllm_server import AppThread
 from tests.vllm.helpers import (Server, complete, concurrent_legs, corrupting_kv_config, free_port, kv_config,
-                                open_completion, scrape, text, token_prompts)
+                                metric, open_completion, scrape, text, token_prompts, wait_for)
 
 CHUNK = 64  # prefill's max_num_batched_tokens: a 500-token prompt is 8 engine steps, 7 of them streamed
 LONG = 1900  # a prompt prefill computes in ~30 steps: long enough to act while it is still streaming
@@ -69,19 +69,6 @@ def sd(tiny_model, tmp_path_factory):
 
 def baseline(sd, prompts, on="bad"):
     return [text(complete(sd[on].url, p)) for p in prompts]
-
-
-def metric(server, name) -> float:
-    return server.metric(name) or 0.0
-
-
-def wait_for(cond, timeout=60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def wait_zero(server, name, timeout=60.0) -> bool:

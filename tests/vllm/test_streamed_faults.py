@@ -22,7 +22,8 @@ import pytest
 
 from tests.fakes_vllm_server import AppThread
 from tests.relay import Relay
-from tests.vllm.helpers import Server, complete, free_port, kv_config, scrape, text, token_prompts
+from tests.vllm.helpers import (Server, complete, free_port, kv_config, metric, scrape, text, token_prompts,
+                                wait_for)
 
 CHUNK = 64
 PREFILL_ARGS = ("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "16")
@@ -84,19 +85,6 @@ def stack(tiny_model, tmp_path_factory):
             s.stop()
         for r in relays:
             r.close()
-
-
-def metric(server, name) -> float:
-    return server.metric(name) or 0.0
-
-
-def wait_for(cond, timeout=60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def failure_lines(server, since: int) -> list[str]:

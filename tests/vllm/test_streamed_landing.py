@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from tests.relay import Relay
-from tests.vllm.helpers import free_port, scrape
+from tests.vllm.helpers import free_port, pull_outcome, register_two_layers, scrape
 
 torch = pytest.importorskip("torch")
 
@@ -48,11 +48,7 @@ def relayed():
                                          transfer_timeout_s=120.0),
                          W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:
-        src = torch.randint(-100, 100, (2, BLOCKS, HEADS, BLOCK, HEAD2)).to(torch.bfloat16)
-        pre.register_kv_caches({f"model.layers.{i}.self_attn.attn": src[i] for i in range(2)})
-        dst = torch.zeros_like(src)  # one allocation, layer after layer, as vLLM lays it out
-        dec.register_kv_caches({f"model.layers.{i}.self_attn.attn": dst[i] for i in range(2)})
-        pre._ensure_registered(srv.url)
+        register_two_layers(pre, dec, srv.url, BLOCKS, HEADS, BLOCK, HEAD2)
         yield pre, dec, srv.url, relay
     finally:
         dec.shutdown()
@@ -106,15 +102,9 @@ def _counted(dec, key: str) -> int:
 
 
 def _outcome(dec, rid: str, wait_s: float) -> str:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        _, recving, failed = dec.transfer_results()
-        if rid in failed:
-            return "failed"
-        if rid in recving:
-            return "given back"
-        time.sleep(0.005)
-    return "still held"
+    """'given back' once decode reports the request to vLLM (its blocks are vLLM's again)."""
+    out = pull_outcome(dec, rid, wait_s)
+    return "given back" if out == "ok" else out
 
 
 def _warm(pre, dec, url: str, first: int = 1) -> None:

@@ -16,7 +16,7 @@ from kvlink.errors import PeerClosed
 from tests import fakes_transport
 from tests.fakes import FakeBootstrapClient
 from kvlink.vllm.pulls import State
-from tests.vllm.helpers import pull_outcome, submit_pull
+from tests.vllm.helpers import pull_outcome, register_two_layers, submit_pull
 
 torch = pytest.importorskip("torch")
 
@@ -251,11 +251,7 @@ def mooncake_pair():
     dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     n = 512
     try:
-        src = torch.randint(-100, 100, (2, n, HEADS, BLOCK, HEAD2)).to(torch.bfloat16)
-        pre.register_kv_caches({f"model.layers.{i}.self_attn.attn": src[i] for i in range(2)})
-        dst = torch.zeros_like(src)  # one allocation, layer after layer, as vLLM lays it out
-        dec.register_kv_caches({f"model.layers.{i}.self_attn.attn": dst[i] for i in range(2)})
-        pre._ensure_registered(srv.url)
+        register_two_layers(pre, dec, srv.url, n, HEADS, BLOCK, HEAD2)
         yield pre, dec, srv.url, n
     finally:
         dec.shutdown()
