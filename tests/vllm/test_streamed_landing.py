@@ -11,7 +11,8 @@ The control case lets a held READ go on instead of cancelling it: the same check
 blocks change, so the check would notice a write after the give-back.
 
 Also here, through the same real path: pieces that arrive out of order and twice are applied once (the
-first arrival wins), and decode reads each block once.
+first arrival wins), and decode reads each block once; and a streamed pull over every transport backend
+(kvlink's TCP and same-host paths, Mooncake's transfer engine) lands whole.
 """
 
 from __future__ import annotations
@@ -203,3 +204,45 @@ def test_reordered_and_duplicate_pieces_are_applied_once_and_each_block_read_onc
     assert _counted(dec, "blocks_streamed") == streamed0 + 6  # blocks 30-35 were never read
     assert (scrape(url, "kvlink_bootstrap_stream_pieces_total") or 0.0) == applied0 + 2
     assert (scrape(url, "kvlink_bootstrap_stream_duplicates_total") or 0.0) == dups0 + 2
+
+
+@pytest.fixture(params=["tcp", "same-host", "mooncake"])
+def backend_pair(request):
+    """Prefill and decode workers over one backend kind, no relay, and an embedded bootstrap server."""
+    if request.param == "mooncake":
+        pytest.importorskip("mooncake")
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(transport_backend=request.param, pull_timeout_s=60.0)
+    pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        register_two_layers(pre, dec, srv.url, BLOCKS, HEADS, BLOCK, HEAD2)
+        yield request.param, pre, dec, srv.url
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()
+
+
+def test_a_streamed_pull_lands_whole_over_every_backend(backend_pair):
+    """Two pieces read while prefill 'computes', then the record's tail: every block equals prefill's."""
+    kind, pre, dec, url = backend_pair
+    local, remote = list(range(3, 11)), [30, 12, 44, 7, 19, 25, 40, 2]  # scattered, as vLLM allocates
+    tid = _stream(dec, url, "b1", local)
+    deadline = time.monotonic() + 60
+    for index, upto in ((1, 3), (2, 6)):
+        _piece(url, tid, "b1", remote[:upto], index=index)
+        while _counted(dec, "blocks_streamed") < upto:
+            assert time.monotonic() < deadline, f"piece {index} was never read"
+            time.sleep(0.01)
+    _publish(url, tid, "b1", remote)
+    assert _outcome(dec, "b1", 60) == "given back"
+    assert dec.engine.kind == kind
+    assert _same_as_source(pre, dec, local, remote)
+    assert _counted(dec, "blocks_streamed") == 6  # the last two blocks came as the tail
+    untouched = [b for b in range(BLOCKS) if b not in local]
+    assert not any(dec.kv_caches[n][untouched].any() for n in dec.kv_caches)  # nothing else was written
