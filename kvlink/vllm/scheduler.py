@@ -613,11 +613,14 @@ class KVLinkScheduler:
         return self.cfg.idle_step_wait_ms / 1e3
 
     def _pull_wait(self, scheduler_output: Any) -> None:
-        """Decode: a step with nothing to run while pulls are under way sleeps ``pull_step_wait_ms``
-        first, so waiting for KV does not spin the engine (and its worker) at ~1 kHz beside prefill."""
+        """Decode: a step with nothing to run while pulls wait for prefill to publish (concurrent pairing:
+        through the whole of prefill's compute) sleeps ``pull_step_wait_ms`` first, so waiting for KV does
+        not spin the engine (and its worker) at ~1 kHz beside prefill. A pull of published blocks
+        (sequential pairing) takes a transfer's time: while one runs, steps are not delayed."""
         if (self.cfg.pull_step_wait_ms and self._pulls and not self._new_pulls and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-                and not getattr(scheduler_output, "finished_req_ids", None)):
+                and not getattr(scheduler_output, "finished_req_ids", None)
+                and all(src.block_ids is None for src in self._pulls.values())):
             import time
 
             time.sleep(self.cfg.pull_step_wait_ms / 1e3)
