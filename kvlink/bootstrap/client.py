@@ -161,6 +161,7 @@ class BootstrapClient:
         self._acks: dict[str, tuple[str, int]] = {}  # engine_id -> (server_id, last seq handed out)
         # The server refused ``after`` (a bootstrap from before streamed KV): ask it without from then on.
         self._no_progress = False
+        self._no_layers = False
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -219,10 +220,11 @@ class BootstrapClient:
         return out
 
     def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None,
-                        after: int | None = None) -> RequestRecord:
+                        after: int | None = None, layers: bool = False) -> RequestRecord:
         """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it. With
         ``after`` (streamed KV) prefill's progress also answers, as a record with ``partial`` set, once its
-        ``version`` is above ``after``.
+        ``version`` is above ``after``; with ``layers`` too, that progress is layer-wise (``step_block_ids``,
+        ``layers``: streams.py).
 
         Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
         when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
@@ -232,10 +234,17 @@ class BootstrapClient:
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
-                             after=None if self._no_progress else after)
+                             after=None if self._no_progress else after,
+                             layers=layers and after is not None and not (self._no_progress or self._no_layers))
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
             except InvalidField as e:
+                if body.layers and e.field == "layers":
+                    # A server of before layer-wise progress: whole blocks only.
+                    log.warning("kvlink: bootstrap server %s does not know layer-wise progress; decode streams "
+                                "whole blocks only (upgrade it for layer-wise streaming)", self.url)
+                    self._no_layers = True
+                    continue
                 if body.after is None or e.field != "after":
                     raise
                 # An older server: no progress reports, only the published record (nothing is streamed).
@@ -383,3 +392,4 @@ def _validated(reg: EngineRegistration) -> EngineRegistration:
     except msgspec.ValidationError as err:
         bad = s.invalid_from(err)
         raise InvalidField(bad.message, field=f"registration.{bad.field}" if bad.field else "registration") from None
+

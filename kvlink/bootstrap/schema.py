@@ -128,7 +128,7 @@ class EngineRegistration(_Strict, kw_only=True):
         )
 
 
-class RequestRecord(_Strict, kw_only=True):
+class RequestRecord(_Strict, kw_only=True, omit_defaults=True):  # an older client never sees the new fields
     """A finished prefill request, as decode sees it.
 
     ``lease_remaining_s`` is relative (seconds left when the server answered), so clocks need not agree.
@@ -146,6 +146,10 @@ class RequestRecord(_Strict, kw_only=True):
     partial: bool = False
     version: Annotated[int, Meta(ge=0)] = 0
     epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+    # Layer-wise progress (asked for with ``layers``): the running step's further full blocks, by position
+    # after ``block_ids``, hold their KV in every layer whose index is below ``layers``.
+    step_block_ids: BlockIds = []
+    layers: Annotated[int, Meta(ge=0, lt=1 << 20)] = 0
 
 
 class ReleasedRequest(_Strict, kw_only=True):
@@ -185,10 +189,13 @@ class PublishBody(_Strict, kw_only=True):
     epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
 
 
-class StreamPiece(_Strict, kw_only=True):
+class StreamPiece(_Strict, kw_only=True, omit_defaults=True):
     """Prefill has the KV of the first ``num_tokens`` tokens of a request it is still computing in place, in
     the full blocks ``block_ids`` (by position, one list per KV cache group). Cumulative: each piece
-    repeats what the earlier ones said. ``index`` only grows for a request (across chunks and restarts)."""
+    repeats what the earlier ones said. ``index`` only grows for a request (across chunks and restarts).
+
+    Layer-wise: the running step's further full blocks ``step_block_ids`` (positions after ``block_ids``)
+    hold their KV in the model's layers whose index is below ``layers`` (0: none yet)."""
 
     transfer_id: RequestId
     request_id: RequestId
@@ -196,6 +203,13 @@ class StreamPiece(_Strict, kw_only=True):
     epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
     num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
     block_ids: BlockIds
+    step_block_ids: BlockIds = []
+    layers: Annotated[int, Meta(ge=0, lt=1 << 20)] = 0
+
+    def __post_init__(self) -> None:
+        if self.step_block_ids and len(self.step_block_ids) != len(self.block_ids):
+            raise ValueError(f"invalid `step_block_ids`: {len(self.step_block_ids)} KV cache group(s), "
+                             f"`block_ids` has {len(self.block_ids)}")
 
 
 class StreamPiecesBody(_Strict, kw_only=True):
@@ -231,6 +245,8 @@ class LookupTransferBody(_Strict, kw_only=True, omit_defaults=True):  # no "afte
     engine_id: EngineId | None = None
     # Streamed KV: also answer with prefill's progress once its version is above ``after`` (a partial record)
     after: Annotated[int, Meta(ge=0)] | None = None
+    # ... including layer-wise progress (``step_block_ids``, ``layers``); without it, whole blocks only
+    layers: bool = False
 
 
 class RenewBody(_Strict, kw_only=True):

@@ -13,10 +13,18 @@ lost piece costs nothing and a late one is stale. Per rank:
   or decode stopped waiting) is dropped and counted, and the answer names the transfer, so prefill stops
   sending for it.
 
-Decode sees one merged progress: once every rank of the engine has reported at the same epoch, the tokens
-all of them have (the minimum) and the blocks covering them; ``version`` grows with every change, so a
-long poll asks for "newer than the version I have". The end of the stream is the published record
-itself (the pairing table's ``publish``): it never repeats the tail as a piece.
+Layer-wise pieces (sent per layer while a step computes) add the running step's further full blocks
+(``step_block_ids``) and ``layers``: those blocks hold their KV in every layer whose index (the model's,
+the same on every rank and stage) is below it. A rank's progress orders as (``num_tokens``, ``layers``):
+within a step layers grow, and the step's end moves ``num_tokens`` on with ``layers`` back to 0.
+
+Decode sees one merged progress: once every rank of the engine has reported at the same epoch, the
+lowest rank by that order (the minimum is what every rank has: a TP rank lagging, or a PP stage that has
+not reached the step's layers yet, holds it back; a later stage's layer index counts the earlier stages'
+layers, which its forward needed done). ``version`` grows with every change, so a long poll asks for
+"newer than the version I have"; ``block_version`` grows only when the whole blocks change, for a
+reader that does not take layer-wise progress. The end of the stream is the published record itself
+(the pairing table's ``publish``): it never repeats the tail as a piece.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ class Progress:
     epoch: int
     num_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
+    block_version: int = 0
+    step_block_ids: tuple[tuple[int, ...], ...] = ()
+    layers: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +62,12 @@ class _Rank:
     epoch: int
     num_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
+    step_block_ids: tuple[tuple[int, ...], ...] = ()
+    layers: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.num_tokens, self.layers
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -62,6 +79,7 @@ class _Stream:
     by_rank: dict[int, _Rank] = dataclasses.field(default_factory=dict)
     progress: Progress | None = None
     version: int = 0
+    block_version: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,7 +108,8 @@ class StreamBook:
         return len(self._live)
 
     def piece(self, engine_id: str, rank: int, ranks: int, transfer_id: str, request_id: str, index: int,
-              epoch: int, num_tokens: int, block_ids: list[list[int]], now: float) -> PieceStatus:
+              epoch: int, num_tokens: int, block_ids: list[list[int]], now: float,
+              step_block_ids: list[list[int]] = (), layers: int = 0) -> PieceStatus:
         """Apply one piece of rank ``rank`` (of ``ranks``); see the module docstring for the rules."""
         if transfer_id in self._ended:
             self.stats.dropped += 1
@@ -113,7 +132,9 @@ class StreamBook:
         if last is not None and epoch < last.epoch:
             self.stats.stale += 1
             return PieceStatus.STALE
-        stream.by_rank[rank] = _Rank(index, epoch, num_tokens, tuple(tuple(g) for g in block_ids))
+        step = tuple(tuple(g) for g in step_block_ids) if layers and any(step_block_ids) else ()
+        stream.by_rank[rank] = _Rank(index, epoch, num_tokens, tuple(tuple(g) for g in block_ids), step,
+                                     layers if step else 0)
         self.stats.pieces += 1
         self._merge(stream)
         return PieceStatus.APPLIED
@@ -152,14 +173,18 @@ class StreamBook:
         epochs = {r.epoch for r in stream.by_rank.values()}
         if len(epochs) != 1:
             return  # ranks disagree (a restart reaches them one by one): wait until they agree
-        low = min(stream.by_rank.values(), key=lambda r: r.num_tokens)
+        low = min(stream.by_rank.values(), key=lambda r: r.order)
         old = stream.progress
-        if old is not None and (old.epoch, old.num_tokens, old.block_ids) == (low.epoch, low.num_tokens,
-                                                                              low.block_ids):
-            return
+        whole = (low.epoch, low.num_tokens, low.block_ids)
+        if old is not None and (old.epoch, old.num_tokens, old.block_ids) == whole:
+            if (old.step_block_ids, old.layers) == (low.step_block_ids, low.layers):
+                return
+        else:
+            stream.block_version += 1
         stream.version += 1
         stream.progress = Progress(stream.engine_id, stream.request_id, stream.version, low.epoch,
-                                   low.num_tokens, low.block_ids)
+                                   low.num_tokens, low.block_ids, stream.block_version, low.step_block_ids,
+                                   low.layers)
 
     def _sweep(self, now: float) -> None:
         # Live streams nobody touched for ttl_s: prefill died without abandoning them.

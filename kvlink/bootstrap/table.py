@@ -287,9 +287,11 @@ class PairingTable:
         self.stats.looked_up += len(ready) + len(expired) + len(released) + len(unknown)
         return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
 
-    def lookup_transfer(self, transfer_id: str, after: int | None = None) -> RequestRecord | RequestStatus:
+    def lookup_transfer(self, transfer_id: str, after: int | None = None,
+                        layers: bool = False) -> RequestRecord | RequestStatus:
         """The published record; else, with ``after`` (streamed KV), prefill's progress once its version
-        is above ``after`` (a partial record, no lease); else what is known of the id."""
+        is above ``after`` (a partial record, no lease; with ``layers``, layer-wise progress too, else
+        whole blocks only, versioned by them); else what is known of the id."""
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
@@ -300,8 +302,8 @@ class PairingTable:
             return tomb[0]
         if after is not None:
             progress = self.streams.progress(transfer_id)
-            if progress is not None and progress.version > after:
-                return _partial(transfer_id, progress)
+            if progress is not None and (progress.version if layers else progress.block_version) > after:
+                return _partial(transfer_id, progress, layers)
         return RequestStatus.UNKNOWN
 
     # ----- streamed KV ------------------------------------------------------------------------------------
@@ -318,7 +320,7 @@ class PairingTable:
                 self.streams.end(tid, now)  # published (or abandoned) already: the piece came late
             try:
                 status = self.streams.piece(engine_id, rank, ranks, tid, p.request_id, p.index, p.epoch,
-                                            p.num_tokens, p.block_ids, now)
+                                            p.num_tokens, p.block_ids, now, p.step_block_ids, p.layers)
             except StreamConflict as e:
                 self.stats.conflicts += 1
                 raise Conflict(str(e), field="transfer_id") from None
@@ -531,7 +533,10 @@ class PairingTable:
             del tombs[key]
 
 
-def _partial(transfer_id: str, progress: Progress) -> RequestRecord:
+def _partial(transfer_id: str, progress: Progress, layers: bool) -> RequestRecord:
+    step = dict(step_block_ids=[list(g) for g in progress.step_block_ids], layers=progress.layers) \
+        if layers and progress.layers else {}
     return RequestRecord(engine_id=progress.engine_id, request_id=progress.request_id, transfer_id=transfer_id,
                          block_ids=[list(g) for g in progress.block_ids], num_tokens=progress.num_tokens,
-                         lease_remaining_s=0.0, partial=True, version=progress.version, epoch=progress.epoch)
+                         lease_remaining_s=0.0, partial=True, epoch=progress.epoch,
+                         version=progress.version if layers else progress.block_version, **step)

@@ -357,7 +357,7 @@ def test_a_server_from_before_streamed_kv_is_asked_without_after(config, clock, 
     OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None)], bases=(s._Strict,), kw_only=True,
-        namespace={"after": None})  # not a field: what today's handler reads of it, an older one never did
+        namespace={"after": None, "layers": False})  # not fields: what today's handler reads, an older one never did
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -376,5 +376,38 @@ def test_a_server_from_before_streamed_kv_is_asked_without_after(config, clock, 
             assert (record.request_id, record.partial) == ("r1", False)
             assert cli._no_progress
             assert cli.lookup_transfer("t1", after=3).request_id == "r1"
+    finally:
+        old.stop()
+
+
+def test_a_server_from_before_layer_wise_progress_is_asked_for_whole_blocks(config, clock, make_registration,
+                                                                            monkeypatch):
+    """A bootstrap server that knows ``after`` but not ``layers`` refuses the field: the client asks again
+    without it, from then on, and gets whole-block progress (and later the published record)."""
+    from kvlink.bootstrap import schema as s
+
+    OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
+        "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
+                                  ("engine_id", s.EngineId | None, None),
+                                  ("after", s.Annotated[int, s.Meta(ge=0)] | None, None)],
+        bases=(s._Strict,), kw_only=True, namespace={"layers": False})
+
+    with monkeypatch.context() as m:
+        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
+        old = BootstrapServer(config, clock=clock).start()
+    try:
+        from tests.bootstrap.conftest import TOKEN
+
+        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P"), lease_s=600.0)
+            cli.stream_pieces("P", 0, 1, [s.StreamPiece(transfer_id="t1", request_id="r1", index=1,
+                                                        num_tokens=16, block_ids=[[1]], step_block_ids=[[2]],
+                                                        layers=3)])
+            progress = cli.lookup_transfer("t1", after=0, layers=True)
+            assert cli._no_layers and not cli._no_progress
+            assert (progress.partial, progress.block_ids, progress.step_block_ids, progress.layers) == (
+                True, [[1]], [], 0)
+            cli.publish("P", "r1", [[1, 2]], 40, lease_s=30.0, transfer_id="t1")
+            assert cli.lookup_transfer("t1", after=progress.version, layers=True).partial is False
     finally:
         old.stop()

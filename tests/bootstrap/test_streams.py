@@ -110,3 +110,55 @@ def test_a_stream_prefill_stopped_feeding_is_forgotten_and_memory_stays_bounded(
     for i in range(5):
         book.end(f"e{i}", now=30.0)
     assert len(book._ended) == 3
+
+
+# ----- layer-wise pieces ----------------------------------------------------------------------------------
+
+
+def layer_piece(index, tokens, blocks, step, layers, epoch=0):
+    return StreamPiece(transfer_id="t", request_id="r", index=index, epoch=epoch, num_tokens=tokens,
+                       block_ids=[list(blocks)], step_block_ids=[list(step)], layers=layers)
+
+
+def layered(table, after=0):
+    found = table.lookup_transfer("t", after, layers=True)
+    return found if isinstance(found, RequestRecord) else None
+
+
+def test_layer_wise_progress_orders_by_tokens_then_layers_and_the_least_rank_wins(table, engine):
+    table.stream_pieces(engine, 0, 2, [layer_piece(1, 16, [5], [6, 7], 3)])
+    assert layered(table) is None  # rank 1 has not reported
+    table.stream_pieces(engine, 1, 2, [layer_piece(1, 16, [5], [6, 7], 1)])
+    got = layered(table)
+    assert (got.num_tokens, got.block_ids, got.step_block_ids, got.layers) == (16, [[5]], [[6, 7]], 1)
+    # rank 1 finishes the step (all its layers: whole blocks now); rank 0 is still at layer 3 of it
+    table.stream_pieces(engine, 1, 2, [piece(2, 48, [5, 6, 7])])
+    assert layered(table).layers == 3 and layered(table).num_tokens == 16
+    table.stream_pieces(engine, 0, 2, [piece(2, 48, [5, 6, 7])])
+    got = layered(table)
+    assert (got.num_tokens, got.block_ids, got.step_block_ids, got.layers) == (48, [[5, 6, 7]], [], 0)
+
+
+def test_a_reader_without_layers_sees_whole_blocks_versioned_by_them(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 16, [5])])
+    whole = partial(table)
+    assert (whole.version, whole.step_block_ids, whole.layers) == (1, [], 0)
+    for layers in (1, 2, 3):  # layers of the next step: a new version for the layer-wise reader only
+        table.stream_pieces(engine, 0, 1, [layer_piece(1 + layers, 16, [5], [6], layers)])
+        assert partial(table, after=whole.version) is None
+    assert layered(table).layers == 3 and layered(table).version == 4
+    table.stream_pieces(engine, 0, 1, [piece(9, 32, [5, 6])])
+    assert (partial(table, after=whole.version).version, partial(table).block_ids) == (2, [[5, 6]])
+
+
+def test_a_layer_piece_without_step_blocks_or_layers_is_whole_blocks_only(table, engine):
+    table.stream_pieces(engine, 0, 1, [layer_piece(1, 16, [5], [], 4)])
+    table.stream_pieces(engine, 0, 1, [layer_piece(2, 16, [5], [6], 0)])
+    got = layered(table)
+    assert (got.num_tokens, got.step_block_ids, got.layers) == (16, [], 0)
+
+
+def test_a_piece_whose_step_blocks_name_other_groups_is_refused():
+    with pytest.raises(ValueError, match="step_block_ids"):
+        StreamPiece(transfer_id="t", request_id="r", index=1, num_tokens=16, block_ids=[[5]],
+                    step_block_ids=[[6], [7]], layers=1)
