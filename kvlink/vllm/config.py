@@ -50,6 +50,10 @@ class ConnectorConfig:
     # 2-core benchmark machine it cut the exposed transfer to 6-23% but raised TTFT over loopback
     # (bench/results/stream.md). Off: publish once, at the end.
     stream_kv: bool = False
+    # How finely a streamed request is announced: "layer" (after each attention layer of each step, so a
+    # prompt of one chunk streams too and the tail is about one layer) or "step" (after each chunked-
+    # prefill step's forward: one bootstrap call per step, a one-chunk prompt streams nothing).
+    stream_granularity: str = "layer"
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
@@ -99,6 +103,9 @@ class ConnectorConfig:
         for key in ("crc", "allow_insecure", "spread_threads", "stream_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
+        if self.stream_granularity not in ("layer", "step"):
+            raise ConnectorConfigError("kv_connector_extra_config['stream_granularity'] must be \"layer\" or "
+                                       f"\"step\", got {self.stream_granularity!r}")
         for key in ("bootstrap_url", "bootstrap_token", "transport_token", "transport_advertise"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, str) or not v):

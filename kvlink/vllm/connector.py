@@ -193,7 +193,12 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole requests load asynchronously before they are scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # pull model: prefill keeps its blocks, decode reads them
+        """Pull model: prefill keeps its blocks, decode reads them. Streamed KV per layer: the step's new
+        blocks now hold this layer (stream.py)."""
+        if self._worker is not None:
+            meta = self._connector_metadata
+            if isinstance(meta, KVLinkMetadata) and meta.streams:
+                self._worker.send_pieces(meta.streams, layer_name)
 
     def wait_for_save(self) -> None:
         """After the step's forward: prefill sends the step's streamed pieces (stream.py)."""

@@ -82,6 +82,31 @@ def ready_pairs(request_id: str, tables, remote: tuple[tuple[int, ...], ...]) ->
     return out
 
 
+def step_pairs(request_id: str, tables, whole: tuple[tuple[int, ...], ...],
+               step: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int]]:
+    """Layer-wise streamed KV: [(group, local block, remote block)] of the running step's further full blocks
+    ``step`` (per group, the positions after ``whole``)."""
+    if len(step) != len(whole):
+        raise PairingError(f"request {request_id}: prefill streamed {len(step)} KV cache group(s) of the running "
+                           f"step and {len(whole)} of whole blocks")
+    done = set(ready_pairs(request_id, tables, whole))
+    return [p for p in ready_pairs(request_id, tables, tuple(w + s for w, s in zip(whole, step)))
+            if p not in done]
+
+
+def layer_indices(names) -> dict[str, int] | None:
+    """The model's index of each layer (the one number in its dotted name: ``model.layers.7.self_attn.attn``
+    is 7), the same on every rank and PP stage; None when a name has no single number or two layers share
+    one: layer-wise progress cannot name such layers, so they move as whole blocks only."""
+    out = {}
+    for name in names:
+        nums = [int(part) for part in name.split(".") if part.isdigit()]
+        if len(nums) != 1:
+            return None
+        out[name] = nums[0]
+    return out if len(set(out.values())) == len(out) else None
+
+
 def window_start_lost(num_tokens: int, block_size: int, window: int, extra: int = 0) -> bool:
     """True when a whole loaded prompt's last token cannot be recomputed from the blocks either side keeps.
 

@@ -28,6 +28,11 @@ its epoch are read (the tail), and a read of a piece counts only if its epoch is
 request's blocks are prefill's until the record is published (then the lease holds them), so a READ that
 ended before ``held_until`` read what the record names.
 
+Layer-wise pieces name a position with the count of (this rank's) layers prefill has finished for it:
+the table keeps, per position, how many layers were read, and reads the next range ``[read, finished)``;
+``ALL_LAYERS`` is the whole block (whole-block pieces and the published record). A pair on the wire is
+(group, local block, remote block, first layer, end layer).
+
 A READ is trusted only with proof that prefill held the blocks when it ended: it ended before
 ``held_until``, the bound given by the last lease renewal (or the concurrent lookup). Renewals are
 scheduled here too: one call in flight per (bootstrap server, prefill engine) group, a new pull's
@@ -48,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # metadata imports vLLM; this module must not
     from kvlink.vllm.metadata import PullSpec
 
+ALL_LAYERS = 1 << 30  # a layer range's end that means every layer of the block
 CANCEL_RETRY_S = (0.1, 5.0)  # a cancel that did not settle is asked again after this, doubling up to the max
 UNSETTLED_WARN_S = 30.0  # a batch still unsettled this long after its first cancel is reported in the log
 
@@ -87,17 +93,19 @@ class Pull:
     deadline: float
     state: State = State.RESOLVING
     remote: Hashable | None = None  # the adapter's key of the remote engine (set when resolved)
-    pairs: tuple[tuple[int, int, int], ...] = ()  # (group, local block, remote block) of the batch on the wire
+    # (group, local block, remote block, first layer, end layer) of the batch on the wire
+    pairs: tuple[tuple[int, int, int, int, int], ...] = ()
     lease: Lease | None = None
     held_until: float = 0.0  # prefill provably holds the blocks until then
     next_renew: float = 0.0
     read_at: float = 0.0  # when its READ ended (0: not yet)
     batch: int | None = None  # the batch carrying it (READING, SETTLING)
     pending: tuple[State, str] | None = None  # SETTLING: the outcome to report once settled
-    # (group, local block) -> remote block: to read next, in the batch on the wire, read (at ``epoch``)
-    queued: dict[tuple[int, int], int] = field(default_factory=dict)
-    inflight: dict[tuple[int, int], int] = field(default_factory=dict)
-    got: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (group, local block) -> (remote block, first layer, end layer): to read next, in the batch on the wire;
+    # (remote block, layers read) read (at ``epoch``)
+    queued: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    inflight: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    got: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     epoch: int = 0
     inflight_epoch: int = 0
     final: bool = False  # the published record arrived (resolved): nothing more to wait for
@@ -253,10 +261,11 @@ class PullTable:
                 self._check_lease(pull, now)  # everything was streamed already
         return [*self.take_posts(now), *self._renewals_due(now)]
 
-    def piece(self, rid: str, remote: Hashable, pairs: list[tuple[int, int, int]], epoch: int,
+    def piece(self, rid: str, remote: Hashable, pairs: list[tuple[int, ...]], epoch: int,
               now: float) -> list[Post]:
         """Streamed KV: prefill has finished the blocks of these (group, local, remote) pairs of a request it
-        is still computing. Read what was not read yet at this epoch."""
+        is still computing (or, as (group, local, remote, layers), their first ``layers`` layers). Read
+        what was not read yet at this epoch."""
         pull = self._pulls.get(rid)
         if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
             self._count("pieces_dropped")  # decode no longer waits for it (cancelled, failed, done)
@@ -290,7 +299,7 @@ class PullTable:
             for p in pulls:
                 p.state, p.batch = State.READING, b.id
                 p.inflight, p.queued, p.inflight_epoch = p.queued, {}, p.epoch
-                p.pairs = tuple((g, lb, rb) for (g, lb), rb in p.inflight.items())
+                p.pairs = tuple((g, lb, rb, lo, hi) for (g, lb), (rb, lo, hi) in p.inflight.items())
             posts.append(Post(b.id, remote, tuple(pulls)))
         return posts
 
@@ -497,14 +506,33 @@ class PullTable:
             p.epoch = epoch
         on_wire = p.inflight if p.inflight_epoch == epoch else {}
         for pair in pairs:
-            g, lb, rb = pair if len(pair) == 3 else (0, *pair)  # (local, remote): one KV cache group
-            if p.got.get((g, lb)) != rb and on_wire.get((g, lb)) != rb:
-                p.queued[(g, lb)] = rb
+            if len(pair) == 2:  # (local, remote): one KV cache group
+                g, (lb, rb), hi = 0, pair, ALL_LAYERS
+            else:
+                g, lb, rb, hi = pair if len(pair) == 4 else (*pair, ALL_LAYERS)
+            key = (g, lb)
+            have = 0  # layers read or on the wire, from the first
+            got, wire = p.got.get(key), on_wire.get(key)
+            if got is not None and got[0] == rb:
+                have = got[1]
+            if wire is not None and wire[0] == rb:
+                have = max(have, wire[2])
+            if hi <= have:
+                continue
+            q = p.queued.get(key)
+            p.queued[key] = (rb, have, max(hi, q[2]) if q is not None and q[0] == rb else hi)
 
     @staticmethod
-    def _requeue(p: Pull) -> dict[tuple[int, int], int]:
-        """Its batch did not carry it after all: what it carried is to read again (unless stale)."""
-        return {**p.inflight, **p.queued} if p.inflight_epoch == p.epoch else p.queued
+    def _requeue(p: Pull) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """Its batch did not carry it after all: what it carried is to read again (unless stale); a position
+        with a further range queued reads both as one."""
+        if p.inflight_epoch != p.epoch:
+            return p.queued
+        out = dict(p.inflight)
+        for key, (rb, lo, hi) in p.queued.items():
+            w = out.get(key)
+            out[key] = (rb, min(lo, w[1]), max(hi, w[2])) if w is not None and w[0] == rb else (rb, lo, hi)
+        return out
 
     def _read(self, p: Pull, now: float) -> None:
         """Its batch ended well: more to read (READY), the end of the stream still to come (RESOLVING),
@@ -512,8 +540,10 @@ class PullTable:
         if p.inflight and not p.final:
             p.streamed += len(p.inflight)
             self._count("blocks_streamed", len(p.inflight))
-        if p.inflight_epoch == p.epoch:
-            p.got.update(p.inflight)  # (a read of an earlier epoch is stale: its positions are queued again)
+        if p.inflight_epoch == p.epoch:  # (a read of an earlier epoch is stale: its positions are queued again)
+            for key, (rb, _lo, hi) in p.inflight.items():
+                got = p.got.get(key)
+                p.got[key] = (rb, max(hi, got[1]) if got is not None and got[0] == rb else hi)
         p.inflight = {}
         p.read_at, p.batch = now, None
         if p.queued:

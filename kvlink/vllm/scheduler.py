@@ -96,10 +96,11 @@ class KVLinkScheduler:
         self._backed_off: set[str] = set()  # prefill: requests whose last prompt token was left to decode
         # Prefill, streamed KV (stream.py): requests of concurrent pairing whose finished blocks are announced
         # while they compute. ``streamable``: why this engine cannot stream (None: it can).
-        self._stream = (StreamPlanner(block_size) if self.is_producer and cfg.stream_kv and streamable is None
-                        else None)
+        self._stream = (StreamPlanner(block_size, layer_wise=cfg.stream_granularity == "layer")
+                        if self.is_producer and cfg.stream_kv and streamable is None else None)
         if self.is_producer:
-            logger.info("kvlink: streamed KV %s", "on (concurrent pairing)" if self._stream is not None else
+            logger.info("kvlink: streamed KV %s", f"on (concurrent pairing, per {cfg.stream_granularity})"
+                        if self._stream is not None else
                         f"off ({'stream_kv is false' if not cfg.stream_kv else streamable})")
         if self.is_producer:
             self._start_bootstrap()

@@ -1,20 +1,26 @@
 """Streamed KV, prefill's side: while a request is still computing, the blocks it has finished are
 announced as pieces, so decode reads them during prefill and only the tail is left when it ends.
 
-Granularity: one piece per request per engine step (per chunked-prefill chunk), sent after the step's
-forward, not one per layer. A piece is one small HTTP call per rank and step to the bootstrap server
-(all of a step's requests in one call); one per layer would be that call times the number of layers,
-each on the forward's critical path, to gain at most one chunk's worth of overlap (the last chunk's
-layers). The tail decode reads after the end is the last chunk's blocks: ``max_num_batched_tokens``
-sets it (docs/connector.md, "Streamed KV").
+Granularity (``stream_granularity``):
+
+- "layer" (default): during each step's forward, after every attention layer, a piece says the step's
+  new full blocks hold their KV in the layers up to that one (``save_kv_layer``); after the forward, that
+  they are whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one
+  chunk (most prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward
+  and the tail decode reads after the published record is about the last layer's share plus the
+  prompt's last, partial block. Pieces are cumulative: the sender sends only the newest per request of
+  whatever queued while its last call was out, so a slow bootstrap call costs overlap, never the forward.
+- "step": one piece per request per step, after the step's forward; a one-chunk prompt streams nothing
+  and the tail is the last chunk's blocks (``max_num_batched_tokens``). One bootstrap call per step.
 
 - ``StreamPlanner`` (scheduler process, pure): follows each streamed request's block table through
   vLLM's scheduler output (new requests, appended blocks, a restart after preemption) and, per step,
-  says which full blocks will be computed once the step's forward is done. The chunk that completes the
-  prompt gets no piece: the published record follows it at once and is the end of the stream.
-- ``PieceSender`` (worker process, one thread): sends a step's pieces after its forward (on CUDA, after
-  an event recorded behind that forward), and stops sending for transfers the server says are over
-  (decode stopped waiting, published, abandoned). It never blocks vLLM's thread.
+  says which full blocks the step's forward completes (and how many were whole before it). Per step, the
+  chunk that completes the prompt gets no step-end piece: the published record follows it at once and is
+  the end of the stream.
+- ``PieceSender`` (worker process, one thread): sends pieces once their KV is in place (on CUDA, after an
+  event recorded behind the layer or forward that wrote it), and stops sending for transfers the server
+  says are over (decode stopped waiting, published, abandoned). It never blocks vLLM's thread.
 
 Which requests stream: ``do_remote_decode`` with a transfer id (concurrent pairing: decode waits for it
 while prefill computes) on an engine with ``stream_kv`` on, one KV cache group of full attention, no host
@@ -35,7 +41,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """One piece, scheduler -> worker: after this step, the first ``num_tokens`` tokens are in ``block_ids``."""
+    """One step of a streamed request, scheduler -> worker: after this step's forward the first
+    ``num_tokens`` tokens are in ``block_ids``, of which the first ``whole`` blocks were complete before it
+    (layer-wise pieces announce the others layer by layer). ``last``: the step completes the prompt (no
+    step-end piece: the published record follows)."""
 
     request_id: str
     transfer_id: str
@@ -43,6 +52,49 @@ class StreamSpec:
     epoch: int
     num_tokens: int
     block_ids: tuple[int, ...]
+    whole: int = 0
+    last: bool = False
+
+
+LAYER_SLOTS = 1024  # layer-wise: wire index = step index * LAYER_SLOTS + layers (the step's end: the last)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank tells the bootstrap server about a step (schema.StreamPiece): ``layers`` 0 says the
+    step's blocks are whole; n says its new blocks hold their KV in the model's layers below n."""
+
+    spec: StreamSpec
+    index: int
+    layers: int = 0
+
+    @property
+    def transfer_id(self) -> str:
+        return self.spec.transfer_id
+
+    def fields(self) -> dict[str, Any]:
+        sp = self.spec
+        out = dict(transfer_id=sp.transfer_id, request_id=sp.request_id, index=self.index, epoch=sp.epoch)
+        if not self.layers:
+            return dict(out, num_tokens=sp.num_tokens, block_ids=[list(sp.block_ids)])
+        per_block = sp.num_tokens // len(sp.block_ids)
+        return dict(out, num_tokens=sp.whole * per_block, block_ids=[list(sp.block_ids[:sp.whole])],
+                    step_block_ids=[list(sp.block_ids[sp.whole:])], layers=self.layers)
+
+
+def step_pieces(specs: list[StreamSpec], layer_wise: bool) -> list[Piece]:
+    """After a step's forward: its blocks are whole (not for the chunk that completes the prompt)."""
+    if not layer_wise:
+        return [Piece(sp, sp.index) for sp in specs]
+    return [Piece(sp, sp.index * LAYER_SLOTS + LAYER_SLOTS - 1) for sp in specs if not sp.last]
+
+
+def layer_pieces(specs: list[StreamSpec], layer: int) -> list[Piece]:
+    """After the attention layer of index ``layer`` of a step's forward: the step's new blocks hold it and
+    every layer before it. None for a layer index the wire index cannot order."""
+    if not 0 <= layer < LAYER_SLOTS - 2:
+        return []
+    return [Piece(sp, sp.index * LAYER_SLOTS + layer + 1, layer + 1) for sp in specs]
 
 
 @dataclass
@@ -59,8 +111,8 @@ class _Streamed:
 class StreamPlanner:
     """Scheduler side: which blocks of which streamed request each step completes. Pure."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __init__(self, block_size: int, layer_wise: bool = False):
+        self.block_size, self.layer_wise = block_size, layer_wise
         self._reqs: dict[str, _Streamed] = {}
 
     def __contains__(self, rid: str) -> bool:
@@ -110,31 +162,33 @@ class StreamPlanner:
         for rid, computed in seen.items():
             r = self._reqs[rid]
             done = computed + scheduled.get(rid, 0)
-            if done >= r.prompt_tokens:
+            last = done >= r.prompt_tokens
+            if last and not self.layer_wise:
                 continue  # the last chunk: the published record ends the stream
-            full = min(done // self.block_size, len(r.blocks))
-            if full <= r.sent_blocks:
+            full = min(min(done, r.prompt_tokens) // self.block_size, len(r.blocks))
+            whole = min(computed // self.block_size, full)
+            if full <= max(r.sent_blocks, whole if self.layer_wise else 0):
                 continue
             r.index += 1
             r.sent_blocks = full
             out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch, full * self.block_size,
-                                  tuple(r.blocks[:full])))
+                                  tuple(r.blocks[:full]), whole, last))
         return out
 
 
 class PieceSender:
     """Worker side: one thread sends each step's pieces once that step's KV is in place."""
 
-    def __init__(self, send: Callable[[list[StreamSpec]], list[str]], count: Callable[[str, int], None]):
+    def __init__(self, send: Callable[[list[Piece]], list[str]], count: Callable[[str, int], None]):
         self._send, self._count = send, count
         self._queue: queue.Queue = queue.Queue()
         self._ended: dict[str, None] = {}  # transfer ids the server said are over (bounded, oldest first)
         self._thread = threading.Thread(target=self._run, name="kvlink-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, pieces: list[StreamSpec], fence: Any = None) -> None:
-        """After the step's forward (vLLM's thread): ``fence`` is a CUDA event recorded behind it, or None
-        when the KV is in place already (CPU)."""
+    def submit(self, pieces: list[Piece], fence: Any = None) -> None:
+        """After a layer or the step's forward (vLLM's thread): ``fence`` is a CUDA event recorded behind
+        it, or None when the KV is in place already (CPU)."""
         self._queue.put((pieces, fence))
 
     def close(self) -> None:
@@ -155,11 +209,15 @@ class PieceSender:
             self._flush(batch)
 
     def _flush(self, batch: list) -> None:
-        pieces = []
+        newest: dict[str, Any] = {}  # pieces are cumulative: the newest of each transfer says it all
         for step, fence in batch:
             if fence is not None:
-                fence.synchronize()  # the forward that wrote these blocks has finished on the device
-            pieces += [p for p in step if p.transfer_id not in self._ended]
+                fence.synchronize()  # the forward (or layer) that wrote these blocks has finished on the device
+            for p in step:
+                if p.transfer_id not in self._ended and (p.transfer_id not in newest
+                                                         or p.index > newest[p.transfer_id].index):
+                    newest[p.transfer_id] = p
+        pieces = list(newest.values())
         if not pieces:
             return
         try:

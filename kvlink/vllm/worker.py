@@ -55,12 +55,13 @@ from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, packed_geom
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
-from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs
-from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve
+from kvlink.vllm.plan import (LayerMap, PairingError, ReadPlan, build_plan, group_pairs, layer_indices, ready_pairs,
+                              step_pairs)
+from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve
 from kvlink.vllm.stager import Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
-from kvlink.vllm.stream import PieceSender
+from kvlink.vllm.stream import PieceSender, layer_pieces, step_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class KVLinkWorker:
         self.engine = None
         self.kv_caches: dict[str, Any] = {}
         self.layer_names: list[str] = []
+        self._layer_ids: dict[str, int] | None = None  # the model's index of each layer (plan.layer_indices)
+        self._layer_rank: dict[str, int] = {}  # ... and its place among this rank's layers, by that index
         self.compat: dict = {}
         self.compat_hash = ""
         self.block_bytes = 0
@@ -314,6 +317,9 @@ class KVLinkWorker:
                                f"kv_both engine cannot stage ({what})")
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
+        self._layer_ids = layer_indices(self.layer_names)
+        self._layer_rank = {n: i for i, n in enumerate(sorted(self._layer_ids, key=self._layer_ids.get))} \
+            if self._layer_ids else {}
         unknown = [n for n in self.layer_names if self._layer_group and n not in self._layer_group]
         if unknown:
             raise RuntimeError(f"kvlink: KV cache layers {unknown[:3]} are in no KV cache group of vLLM's KV cache "
@@ -495,11 +501,21 @@ class KVLinkWorker:
         for rid in meta.cancels:
             self._apply(lambda t, now, rid=rid: t.cancel(rid, now))
 
-    def send_pieces(self, specs: list) -> None:
-        """Prefill, vLLM's thread, after the step's forward: hand its streamed pieces to the sender thread
-        (stream.py); on CUDA they go out once an event recorded behind the forward has completed."""
+    def send_pieces(self, specs: list, layer_name: str | None = None) -> None:
+        """Prefill, vLLM's thread, after attention layer ``layer_name`` (layer-wise) or the step's forward
+        (None): hand the step's streamed pieces to the sender thread (stream.py); on CUDA they go out once
+        an event recorded behind that layer or forward has completed."""
         url = self._bootstrap_url
         if url is None or self.engine is None or self.staged:
+            return
+        layer_wise = self.cfg.stream_granularity == "layer" and self._layer_ids is not None
+        if layer_name is None:
+            pieces = step_pieces(specs, layer_wise)
+        elif layer_wise and layer_name in self._layer_ids:
+            pieces = layer_pieces(specs, self._layer_ids[layer_name])
+        else:
+            return
+        if not pieces:
             return
         if self._sender is None:
             from kvlink.bootstrap.schema import StreamPiece
@@ -508,9 +524,8 @@ class KVLinkWorker:
             rank, ranks = self.rank.port_index, self.rank.tp_size * self.rank.pp_size
 
             def send(pieces):
-                return cli.stream_pieces(self.rank.engine_id, rank, ranks, [StreamPiece(
-                    transfer_id=p.transfer_id, request_id=p.request_id, index=p.index, epoch=p.epoch,
-                    num_tokens=p.num_tokens, block_ids=[list(p.block_ids)]) for p in pieces])
+                return cli.stream_pieces(self.rank.engine_id, rank, ranks, [StreamPiece(**p.fields())
+                                                                            for p in pieces])
 
             def count(key: str, n: int) -> None:
                 with self._lock:
@@ -523,7 +538,7 @@ class KVLinkWorker:
 
             fence = torch.cuda.Event()
             fence.record()  # behind the forward vLLM queued on the current stream
-        self._sender.submit(list(specs), fence)
+        self._sender.submit(pieces, fence)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
@@ -716,6 +731,7 @@ class KVLinkWorker:
         published record, when it was asked for), or None when the pull ended meanwhile."""
         rid, src = spec.request_id, spec.source
         after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
+        layers = self._layer_ids is not None
         while True:
             with self._lock:
                 pull = self._table.get(rid)
@@ -723,13 +739,21 @@ class KVLinkWorker:
                 wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - asked)) if pull else 0.0
             if pull is None:
                 return None
-            rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after)
+            rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after,
+                                      layers=layers)
             if not rec.partial:
                 return rec, asked
             after = rec.version
             remote = self._remote(cli, src.bootstrap_url, rec.engine_id)
-            pairs = ready_pairs(rid, spec.tables, tuple(map(tuple, rec.block_ids)))
-            self._apply(lambda t, now, rec=rec: t.piece(rid, remote, pairs, rec.epoch, now))
+            whole = tuple(map(tuple, rec.block_ids))
+            pairs: list[tuple[int, ...]] = ready_pairs(rid, spec.tables, whole)
+            # layer-wise: the running step's blocks, in this rank's layers below rec.layers (all: whole)
+            have = sum(1 for i in (self._layer_ids or {}).values() if i < rec.layers) if rec.step_block_ids else 0
+            if have:
+                hi = ALL_LAYERS if have == len(self._layer_rank) else have
+                pairs += [(*pr, hi) for pr in step_pairs(rid, spec.tables, whole, tuple(map(tuple,
+                                                                                          rec.step_block_ids)))]
+            self._apply(lambda t, now, rec=rec, pairs=pairs: t.piece(rid, remote, pairs, rec.epoch, now))
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
         """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which)."""
@@ -778,10 +802,11 @@ class KVLinkWorker:
             if not pulls:
                 return
         # (group, local block, remote block) per pull; with staging the local block is a landing slot
-        pairs = {p.rid: [(0, slot, rb) for slot, rb, _ in landing[p.rid]] if landing else list(p.pairs)
-                 for p in pulls}
+        pairs = {p.rid: [(0, slot, rb, 0, ALL_LAYERS) for slot, rb, _ in landing[p.rid]] if landing
+                 else list(p.pairs) for p in pulls}
         # layer-blocks written: a group with no layers on this PP stage moves nothing here
-        nblocks = sum(self._group_layers.get(g, 0) for p in pulls for g, _, _ in pairs[p.rid])
+        nblocks = sum(min(self._group_layers.get(g, 0), hi) - min(self._group_layers.get(g, 0), lo)
+                      for p in pulls for g, _, _, lo, hi in pairs[p.rid])
         parts, nbytes, ndesc = [], 0, 0
         try:
             dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
@@ -789,6 +814,8 @@ class KVLinkWorker:
                 (leg.peer, self._layer_dest[lm.name], [lm]) for leg in remote.legs for lm in leg.layers]
             for peer, region, layers in dests:  # one READ per prefill rank (and per layer without one region)
                 plan = ReadPlan.concat([self._plan(layers, pairs[p.rid]) for p in pulls])
+                if not len(plan):
+                    continue  # a layer range none of this prefill rank's layers are in (PP)
                 parts.append(self.engine.read(peer, region, plan.local_offsets, plan.remote_region_ids,
                                               plan.remote_offsets, plan.lengths,
                                               timeout_s=self.cfg.transfer_timeout_s))
@@ -803,6 +830,10 @@ class KVLinkWorker:
             self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, 0, ndesc, now))
             self._apply(lambda t, now: t.batch_unsettled(a.batch, _why(e), now))
             return
+        if not parts:  # nothing of these ranges is on any rank this one reads (cannot happen: every layer is)
+            self._apply(lambda t, now: t.posted(a.batch, None, 0, 0, 0, now))
+            self._apply(lambda t, now: t.batch_ended(a.batch, None, now))
+            return
         handle = parts[0] if len(parts) == 1 else _Batches(parts)
         if landing:
             moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
@@ -810,14 +841,17 @@ class KVLinkWorker:
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
 
-    def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int]]) -> ReadPlan:
-        """Descriptors of one pull's (group, local, remote) pairs over ``layers``: each group's blocks in
-        that group's layers only (hybrid models: vLLM's block ids are per group)."""
-        if not self._layer_group:  # one KV cache group
-            return build_plan(layers, [(lb, rb) for _, lb, rb in pairs])
-        return ReadPlan.concat([build_plan([m for m in layers if self._layer_group.get(m.name, 0) == g],
-                                           [(lb, rb) for gg, lb, rb in pairs if gg == g])
-                                for g in sorted({g for g, _, _ in pairs})])
+    def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int, int, int]]) -> ReadPlan:
+        """Descriptors of one pull's (group, local, remote, first layer, end layer) pairs over ``layers``:
+        each group's blocks in that group's layers only (hybrid models: vLLM's block ids are per group),
+        and a layer-wise streamed range in the layers of that range (by place among this rank's layers)."""
+        parts = []
+        for g, lo, hi in sorted({(g, lo, hi) for g, _, _, lo, hi in pairs}):
+            mine = [m for m in layers if self._layer_group.get(m.name, 0) == g] if self._layer_group else layers
+            if (lo, hi) != (0, ALL_LAYERS):
+                mine = [m for m in mine if lo <= self._layer_rank.get(m.name, -1) < hi]
+            parts.append(build_plan(mine, [(lb, rb) for gg, lb, rb, a, b in pairs if (gg, a, b) == (g, lo, hi)]))
+        return parts[0] if len(parts) == 1 else ReadPlan.concat(parts) if parts else build_plan([], [])
 
     def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
         """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
@@ -840,7 +874,7 @@ class KVLinkWorker:
                     continue
                 fit.append(p)
                 claimed += slots
-                landing[p.rid] = [(s, rb, lb) for s, (_, lb, rb) in zip(slots, p.pairs)]
+                landing[p.rid] = [(s, rb, lb) for s, (_, lb, rb, *_) in zip(slots, p.pairs)]
             if claimed:
                 self._landing_slots[a.batch] = tuple(claimed)
             if deferred or refused:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlink.vllm.plan import PairingError, pair_blocks
-from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Renew, Resolve, State
+from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve, State
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
 
@@ -136,7 +136,7 @@ def ready_together(t: PullTable, rids, held_until: float = 0.0) -> Post:
     for rid in rids:
         t.submit(spec(rid), 0.0)
         p = t.get(rid)
-        p.remote, p.queued, p.lease, p.state, p.held_until = REMOTE, {(0, 1): 11}, lease(rid), State.READY, held_until
+        p.remote, p.queued, p.lease, p.state, p.held_until = REMOTE, {(0, 1): (11, 0, ALL_LAYERS)}, lease(rid), State.READY, held_until
         p.final = True  # the published record arrived (no stream of pieces)
     (post,) = t.take_posts(0.0)
     return post

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlink.vllm.plan import PairingError, ready_pairs
-from kvlink.vllm.pulls import CancelBatch, Lease, Post, PullTable, Resolve, State
+from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Resolve, State
 from kvlink.vllm.stream import StreamPlanner
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
@@ -68,8 +68,10 @@ def posts(actions) -> list[Post]:
 
 
 def pairs_of(post: Post) -> list[tuple[int, int, int]]:
+    """(group, local, remote) of a post that reads whole blocks."""
     (p,) = post.pulls
-    return sorted(p.pairs)
+    assert all(pr[3:] == (0, ALL_LAYERS) for pr in p.pairs), p.pairs
+    return sorted(pr[:3] for pr in p.pairs)
 
 
 def end_batch(t: PullTable, post: Post, now: float):

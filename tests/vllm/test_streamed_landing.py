@@ -246,3 +246,45 @@ def test_a_streamed_pull_lands_whole_over_every_backend(backend_pair):
     assert _counted(dec, "blocks_streamed") == 6  # the last two blocks came as the tail
     untouched = [b for b in range(BLOCKS) if b not in local]
     assert not any(dec.kv_caches[n][untouched].any() for n in dec.kv_caches)  # nothing else was written
+
+
+def _layer_piece(url: str, tid: str, rid: str, whole: list[int], step: list[int], layers: int, index: int) -> None:
+    """Prefill, mid-forward: ``whole`` blocks are done in every layer, ``step``'s in the layers below ``layers``."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.schema import StreamPiece
+
+    with BootstrapClient(url) as cli:
+        cli.stream_pieces("pre", 0, 1, [StreamPiece(
+            transfer_id=tid, request_id="p-" + rid, index=index, num_tokens=BLOCK * len(whole), block_ids=[whole],
+            step_block_ids=[step], layers=layers)])
+
+
+def _layer_equal(pre, dec, layer: int, local: list[int], remote: list[int]) -> bool:
+    name = f"model.layers.{layer}.self_attn.attn"
+    return torch.equal(dec.kv_caches[name][local], pre.kv_caches[name][remote])
+
+
+def test_a_layer_wise_streamed_pull_reads_each_layer_range_and_lands_whole_over_every_backend(backend_pair):
+    """Layer-wise pieces: the step's blocks are read in the layers prefill reports done, and no further; the
+    next piece reads the rest of them; the record's tail the remaining blocks. Every block equals prefill's."""
+    kind, pre, dec, url = backend_pair
+    local, remote = list(range(3, 11)), [30, 12, 44, 7, 19, 25, 40, 2]
+    tid = _stream(dec, url, "l1", local)
+    _layer_piece(url, tid, "l1", remote[:2], remote[2:5], layers=1, index=1)  # layer 0 of the step is done
+    deadline = time.monotonic() + 60
+    while not (_layer_equal(pre, dec, 0, local[:5], remote[:5]) and _layer_equal(pre, dec, 1, local[:2], remote[:2])):
+        assert time.monotonic() < deadline, "the layer-wise piece was never read"
+        time.sleep(0.01)
+    time.sleep(0.2)  # a READ of more than the piece said would have landed by now
+    assert not dec.kv_caches["model.layers.1.self_attn.attn"][local[2:5]].any(), "read a layer prefill had not done"
+    _layer_piece(url, tid, "l1", remote[:5], remote[5:6], layers=2, index=2)  # the step ended; the next one's 1st
+    while not _layer_equal(pre, dec, 1, local[:6], remote[:6]):
+        assert time.monotonic() < deadline, "the second layer-wise piece was never read"
+        time.sleep(0.01)
+    assert not dec.kv_caches["model.layers.0.self_attn.attn"][local[6:]].any()
+    _publish(url, tid, "l1", remote)
+    assert _outcome(dec, "l1", 60) == "given back"
+    assert dec.engine.kind == kind
+    assert _same_as_source(pre, dec, local, remote)
+    untouched = [b for b in range(BLOCKS) if b not in local]
+    assert not any(dec.kv_caches[n][untouched].any() for n in dec.kv_caches)
