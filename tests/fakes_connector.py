@@ -8,6 +8,10 @@ equality test (decode output == single engine) also passes when decode never rea
 example because it recomputed the prompt. Decoding from noise written over exactly the blocks a pull filled
 must change the output; that proves the blocks decode reads are the ones kvlink wrote.
 
+SlowLayersConnector (a RecordingConnector, prefill) sleeps after each attention layer of a step that streams
+KV: a forward as slow, next to the transfer, as a GPU's over a real link, so layer-wise streaming overlaps
+every time instead of when the host's timing allows.
+
 Load one with ``kv_connector="RecordingConnector"`` (or ``"CorruptingConnector"``) and
 ``kv_connector_module_path="tests.fakes_connector"`` (``tests.vllm.helpers.recording_kv_config`` and
 ``corrupting_kv_config``); the repository root must be importable (pytest's pythonpath in-process;
@@ -92,3 +96,17 @@ class CorruptingConnector(RecordingConnector):
             gen = torch.Generator().manual_seed(SEED)
             for t in self._worker.kv_caches.values():  # block index is dim 0 in every layer's tensor
                 t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+
+
+class SlowLayersConnector(RecordingConnector):
+    """Prefill: every attention layer of a step with streamed requests takes ``SLOW_LAYER_S`` longer."""
+
+    SLOW_LAYER_S = 0.15
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata) and meta.streams:
+            import time
+
+            time.sleep(self.SLOW_LAYER_S)  # after the layer's piece went to the sender: decode may read it now

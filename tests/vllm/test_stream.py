@@ -3,11 +3,14 @@ table reading pieces (kvlink/vllm/pulls.py ``piece``): no threads, no sockets, a
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from kvlink.vllm.plan import PairingError, ready_pairs
+from kvlink.vllm.plan import PairingError, layer_indices, ready_pairs, step_pairs
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Resolve, State
-from kvlink.vllm.stream import StreamPlanner
+from kvlink.vllm.stream import LAYER_SLOTS, Piece, PieceSender, StreamPlanner, StreamSpec, layer_pieces, step_pieces
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
 
@@ -46,6 +49,90 @@ def test_a_restart_after_preemption_is_a_new_epoch_with_the_new_table():
 def test_requests_not_tracked_are_ignored():
     sp = StreamPlanner(block_size=32)
     assert sp.step([("x", [1, 2], 0)], [("y", [3], False, 0)], {"x": 64, "y": 64}) == []
+
+
+# ----- prefill, layer-wise -----------------------------------------------------------------------------------
+
+
+def test_layer_wise_every_step_with_new_full_blocks_is_planned_the_last_chunk_too():
+    sp = StreamPlanner(block_size=32, layer_wise=True)
+    sp.track("r", "t", prompt_tokens=300)
+    (a,) = sp.step([("r", [1, 2], 0)], [], {"r": 64})
+    assert (a.index, a.num_tokens, a.block_ids, a.whole, a.last) == (1, 64, (1, 2), 0, False)
+    assert sp.step([], [("r", [3], False, 64)], {"r": 20}) == []  # 84 done: no new full block
+    (b,) = sp.step([], [("r", [4, 5, 6, 7, 8, 9, 10], False, 84)], {"r": 216})  # completes the prompt
+    # 300 tokens: 9 full blocks (the 10th is partial: the tail); 2 were whole before this step
+    assert (b.index, b.num_tokens, b.block_ids, b.whole, b.last) == (2, 288, tuple(range(1, 10)), 2, True)
+
+
+def test_layer_wise_a_one_chunk_prompt_is_planned_and_its_cached_prefix_is_whole():
+    sp = StreamPlanner(block_size=32, layer_wise=True)
+    sp.track("r", "t", prompt_tokens=200)
+    (a,) = sp.step([("r", [5, 6, 7, 8, 9, 10, 11], 64)], [], {"r": 136})  # 64 tokens from the prefix cache
+    assert (a.num_tokens, a.whole, a.last) == (192, 2, True)
+    sp.track("s", "u", prompt_tokens=20)
+    assert sp.step([("s", [1], 0)], [], {"s": 20}) == []  # shorter than a block: the record carries it all
+
+
+def spec_of(index, blocks, whole, last=False, tid="t"):
+    return StreamSpec("r", tid, index, 0, 32 * len(blocks), tuple(blocks), whole, last)
+
+
+def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indices():
+    sp = spec_of(3, [1, 2, 3, 4], whole=1)
+    (p0,) = layer_pieces([sp], 0)
+    (p5,) = layer_pieces([sp], 5)
+    (end,) = step_pieces([sp], layer_wise=True)
+    assert p0.fields() == dict(transfer_id="t", request_id="r", index=3 * LAYER_SLOTS + 1, epoch=0, num_tokens=32,
+                               block_ids=[[1]], step_block_ids=[[2, 3, 4]], layers=1)
+    assert p5.fields()["layers"] == 6 and p0.index < p5.index < end.index < 4 * LAYER_SLOTS
+    assert end.fields() == dict(transfer_id="t", request_id="r", index=end.index, epoch=0, num_tokens=128,
+                                block_ids=[[1, 2, 3, 4]])
+    assert step_pieces([spec_of(4, [1, 2], 1, last=True)], layer_wise=True) == []  # the record follows it
+    assert layer_pieces([sp], LAYER_SLOTS) == []  # an index the wire cannot order: whole blocks only
+    assert [p.index for p in step_pieces([sp], layer_wise=False)] == [3]
+
+
+def test_the_sender_sends_only_the_newest_piece_of_each_transfer_that_queued():
+    sent, release = [], threading.Event()
+
+    def send(pieces):
+        release.wait(5)
+        sent.append(sorted((p.transfer_id, p.index) for p in pieces))
+        return ["u"] if any(p.transfer_id == "u" for p in pieces) else []
+
+    sender = PieceSender(send, lambda key, n: None)
+    a, b = spec_of(1, [1, 2], 0), spec_of(1, [7, 8], 0, tid="u")
+    sender.submit(layer_pieces([a], 0))  # out at once, held in send
+    time.sleep(0.1)
+    for layer in range(4):  # these queue while the first call is out: one call, the newest of each
+        sender.submit(layer_pieces([a, b], layer))
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.submit([Piece(b, 99 * LAYER_SLOTS)])  # after "u" was answered "ended": not sent
+    sender.close()
+    sender._thread.join(5)
+    assert sent[:2] == [[("t", LAYER_SLOTS + 1)], [("t", LAYER_SLOTS + 4), ("u", LAYER_SLOTS + 4)]]
+    assert len(sent) == 2
+
+
+def test_layer_indices_are_the_one_number_of_each_name_or_none():
+    assert layer_indices(["model.layers.0.self_attn.attn", "model.layers.11.self_attn.attn"]) == {
+        "model.layers.0.self_attn.attn": 0, "model.layers.11.self_attn.attn": 11}
+    assert layer_indices(["model.layers.0.attn", "model.layers.0.cross_attn"]) is None  # two share 0
+    assert layer_indices(["decoder.attn"]) is None
+    assert layer_indices(["model.layers.1.experts.3.attn"]) is None
+
+
+def test_step_pairs_pair_only_the_running_steps_further_blocks():
+    from kvlink.vllm.metadata import GroupTable
+
+    tables = (GroupTable(0, (5, 6, 7, 8), 0, 4),)
+    assert step_pairs("r", tables, ((11,),), ((12, 13),)) == [(0, 6, 12), (0, 7, 13)]
+    with pytest.raises(PairingError, match="KV cache group"):
+        step_pairs("r", tables, ((11,),), ((12,), (13,)))
 
 
 # ----- decode: pieces into the pull table -----------------------------------------------------------------
@@ -166,3 +253,40 @@ def test_ready_pairs_pairs_only_the_positions_prefill_finished():
     assert ready_pairs("r", tables, ((),)) == []
     with pytest.raises(PairingError):
         ready_pairs("r", tables, ((11,), (12,)))
+
+
+# ----- decode: layer-wise pieces ---------------------------------------------------------------------------
+
+
+def ranges_of(post: Post):
+    (p,) = post.pulls
+    return sorted(p.pairs)
+
+
+def test_layer_wise_pieces_read_each_positions_next_layers_and_the_record_the_rest():
+    t = PullTable(60.0)
+    t.submit(spec("a"), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12, 1)], 0, 0.1))  # 1 whole, 2: layer 0 done
+    assert ranges_of(post) == [(0, 1, 11, 0, ALL_LAYERS), (0, 2, 12, 0, 1)]
+    assert t.piece("a", REMOTE, [(0, 1, 11), (0, 2, 12, 3), (0, 3, 13, 3)], 0, 0.15) == []  # batch on the wire
+    (post2,) = posts(end_batch(t, post, 0.2))
+    assert ranges_of(post2) == [(0, 2, 12, 1, 3), (0, 3, 13, 0, 3)]  # from the first layer not read yet
+    assert posts(t.piece("a", REMOTE, [(0, 2, 12, 2)], 0, 0.25)) == []  # older news (all on the wire)
+    end_batch(t, post2, 0.3)
+    (tail,) = posts(t.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12), (0, 3, 13), (0, 4, 14)], lease("a"), 30.4,
+                               99.0, 0.4))
+    assert ranges_of(tail) == [(0, 2, 12, 3, ALL_LAYERS), (0, 3, 13, 3, ALL_LAYERS), (0, 4, 14, 0, ALL_LAYERS)]
+    end_batch(t, tail, 0.5)
+    assert t.take_results(1.0).done == {"a"}
+
+
+def test_layer_ranges_of_a_batch_that_did_not_carry_them_are_read_again_with_what_queued_meanwhile():
+    """The staging pool had no room for the pull (post_split): what its batch was to read is read again, in one
+    range with the layers that were queued meanwhile."""
+    t = PullTable(60.0)
+    t.submit(spec("a"), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11, 2)], 0, 0.1))
+    assert t.piece("a", REMOTE, [(0, 1, 11, 5), (0, 2, 12, 5)], 0, 0.15) == []  # queued: layers 2..5
+    t.post_split(post.batch, ["a"], {}, 0.2)
+    (again,) = posts(t.take_posts(0.2))
+    assert ranges_of(again) == [(0, 1, 11, 0, 5), (0, 2, 12, 0, 5)]

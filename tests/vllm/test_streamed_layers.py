@@ -1,0 +1,85 @@
+"""Layer-wise streamed KV through real vLLM servers: a prompt that fits in one chunked-prefill step (the
+common case on GPUs, whose token budget is 2k-16k) still streams: after each attention layer prefill
+announces that the step's blocks hold it, and decode reads that layer's share while the next computes.
+
+Prefill's connector here is tests.fakes_connector.SlowLayersConnector: each layer of a streaming step takes
+150 ms longer, so decode reads during the forward every time, not when this host's timing allows. Outputs
+must equal a single server's, and a decode whose connector corrupts what it pulled must change them. The
+"step" granularity is run beside it: its one-chunk prompts stream nothing (its pieces come after a step).
+Multi-chunk layer-wise streaming, aborts and faults: test_streamed.py, test_streamed_faults.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fakes_vllm_server import AppThread
+from tests.vllm.helpers import (BLOCK, Server, complete, corrupting_kv_config, free_port, kv_config, metric, text,
+                                token_prompts)
+
+ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="module")
+def lw(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("layers")
+    bport, sport = free_port(), free_port()
+    slow = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0, stream_kv=True),
+                engine_id="prefill-l", kv_connector="SlowLayersConnector",
+                kv_connector_module_path="tests.fakes_connector")
+    pre = Server(tiny_model, slow, cpu=0, log=logs / "prefill-layer.log", extra_args=ONE_CHUNK)
+    step = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=sport, lease_s=20.0, stream_kv=True,
+                                             stream_granularity="step"), engine_id="prefill-step"),
+                  cpu=0, log=logs / "prefill-step.log", extra_args=ONE_CHUNK)
+    dec = Server(tiny_model, dict(kv_config("kv_consumer", lookup_wait_s=20.0, pull_timeout_s=60.0),
+                                  kv_load_failure_policy="recompute"), cpu=1, log=logs / "decode.log")
+    bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0), cpu=1, log=logs / "corrupt.log")
+    proxies = []
+    try:
+        for s in (pre, step, dec, bad):
+            s.wait_ready()
+        from kvlink.proxy.config import ProxyConfig
+        from kvlink.proxy.router import build_app
+
+        def proxy(prefill, port, engine_id, decode):
+            p = AppThread(build_app(ProxyConfig(prefill=(prefill.url,), decode=(decode.url,), mode="concurrent",
+                                                timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{port}",),
+                                                prefill_engine_ids=(engine_id,))))
+            proxies.append(p)
+            return p.url
+
+        yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "layer": proxy(pre, bport, "prefill-l", dec),
+               "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec)}
+    finally:
+        for p in proxies:
+            p.stop()
+        for s in (pre, step, dec, bad):
+            s.stop()
+
+
+def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
+    """Every prompt of a full block or more is read in part while prefill's one forward still runs."""
+    prompts = token_prompts([7, 31, 100, 700, 1500], seed=60)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    for n, prompt in zip((7, 31, 100, 700, 1500), prompts):
+        sent0, streamed0 = metric(lw["pre"], "kvlink_pieces_sent_total"), metric(lw["dec"], "kvlink_blocks_streamed_total")
+        assert text(complete(lw["layer"], prompt, timeout=120)) == want[prompts.index(prompt)], f"{n} tokens"
+        if n >= BLOCK:
+            assert metric(lw["pre"], "kvlink_pieces_sent_total") > sent0, f"{n} tokens: prefill sent no piece"
+            assert metric(lw["dec"], "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: decode read none"
+    assert metric(lw["dec"], "kvlink_pulls_failed_total") == 0
+
+
+def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):
+    prompts = token_prompts([300, 900], seed=61)
+    want = [text(complete(lw["dec"].url, p)) for p in prompts]
+    got = [text(complete(lw["layer_bad"], p, timeout=120)) for p in prompts]
+    assert got[0] != want[0] and got[1] != want[1]
+
+
+def test_by_step_a_one_chunk_prompt_streams_nothing_and_equals_a_single_server(lw):
+    prompts = token_prompts([31, 700, 1500], seed=62)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    sent0 = metric(lw["step"], "kvlink_pieces_sent_total")
+    assert [text(complete(lw["by_step"], p, timeout=120)) for p in prompts] == want
+    assert metric(lw["step"], "kvlink_pieces_sent_total") == sent0  # no step before the one that publishes
