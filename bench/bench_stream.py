@@ -10,8 +10,8 @@ takes about 40% of prefill's compute, as on GPUs over 25-100 GbE. Unless ``--lin
 rate is set from the single server's 2k-token TTFT measured first in the same run; the achieved rate
 (bytes over the non-streamed tail) is reported with the figures.
 
-kvheavy model (32 KiB of KV per token), chunked prefill of 256 tokens on every server (the single server
-too), kvlink's TCP transport (a same-host copy would bypass the relay), concurrent pairing through
+kvheavy model (32 KiB of KV per token, 8 layers), chunked prefill of 256 tokens (``--chunk``) on every server
+(the single server too), kvlink's TCP transport (a same-host copy would bypass the relay), concurrent pairing through
 ``kvlink proxy --mode concurrent``, prompts of 1k, 2k and 4k tokens at concurrency 1 and 4, each prompt
 new to every server (no prefix-cache hit). Per cell: median TTFT at the client (first streamed token),
 and the exposed transfer: decode's ``kvlink_tail_seconds`` (from decode seeing prefill's published record
@@ -89,6 +89,8 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
         if relay is not None:
             relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
         extra = {"transport_backend": "tcp", "stream_kv": mode.startswith("pd-stream")}
+        if mode == "pd-stream-step":  # announced after each step's forward instead of after each layer
+            extra["stream_granularity"] = "step"
         pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, transport_port=tport,
                                **({"transport_advertise": relay.address} if relay else {}), **extra)
         # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
@@ -110,7 +112,7 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
 
 
 def main() -> int:
-    global SIZES, CONCURRENCY
+    global SIZES, CONCURRENCY, CHUNK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s (default: from "
                     "the single server's 2k TTFT, so the 2k transfer takes 40%% of prefill's compute)")
@@ -118,15 +120,20 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     ap.add_argument("--pacing-ab", action="store_true", help="also PD streamed over the emulated link with "
                     "decode's pull_step_wait_ms 0 (decode's engine spinning while it waits)")
+    ap.add_argument("--granularity-ab", action="store_true", help="also PD streamed over the emulated link "
+                    "with stream_granularity \"step\" (the default streams per layer)")
+    ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
+                    "so most prompts are one chunk)")
     ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
     args = ap.parse_args()
     SIZES = tuple(int(x) for x in args.sizes.split(","))
     CONCURRENCY = tuple(int(x) for x in args.concurrency.split(","))
+    CHUNK = ("--max-num-batched-tokens", str(args.chunk))
     model = str(ensure_model("kvheavy"))
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-stream-"))
-    print(f"kvheavy model, chunked prefill of 256 tokens, kvlink TCP transport; logs {logs}", flush=True)
+    print(f"kvheavy model, chunked prefill of {args.chunk} tokens, kvlink TCP transport; logs {logs}", flush=True)
     med = statistics.median
     results: dict[str, dict] = {}
     print("single server:", flush=True)
@@ -140,6 +147,9 @@ def main() -> int:
         for mode in ("pd", "pd-stream"):
             print(f"{mode} over {link}:", flush=True)
             results[f"{mode}/{link}"] = run(mode, model, logs, args.reps, 100, r)
+    if args.granularity_ab:
+        print("pd-stream over emulated, stream_granularity step:", flush=True)
+        results["pd-stream-step/emulated"] = run("pd-stream-step", model, logs, args.reps, 100, rate)
     if args.pacing_ab:
         print("pd-stream over emulated, pull_step_wait_ms 0:", flush=True)
         results["pd-stream-nopace/emulated"] = run("pd-stream-nopace", model, logs, args.reps, 100, rate)
@@ -155,6 +165,16 @@ def main() -> int:
                 achieved = a["mib"] * 2**20 / (a["tail_ms"] / 1e3) / 1e6 if a["tail_ms"] else float("nan")
                 print(f"| {link} | {size} | {conc} | {s:.0f} | {ta:.0f} ({ta / s:.2f}) | {tb:.0f} ({tb / s:.2f}) | "
                       f"{a['tail_ms']:.0f} | {b['tail_ms']:.0f} | {b['tail_ms'] / a['tail_ms']:.2f} | {achieved:.0f} |")
+    if args.granularity_ab:
+        print("\n| size | conc | PD streamed per layer: TTFT ms (x single), exposed ms | per step: TTFT ms (x single), "
+              "exposed ms |\n|---|---|---|---|")
+        for size in SIZES:
+            for conc in CONCURRENCY:
+                s = med(results["single"][(size, conc)]["ttft_ms"])
+                a, b = results["pd-stream/emulated"][(size, conc)], results["pd-stream-step/emulated"][(size, conc)]
+                ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
+                print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
+                      f"{b['tail_ms']:.0f} |")
     if args.pacing_ab:
         print("\n| size | conc | PD streamed TTFT ms, pull_step_wait_ms 5 | same, 0 (x of 5) |\n|---|---|---|---|")
         for size in SIZES:

@@ -357,3 +357,13 @@ def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemptio
     finally:
         pre.shutdown()
         srv.stop()
+
+
+def test_stream_granularity_is_layer_or_step():
+    from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
+
+    assert ConnectorConfig.from_extra({}).stream_granularity == "layer"
+    assert ConnectorConfig.from_extra({"stream_granularity": "step"}).stream_granularity == "step"
+    for bad in ("layers", "", None, 1):
+        with pytest.raises(ConnectorConfigError, match="stream_granularity"):
+            ConnectorConfig.from_extra({"stream_granularity": bad})
