@@ -147,7 +147,9 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             attn_sizes = [g.kv_cache_spec.block_size for g in groups or ()
                           if not isinstance(g.kv_cache_spec, MambaSpec)]
             block_size = min(attn_sizes) if attn_sizes else block_size  # the attention groups' tokens per block
-            streamable = ("host staging" if slots is not None else "Mamba state" if backoff
+            streamable = ("host staging with stream_granularity \"step\" (the pool copy is made per layer)"
+                          if slots is not None and self.config.stream_granularity != "layer"
+                          else "Mamba state" if backoff
                           else "several KV cache groups" if len(windows) > 1
                           else "sliding window" if windows[0] else None)
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,

@@ -96,6 +96,7 @@ class KVLinkScheduler:
         self._backed_off: set[str] = set()  # prefill: requests whose last prompt token was left to decode
         # Prefill, streamed KV (stream.py): requests of concurrent pairing whose finished blocks are announced
         # while they compute. ``streamable``: why this engine cannot stream (None: it can).
+        self._stream_slots: dict[str, tuple[int, ...]] = {}  # host staging: the slots a streamed request fills
         self._stream = (StreamPlanner(block_size, layer_wise=cfg.stream_granularity == "layer")
                         if self.is_producer and cfg.stream_kv and streamable is None else None)
         if self.is_producer:
@@ -193,9 +194,19 @@ class KVLinkScheduler:
         return freed
 
     def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):
+        epoch = self._stream.finished(request.request_id) if self._stream is not None else 0  # its stream ends
+        if self._stream_slots.pop(request.request_id, None) is not None:
+            try:  # streamed into pool slots: staging takes them over, any other outcome gives them back
+                return self._finished_producer_inner(request, params, groups, epoch)
+            finally:
+                with self._held_lock:
+                    self._planner.unreserve(request.request_id)  # (a no-op once admitted)
+        return self._finished_producer_inner(request, params, groups, epoch)
+
+    def _finished_producer_inner(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...],
+                                 epoch: int):
         from vllm.v1.request import RequestStatus as VLLMStatus
 
-        epoch = self._stream.finished(request.request_id) if self._stream is not None else 0  # its stream ends
         if not self.is_producer:
             return self._refuse(request, "do_remote_decode sent to an engine that is not kv_producer")
         try:
@@ -210,8 +221,8 @@ class KVLinkScheduler:
             return False, None
         rid = request.request_id
         num_tokens = request.num_computed_tokens
-        if self._planner is not None:
-            return self._finished_staged(rid, groups[0], num_tokens, transfer_id)  # one group (connector.py)
+        if self._planner is not None:  # one group (connector.py)
+            return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(g) for g in groups], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
@@ -227,7 +238,8 @@ class KVLinkScheduler:
                                   block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
                                   lease_s=self.cfg.lease_s).to_params()
 
-    def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None):
+    def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None,
+                         epoch: int = 0):
         """Host staging: keep the device blocks until the worker has copied them into the pool, then publish
         the slots (update_connector_output). Decode learns the slots from the bootstrap server, so its
         params carry a transfer id (one of ours when the router gave none) and no block ids: decode's
@@ -237,7 +249,7 @@ class KVLinkScheduler:
 
         transfer_id = transfer_id or f"kvlink-{uuid.uuid4().hex}"
         with self._held_lock:
-            refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens))
+            refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens, epoch))
         if refused:
             logger.warning("kvlink: request %s: %s; decode will compute it", rid, refused)
             return False, kvparams.refusal(refused)
@@ -251,7 +263,7 @@ class KVLinkScheduler:
             job = self._planner.staged(rid)
         if job is None:
             return
-        transfer_id, num_tokens = job.extra
+        transfer_id, num_tokens, epoch = job.extra
         with self._held_lock:
             # Held first, so a release that arrives as soon as the publish lands finds it; kept out of
             # reconcile lookups until the publish returns (the server may not know it yet: "unknown" must not
@@ -260,7 +272,7 @@ class KVLinkScheduler:
             self._publishing.add(rid)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
-                                                         self.cfg.lease_s, transfer_id=transfer_id)
+                                                         self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
         except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
             # The server may have taken the publish all the same (a timeout): the slots stay held until the
             # server says it does not hold the request (a reconcile, due now) or its lease ends.
@@ -418,8 +430,15 @@ class KVLinkScheduler:
             transfer_id = PrefillRequest.from_params(params).transfer_id
         except BadParams:
             return  # request_finished refuses it
-        if transfer_id is not None and request.prompt_embeds is None:
-            self._stream.track(request.request_id, transfer_id, request.num_prompt_tokens)
+        if transfer_id is None or request.prompt_embeds is not None:
+            return
+        if self._planner is not None:  # host staging: pieces name the pool slots the request streams into
+            with self._held_lock:
+                slots = self._planner.reserve(request.request_id, -(-request.num_prompt_tokens // self.block_size))
+            if slots is None:
+                return  # no room in the pool now: staged at the end, not streamed
+            self._stream_slots[request.request_id] = slots
+        self._stream.track(request.request_id, transfer_id, request.num_prompt_tokens)
 
     def _stream_pieces(self, so: Any) -> list:
         """This step's streamed pieces, from vLLM's scheduler output (blocks of one KV cache group)."""
@@ -435,7 +454,13 @@ class KVLinkScheduler:
                     cached.append((rid, list(ids[0]) if ids else None, rid in resumed, c.num_computed_tokens[i]))
         if not new and not cached:
             return []
-        return self._stream.step(new, cached, dict(getattr(so, "num_scheduled_tokens", {}) or {}))
+        specs = self._stream.step(new, cached, dict(getattr(so, "num_scheduled_tokens", {}) or {}))
+        if not self._stream_slots:
+            return specs
+        import dataclasses
+
+        return [dataclasses.replace(sp, block_ids=slots[:len(sp.block_ids)], device_ids=sp.block_ids)
+                if (slots := self._stream_slots.get(sp.request_id)) is not None else sp for sp in specs]
 
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id

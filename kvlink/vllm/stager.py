@@ -92,25 +92,30 @@ class Stager:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def to_pool(self, blocks: list[int], slots: list[int], after: Any = None) -> Pending:
-        """Copy device blocks into pool slots (prefill). CPU: done on return."""
+    def to_pool(self, blocks: list[int], slots: list[int], after: Any = None, layer: int | None = None) -> Pending:
+        """Copy device blocks into pool slots (prefill): every layer, or only the ``layer``-th (streamed KV,
+        as the forward goes). CPU: done on return."""
         import torch
 
+        layers = list(enumerate(self.views)) if layer is None else [(layer, self.views[layer])]
         if not self.cuda:
             bi = torch.tensor(blocks)
-            for layer, v in enumerate(self.views):
+            for li, v in layers:
                 rows = v.index_select(0, bi)
                 for i, s, n in _runs(slots):
-                    self.pool[s:s + n, layer].copy_(rows[i:i + n])
+                    self.pool[s:s + n, li].copy_(rows[i:i + n])
             return DONE
         with self._queued(after):
             for at in range(0, len(blocks), self.chunk):
                 bi = self._index(blocks[at:at + self.chunk])
                 k = len(bi)
-                for layer, v in enumerate(self.views):
-                    self.scratch[:k, layer].copy_(v.index_select(0, bi))
+                for li, v in layers:
+                    self.scratch[:k, li].copy_(v.index_select(0, bi))
                 for i, s, n in _runs(slots[at:at + k]):
-                    self.pool[s:s + n].copy_(self.scratch[i:i + n], non_blocking=True)
+                    if layer is None:
+                        self.pool[s:s + n].copy_(self.scratch[i:i + n], non_blocking=True)
+                    else:  # one layer of each slot: the others may hold what earlier layers copied
+                        self.pool[s:s + n, layer].copy_(self.scratch[i:i + n, layer], non_blocking=True)
             return self._event()
 
     def from_pool(self, slots: list[int], blocks: list[int], after: Any = None) -> Pending:

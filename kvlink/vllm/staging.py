@@ -11,6 +11,12 @@ is done or the lease ends. When the pool is full the request waits here, keeping
 come, first staged), at most ``wait_s`` (the lease): then its device blocks are freed, its transfer marked
 abandoned and decode computes the prompt. A request larger than the whole pool is refused at once.
 
+Streamed KV through the pool (prefill, ``stream_kv``): a streamed request gets its slots when it starts
+(``reserve``), the worker copies each layer of each step's new blocks into them as the forward goes (so
+pieces name slots decode can read at once), and at the end only what was not copied yet is; the request
+is then staged and published like any other. No room when it starts: it is not streamed (staged at the
+end as usual).
+
 Decode uses a SlotPool too (landing slots for a READ before the copy pool -> device); its pulls wait in
 the pull table while the pool is full (pulls.py).
 
@@ -134,11 +140,43 @@ class StagePlanner:
     _queued: "OrderedDict[str, StageJob]" = field(default_factory=OrderedDict)
     _copying: dict[str, StageJob] = field(default_factory=dict)
     _staged: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> its slots
+    _reserved: dict[str, tuple[int, ...]] = field(default_factory=dict)  # streamed requests still computing
+    _started: list[StageJob] = field(default_factory=list)  # streamed ones admitted, with their slots
+
+    def reserve(self, rid: str, n: int) -> tuple[int, ...] | None:
+        """Slots for the ``n`` block positions of a streamed request that starts computing (the same ones
+        again after a restart), or None when the pool has no room now (it is not streamed)."""
+        if rid in self._reserved:
+            return self._reserved[rid]
+        slots = self.pool.allocate(n)
+        if slots is None:
+            self._count("stream_pool_full")
+            return None
+        self._reserved[rid] = slots
+        return slots
+
+    def unreserve(self, rid: str) -> None:
+        """A streamed request ended without being staged (aborted, refused): its slots are free."""
+        slots = self._reserved.pop(rid, None)
+        if slots is not None:
+            self.pool.free(slots)
 
     def admit(self, rid: str, table: tuple[int, ...], now: float, extra: Any = None) -> str | None:
-        """Queue a finished request; the reason it cannot be staged at all (larger than the pool), or None."""
+        """Queue a finished request; the reason it cannot be staged at all (larger than the pool), or None.
+        A streamed one keeps the slots it streamed into and is copied (what is left of it) at once."""
         job = StageJob(rid, tuple(table), now, extra)
         need = len(job.blocks)
+        slots = self._reserved.pop(rid, None)
+        if slots is not None:
+            more = self.pool.allocate(need - len(slots)) if need > len(slots) else ()
+            if more is not None:
+                if need < len(slots):
+                    self.pool.free(slots[need:])
+                job.slots = (slots + more)[:need]
+                self._copying[rid] = job
+                self._started.append(job)
+                return None
+            self.pool.free(slots)  # cannot grow it in place: staged from scratch, like any other
         if need > self.pool.capacity:
             self._count("staging_refused")
             return (f"the request needs {need} staging blocks but the staging pool holds {self.pool.capacity} "
@@ -152,7 +190,7 @@ class StagePlanner:
         for j in expired:
             del self._queued[j.request_id]
             self._count("staging_expired")
-        start = []
+        start, self._started = self._started, []  # streamed ones: their slots were theirs already
         for j in list(self._queued.values()):
             slots = self.pool.allocate(len(j.blocks))
             if slots is None:  # first come, first staged: a big request is not starved by small ones

@@ -22,9 +22,13 @@ Granularity (``stream_granularity``):
   event recorded behind the layer or forward that wrote it), and stops sending for transfers the server
   says are over (decode stopped waiting, published, abandoned). It never blocks vLLM's thread.
 
+Host staging (layer granularity only): a streamed request's blocks are copied into its pool slots layer by
+layer during the forward, and pieces name the slots (staging.py ``reserve``; ``StagedCopies``).
+
 Which requests stream: ``do_remote_decode`` with a transfer id (concurrent pairing: decode waits for it
-while prefill computes) on an engine with ``stream_kv`` on, one KV cache group of full attention, no host
-staging and no Mamba state (the state exists only at the end). Others publish once, as before.
+while prefill computes) on an engine with ``stream_kv`` on, one KV cache group of full attention and no
+Mamba state (the state exists only at the end); with host staging, only per layer and only when the pool
+has room for the request when it starts. Others publish once, as before.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class StreamSpec:
     block_ids: tuple[int, ...]
     whole: int = 0
     last: bool = False
+    # host staging: ``block_ids`` are the request's pool slots (what decode reads) and these its device
+    # blocks, by position; the worker copies each layer of the step's new ones into the slots as it goes
+    device_ids: tuple[int, ...] = ()
 
 
 LAYER_SLOTS = 1024  # layer-wise: wire index = step index * LAYER_SLOTS + layers (the step's end: the last)
@@ -89,12 +96,12 @@ def step_pieces(specs: list[StreamSpec], layer_wise: bool) -> list[Piece]:
     return [Piece(sp, sp.index * LAYER_SLOTS + LAYER_SLOTS - 1) for sp in specs if not sp.last]
 
 
-def layer_pieces(specs: list[StreamSpec], layer: int) -> list[Piece]:
-    """After the attention layer of index ``layer`` of a step's forward: the step's new blocks hold it and
-    every layer before it. None for a layer index the wire index cannot order."""
-    if not 0 <= layer < LAYER_SLOTS - 2:
+def layer_pieces(specs: list[StreamSpec], layers: int) -> list[Piece]:
+    """During a step's forward: the step's new blocks hold every layer whose model index is below ``layers``
+    (LayerClock). None for a count the wire index cannot order."""
+    if not 1 <= layers < LAYER_SLOTS - 1:
         return []
-    return [Piece(sp, sp.index * LAYER_SLOTS + layer + 1, layer + 1) for sp in specs]
+    return [Piece(sp, sp.index * LAYER_SLOTS + layers, layers) for sp in specs]
 
 
 @dataclass
@@ -176,6 +183,77 @@ class StreamPlanner:
         return out
 
 
+class LayerClock:
+    """Prefill worker, one step's forward: which of this rank's layers have their KV in place. ``saved``
+    returns the new ``layers`` of a piece (every layer of this rank whose model index is below it has
+    saved, whatever order the forward ran them in), or None when that did not move."""
+
+    def __init__(self, ids: dict[str, int]):
+        self._ids, self._order = ids, sorted(set(ids.values()))
+        self._saved: set[int] = set()
+        self._next = 0
+
+    def saved(self, name: str) -> int | None:
+        i = self._ids.get(name)
+        if i is None:
+            return None
+        self._saved.add(i)
+        k = self._next
+        while k < len(self._order) and self._order[k] in self._saved:
+            k += 1
+        if k == self._next:
+            return None
+        self._next = k
+        return self._order[k] if k < len(self._order) else self._order[-1] + 1
+
+    def reset(self) -> None:
+        """The step's forward is over."""
+        self._saved.clear()
+        self._next = 0
+
+
+class StagedCopies:
+    """Prefill worker, streamed KV through the host staging pool: per request, the positions whose blocks
+    are in their slots in every layer (at the request's epoch), so pieces claim only those as whole and the
+    end-of-request copy skips them. Pure."""
+
+    def __init__(self, layer_names):
+        self.layer_names = frozenset(layer_names)
+        self._prefix: dict[str, tuple[int, tuple[int, ...]]] = {}  # request -> (epoch, slots copied whole)
+        self._step: dict[str, set[str]] = {}  # request -> layers copied in this step's forward
+
+    def start(self, sp: StreamSpec) -> int:
+        """The first position this step copies (all before it are whole in the pool at ``sp``'s epoch)."""
+        epoch, slots = self._prefix.get(sp.request_id, (sp.epoch, ()))
+        if epoch != sp.epoch or tuple(sp.block_ids[:len(slots)]) != slots:
+            return 0  # restarted (or other slots): nothing copied so far counts
+        return len(slots)
+
+    def layer_copied(self, sp: StreamSpec, layer_name: str) -> None:
+        self._step.setdefault(sp.request_id, set()).add(layer_name)
+
+    def step_done(self, specs: list[StreamSpec]) -> set[str]:
+        """After the forward: requests whose step's blocks were copied in every layer (now whole). One whose
+        copy missed a layer is not: its pieces stop claiming more, and the end-of-request copy does it all."""
+        whole = set()
+        for sp in specs:
+            if sp.device_ids and self._step.get(sp.request_id, set()) >= self.layer_names:
+                self._prefix[sp.request_id] = (sp.epoch, tuple(sp.block_ids))
+                whole.add(sp.request_id)
+        self._step.clear()
+        while len(self._prefix) > 65536:  # requests aborted after streaming (never staged): the oldest go
+            self._prefix.pop(next(iter(self._prefix)))
+        return whole
+
+    def take(self, rid: str, slots: tuple[int, ...]) -> int:
+        """The request is staged into ``slots``: how many leading positions are in them already."""
+        _, done = self._prefix.pop(rid, (0, ()))
+        return len(done) if tuple(slots[:len(done)]) == done else 0
+
+    def forget(self, rid: str) -> None:
+        self._prefix.pop(rid, None)
+
+
 class PieceSender:
     """Worker side: one thread sends each step's pieces once that step's KV is in place."""
 
@@ -187,8 +265,9 @@ class PieceSender:
         self._thread.start()
 
     def submit(self, pieces: list[Piece], fence: Any = None) -> None:
-        """After a layer or the step's forward (vLLM's thread): ``fence`` is a CUDA event recorded behind
-        it, or None when the KV is in place already (CPU)."""
+        """After a layer or the step's forward (vLLM's thread): ``fence`` waits for the device work that
+        puts these pieces' KV in place (a CUDA event's ``synchronize``), or is None when it is in place
+        already (CPU)."""
         self._queue.put((pieces, fence))
 
     def close(self) -> None:
@@ -212,7 +291,7 @@ class PieceSender:
         newest: dict[str, Any] = {}  # pieces are cumulative: the newest of each transfer says it all
         for step, fence in batch:
             if fence is not None:
-                fence.synchronize()  # the forward (or layer) that wrote these blocks has finished on the device
+                fence()  # the forward or layer (and copy) that wrote these blocks has finished on the device
             for p in step:
                 if p.transfer_id not in self._ended and (p.transfer_id not in newest
                                                          or p.index > newest[p.transfer_id].index):

@@ -58,10 +58,10 @@ from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
 from kvlink.vllm.plan import (LayerMap, PairingError, ReadPlan, build_plan, group_pairs, layer_indices, ready_pairs,
                               step_pairs)
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve
-from kvlink.vllm.stager import Pending, Stager
+from kvlink.vllm.stager import DONE, Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
-from kvlink.vllm.stream import PieceSender, layer_pieces, step_pieces
+from kvlink.vllm.stream import LayerClock, PieceSender, StagedCopies, layer_pieces, step_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +218,9 @@ class KVLinkWorker:
         self.layer_names: list[str] = []
         self._layer_ids: dict[str, int] | None = None  # the model's index of each layer (plan.layer_indices)
         self._layer_rank: dict[str, int] = {}  # ... and its place among this rank's layers, by that index
+        self._clock = LayerClock({})  # prefill, layer-wise streamed KV: the layers of the running forward done
+        self._copies: StagedCopies | None = None  # prefill, staged and streamed: blocks in their slots already
+        self._layer_pos: dict[str, int] = {}
         self.compat: dict = {}
         self.compat_hash = ""
         self.block_bytes = 0
@@ -318,6 +321,7 @@ class KVLinkWorker:
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
         self._layer_ids = layer_indices(self.layer_names)
+        self._clock = LayerClock(self._layer_ids or {})
         self._layer_rank = {n: i for i, n in enumerate(sorted(self._layer_ids, key=self._layer_ids.get))} \
             if self._layer_ids else {}
         unknown = [n for n in self.layer_names if self._layer_group and n not in self._layer_group]
@@ -399,6 +403,8 @@ class KVLinkWorker:
         if self.role == "kv_producer":
             self._stage_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-stage",
                                                   initializer=self._place_thread)
+            self._copies = StagedCopies(self.kv_caches)  # streamed KV: what is in the pool already
+            self._layer_pos = {n: i for i, n in enumerate(self.kv_caches)}  # the stager's layer order
         return region
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
@@ -504,17 +510,24 @@ class KVLinkWorker:
     def send_pieces(self, specs: list, layer_name: str | None = None) -> None:
         """Prefill, vLLM's thread, after attention layer ``layer_name`` (layer-wise) or the step's forward
         (None): hand the step's streamed pieces to the sender thread (stream.py); on CUDA they go out once
-        an event recorded behind that layer or forward has completed."""
+        an event recorded behind that layer or forward (or the copy into the staging pool) has completed.
+        With host staging the layer's new blocks are copied into the request's slots first."""
         url = self._bootstrap_url
-        if url is None or self.engine is None or self.staged:
+        if url is None or self.engine is None:
             return
         layer_wise = self.cfg.stream_granularity == "layer" and self._layer_ids is not None
+        fence = None
         if layer_name is None:
-            pieces = step_pieces(specs, layer_wise)
-        elif layer_wise and layer_name in self._layer_ids:
-            pieces = layer_pieces(specs, self._layer_ids[layer_name])
+            self._clock.reset()
+            whole = self._copies.step_done(specs) if self._copies is not None else set()
+            pieces = step_pieces([sp for sp in specs if not sp.device_ids or sp.request_id in whole], layer_wise)
         else:
-            return
+            if self._copies is not None and layer_name in self.kv_caches:
+                fence, specs = self._copy_layer(specs, layer_name)
+            layers = self._clock.saved(layer_name) if layer_wise else None
+            if layers is None:
+                return
+            pieces = layer_pieces(specs, layers)
         if not pieces:
             return
         if self._sender is None:
@@ -532,13 +545,32 @@ class KVLinkWorker:
                     self._stats.add(key, n)
 
             self._sender = PieceSender(send, count)
-        fence = None
-        if self.layout is not None and self.kv_caches and next(iter(self.kv_caches.values())).device.type == "cuda":
+        if fence is None and self.kv_caches and next(iter(self.kv_caches.values())).device.type == "cuda":
             import torch
 
-            fence = torch.cuda.Event()
-            fence.record()  # behind the forward vLLM queued on the current stream
+            ev = torch.cuda.Event()
+            ev.record()  # behind the forward vLLM queued on the current stream
+            fence = ev.synchronize
         self._sender.submit(pieces, fence)
+
+    def _copy_layer(self, specs: list, layer_name: str) -> tuple[Any, list]:
+        """Host staging, streamed KV: copy this layer of each staged request's blocks not yet whole in its
+        pool slots (stream.StagedCopies), on CUDA behind what vLLM queued so far. Returns (what the pieces
+        wait for, the specs with ``whole`` at what is whole in the pool)."""
+        import dataclasses
+
+        li, fence, out = self._layer_pos[layer_name], None, []
+        after = self._stager.fence()
+        for sp in specs:
+            if not sp.device_ids:
+                out.append(sp)
+                continue
+            k = self._copies.start(sp)
+            if k < len(sp.block_ids):
+                fence = self._stager.to_pool(list(sp.device_ids[k:]), list(sp.block_ids[k:]), after, li).wait
+            self._copies.layer_copied(sp, layer_name)
+            out.append(dataclasses.replace(sp, whole=min(k, sp.whole)) if k != sp.whole else sp)
+        return (fence if self._stager.cuda else None), out
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
@@ -560,7 +592,12 @@ class KVLinkWorker:
         that wrote the blocks); on CPU a thread of ours does them."""
         fence = self._stager.fence()
         for rid, blocks, slots in jobs:
-            if self._stager.cuda:
+            if self._copies is not None:  # streamed: the leading blocks are in their slots already
+                k = self._copies.take(rid, slots)
+                blocks, slots = blocks[k:], slots[k:]
+            if not blocks:
+                pending = DONE
+            elif self._stager.cuda:
                 pending = self._stager.to_pool(list(blocks), list(slots), fence)
             else:
                 fut = self._stage_exec.submit(self._stager.to_pool, list(blocks), list(slots))
@@ -731,7 +768,8 @@ class KVLinkWorker:
         published record, when it was asked for), or None when the pull ended meanwhile."""
         rid, src = spec.request_id, spec.source
         after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
-        layers = self._layer_ids is not None
+        # layer-wise progress only where a READ lands in the blocks themselves: a landing slot is copied whole
+        layers = self._layer_ids is not None and self._landing is None
         while True:
             with self._lock:
                 pull = self._table.get(rid)

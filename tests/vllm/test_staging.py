@@ -68,6 +68,41 @@ def test_planner_first_come_first_staged_then_expiry_and_refusal():
     assert pl.counts["staging_expired"] == 1 and pl.counts["staging_refused"] == 1
 
 
+def test_a_streamed_request_keeps_the_slots_it_streamed_into_and_is_copied_at_once():
+    pl = StagePlanner(SlotPool(6), wait_s=10.0)
+    assert pl.admit("q", (1, 2, 3), 0.0) is None
+    pl.take_jobs(0.0)  # q holds slots 1-3 while it is copied
+    assert pl.reserve("s", 2) == (4, 5)
+    assert pl.reserve("s", 2) == (4, 5)  # a restart: the same slots
+    assert pl.reserve("t", 2) is None and pl.counts["stream_pool_full"] == 1  # no room: t is not streamed
+    assert pl.admit("x", (7,), 0.0) is None  # queued: the pool is full of q and s
+    assert pl.admit("s", (21, 22), 1.0) is None  # s finishes: its slots are its job's, no wait
+    start, _ = pl.take_jobs(1.0)
+    assert [(j.request_id, j.slots) for j in start] == [("s", (4, 5)), ("x", (6,))]
+    assert pl.staged("s").slot_table == (4, 5) and pl.pool.in_use == 6
+    assert pl.release("s") and pl.pool.in_use == 4
+
+
+def test_a_streamed_request_that_ends_otherwise_gives_its_slots_back_and_one_that_grew_gets_more():
+    pl = StagePlanner(SlotPool(6), wait_s=10.0)
+    pl.reserve("a", 2)
+    pl.unreserve("a")
+    pl.unreserve("a")  # idempotent
+    assert pl.pool.in_use == 0
+    pl.reserve("b", 2)
+    assert pl.admit("b", (11, 12, 13), 0.0) is None  # one block more than it streamed into: one more slot
+    (job,), _ = pl.take_jobs(0.0)
+    assert job.slots[:2] == (1, 2) and len(job.slots) == 3 and pl.pool.in_use == 3
+    pl.reserve("c", 3)
+    assert pl.admit("c", (21,), 0.0) is None  # fewer: the rest go back
+    (job,), _ = pl.take_jobs(0.0)
+    assert job.slots == (4,) and pl.pool.in_use == 4
+    pl.reserve("d", 2)
+    pl.admit("e", (1,), 0.0)
+    assert pl.admit("d", (31, 32, 33), 0.0) is None  # cannot grow in place (full): staged from scratch, queued
+    assert pl.pool.in_use == 4 and pl.is_staging("d")
+
+
 def test_staging_decision():
     assert staging_wanted("auto", "cpu", "tcp")[0] is False
     assert staging_wanted("always", "cpu", "tcp")[0] is True

@@ -10,7 +10,8 @@ import pytest
 
 from kvlink.vllm.plan import PairingError, layer_indices, ready_pairs, step_pairs
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Resolve, State
-from kvlink.vllm.stream import LAYER_SLOTS, Piece, PieceSender, StreamPlanner, StreamSpec, layer_pieces, step_pieces
+from kvlink.vllm.stream import (LAYER_SLOTS, LayerClock, Piece, PieceSender, StagedCopies, StreamPlanner, StreamSpec,
+                                layer_pieces, step_pieces)
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
 
@@ -80,8 +81,8 @@ def spec_of(index, blocks, whole, last=False, tid="t"):
 
 def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indices():
     sp = spec_of(3, [1, 2, 3, 4], whole=1)
-    (p0,) = layer_pieces([sp], 0)
-    (p5,) = layer_pieces([sp], 5)
+    (p0,) = layer_pieces([sp], 1)
+    (p5,) = layer_pieces([sp], 6)
     (end,) = step_pieces([sp], layer_wise=True)
     assert p0.fields() == dict(transfer_id="t", request_id="r", index=3 * LAYER_SLOTS + 1, epoch=0, num_tokens=32,
                                block_ids=[[1]], step_block_ids=[[2, 3, 4]], layers=1)
@@ -89,7 +90,7 @@ def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indice
     assert end.fields() == dict(transfer_id="t", request_id="r", index=end.index, epoch=0, num_tokens=128,
                                 block_ids=[[1, 2, 3, 4]])
     assert step_pieces([spec_of(4, [1, 2], 1, last=True)], layer_wise=True) == []  # the record follows it
-    assert layer_pieces([sp], LAYER_SLOTS) == []  # an index the wire cannot order: whole blocks only
+    assert layer_pieces([sp], LAYER_SLOTS - 1) == layer_pieces([sp], 0) == []  # the wire cannot order these
     assert [p.index for p in step_pieces([sp], layer_wise=False)] == [3]
 
 
@@ -103,10 +104,10 @@ def test_the_sender_sends_only_the_newest_piece_of_each_transfer_that_queued():
 
     sender = PieceSender(send, lambda key, n: None)
     a, b = spec_of(1, [1, 2], 0), spec_of(1, [7, 8], 0, tid="u")
-    sender.submit(layer_pieces([a], 0))  # out at once, held in send
+    sender.submit(layer_pieces([a], 1))  # out at once, held in send
     time.sleep(0.1)
-    for layer in range(4):  # these queue while the first call is out: one call, the newest of each
-        sender.submit(layer_pieces([a, b], layer))
+    for layers in range(1, 5):  # these queue while the first call is out: one call, the newest of each
+        sender.submit(layer_pieces([a, b], layers))
     release.set()
     deadline = time.monotonic() + 5
     while len(sent) < 2 and time.monotonic() < deadline:
@@ -116,6 +117,39 @@ def test_the_sender_sends_only_the_newest_piece_of_each_transfer_that_queued():
     sender._thread.join(5)
     assert sent[:2] == [[("t", LAYER_SLOTS + 1)], [("t", LAYER_SLOTS + 4), ("u", LAYER_SLOTS + 4)]]
     assert len(sent) == 2
+
+
+def test_the_layer_clock_counts_layers_done_below_the_first_one_missing_whatever_the_order():
+    clock = LayerClock({"l.4": 4, "l.5": 5, "l.6": 6})  # a PP stage holding layers 4-6
+    assert clock.saved("l.4") == 5  # layers below 5 are done (the earlier stage's, which its input needed)
+    assert clock.saved("l.6") is None  # 5 is missing: no progress
+    assert clock.saved("l.5") == 7
+    assert clock.saved("other") is None
+    clock.reset()
+    assert clock.saved("l.5") is None and clock.saved("l.4") == 6
+
+
+def staged_spec(index, slots, devs, whole, epoch=0):
+    return StreamSpec("r", "t", index, epoch, 32 * len(slots), tuple(slots), whole, False, tuple(devs))
+
+
+def test_staged_copies_count_a_step_whole_only_when_every_layer_was_copied():
+    c = StagedCopies(["a", "b"])
+    s1 = staged_spec(1, [5, 6], [15, 16], 0)
+    assert c.start(s1) == 0
+    c.layer_copied(s1, "a")
+    c.layer_copied(s1, "a")  # twice the same layer is not two layers
+    assert c.step_done([s1]) == set()
+    assert c.start(s1) == 0  # nothing whole in the pool yet: the next step copies from position 0
+    for name in ("a", "b"):
+        c.layer_copied(s1, name)
+    assert c.step_done([s1]) == {"r"}
+    s2 = staged_spec(2, [5, 6, 7], [15, 16, 17], 2)
+    assert c.start(s2) == 2
+    assert c.start(staged_spec(3, [8, 9, 7], [1, 2, 3], 0, epoch=1)) == 0  # restarted: nothing counts
+    assert c.take("r", (5, 6, 7, 4)) == 2 and c.take("r", (5, 6)) == 0  # taken once
+    c.step_done([s1])  # (no layer copied this step)
+    assert c.take("r", (9, 9)) == 0
 
 
 def test_layer_indices_are_the_one_number_of_each_name_or_none():
