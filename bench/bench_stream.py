@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import os
 import random
 import statistics
 import sys
@@ -38,6 +39,7 @@ from tests.relay import Relay
 SIZES = (1024, 2048, 4000)  # "4k": the model allows 4,096 positions, 8 of them for the output
 CONCURRENCY = (1, 4)
 CHUNK = ("--max-num-batched-tokens", "256")
+ISOLATE = False
 KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
 
 
@@ -76,6 +78,26 @@ def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
     return out
 
 
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Every thread of process ``pid`` and its descendants onto ``cpus`` (decode's side of an emulated second
+    host); returns how many threads were moved."""
+    moved, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+            todo += [int(c) for t in tids for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                os.sched_setaffinity(t, cpus)
+                moved += 1
+            except OSError:
+                pass
+    return moved
+
+
 def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | None) -> dict:
     with Stack() as stack:
         if mode == "single":
@@ -104,15 +126,21 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
             proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent",
                                         bootstrap=f"http://127.0.0.1:{bport}"))
             proxy.wait_ready()
+            if ISOLATE:  # decode's host: decode's engine, the proxy and the relay (this process) on CPU 1 only
+                n = sum(pin_tree(pid, {1}) for pid in (dec.proc.pid, proxy.proc.pid, os.getpid()))
+                print(f"    pinned {n} threads of decode, the proxy and the relay to CPU 1", flush=True)
             ttft(proxy.url, prompts(1, 200, 2)[0])
             return cells(proxy.url, reps, seed, dec)
         finally:
             if relay is not None:
                 relay.close()
+            if ISOLATE:  # this process's threads back on every CPU: the next run's servers inherit its mask
+                for t in os.listdir("/proc/self/task"):
+                    os.sched_setaffinity(int(t), range(os.cpu_count()))
 
 
 def main() -> int:
-    global SIZES, CONCURRENCY, CHUNK
+    global SIZES, CONCURRENCY, CHUNK, ISOLATE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s (default: from "
                     "the single server's 2k TTFT, so the 2k transfer takes 40%% of prefill's compute)")
@@ -124,6 +152,8 @@ def main() -> int:
                     "with stream_granularity \"step\" (the default streams per layer)")
     ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
                     "so most prompts are one chunk)")
+    ap.add_argument("--isolate", action="store_true", help="pin decode's engine, the proxy and the relay to CPU 1 "
+                    "(prefill's compute is on CPU 0 already): two hosts, roughly, instead of one shared one")
     ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
@@ -131,6 +161,7 @@ def main() -> int:
     SIZES = tuple(int(x) for x in args.sizes.split(","))
     CONCURRENCY = tuple(int(x) for x in args.concurrency.split(","))
     CHUNK = ("--max-num-batched-tokens", str(args.chunk))
+    ISOLATE = args.isolate
     model = str(ensure_model("kvheavy"))
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-stream-"))
     print(f"kvheavy model, chunked prefill of {args.chunk} tokens, kvlink TCP transport; logs {logs}", flush=True)
