@@ -78,15 +78,16 @@ def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
     return out
 
 
-def pin_tree(pid: int, cpus: set[int]) -> int:
-    """Every thread of process ``pid`` and its descendants onto ``cpus`` (decode's side of an emulated second
-    host); returns how many threads were moved."""
+def pin_tree(pid: int, cpus: set[int], children: bool = True) -> int:
+    """Every thread of process ``pid`` (and its descendants) onto ``cpus`` (decode's side of an emulated
+    second host); returns how many threads were moved."""
     moved, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-            todo += [int(c) for t in tids for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+            if children:
+                todo += [int(c) for t in tids for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
         except OSError:
             continue
         for t in tids:
@@ -127,7 +128,8 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
                                         bootstrap=f"http://127.0.0.1:{bport}"))
             proxy.wait_ready()
             if ISOLATE:  # decode's host: decode's engine, the proxy and the relay (this process) on CPU 1 only
-                n = sum(pin_tree(pid, {1}) for pid in (dec.proc.pid, proxy.proc.pid, os.getpid()))
+                n = sum(pin_tree(pid, {1}) for pid in (dec.proc.pid, proxy.proc.pid))
+                n += pin_tree(os.getpid(), {1}, children=False)  # the relay's thread; not prefill, a child too
                 print(f"    pinned {n} threads of decode, the proxy and the relay to CPU 1", flush=True)
             ttft(proxy.url, prompts(1, 200, 2)[0])
             return cells(proxy.url, reps, seed, dec)
