@@ -1,5 +1,6 @@
 """Fakes shared by the test suites, each here once: a clock, a bootstrap client and a pull table with
-scripted answers, an HTTP server and a raw HTTP client, peers that hang or trickle. The other fakes live
+scripted answers, a staging pool and a piece sender that record what they are asked, an HTTP server and
+a raw HTTP client, peers that hang or trickle. The other fakes live
 beside this module:
 the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
 fakes_vllm_server.py, connectors recording their stats or corrupting what they pulled in fakes_connector.py;
@@ -103,6 +104,38 @@ class RecordingPullTable:
 
 
 Reply = tuple[int, dict]
+
+
+class RecordingStager:
+    """A host staging pool (stager.Stager's copy interface, on CPU) that records each copy into it:
+    (device blocks, slots, layer) with layer None for every layer."""
+
+    cuda = False
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[tuple[int, ...], tuple[int, ...], int | None]] = []
+
+    def fence(self) -> None:
+        return None
+
+    def to_pool(self, blocks, slots, after=None, layer=None):
+        from kvlink.vllm.stager import DONE
+
+        self.copies.append((tuple(blocks), tuple(slots), layer))
+        return DONE
+
+
+class RecordingSender:
+    """A stream.PieceSender that keeps what it is handed, in order, instead of sending it."""
+
+    def __init__(self) -> None:
+        self.pieces: list = []
+
+    def submit(self, pieces, fence=None) -> None:
+        self.pieces += [p.fields() for p in pieces]
+
+    def close(self) -> None:
+        pass
 
 
 class ScriptedHTTPServer:

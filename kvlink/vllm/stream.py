@@ -18,6 +18,8 @@ Granularity (``stream_granularity``):
   says which full blocks the step's forward completes (and how many were whole before it). Per step, the
   chunk that completes the prompt gets no step-end piece: the published record follows it at once and is
   the end of the stream.
+- ``PrefillStream`` (worker process, vLLM's thread): after each layer and each forward, the pieces to send
+  (``LayerClock``: which layers are done) and, with host staging, the pool copies first (``StagedCopies``).
 - ``PieceSender`` (worker process, one thread): sends pieces once their KV is in place (on CUDA, after an
   event recorded behind the layer or forward that wrote it), and stops sending for transfers the server
   says are over (decode stopped waiting, published, abandoned). It never blocks vLLM's thread.
@@ -33,6 +35,7 @@ has room for the request when it starts. Others publish once, as before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -252,6 +255,65 @@ class StagedCopies:
 
     def forget(self, rid: str) -> None:
         self._prefix.pop(rid, None)
+
+
+class PrefillStream:
+    """Prefill worker, vLLM's thread: after each attention layer and after each step's forward, which pieces
+    of the step's streamed requests go out, and, with host staging, the copies into the pool they wait
+    for (the worker owns the rest: bootstrap client, stager, statistics)."""
+
+    def __init__(self, layer_wise: bool, layer_ids: dict[str, int] | None, kv_names: list[str], cuda: bool,
+                 sender: "PieceSender", stager: Any = None):
+        self.layer_wise = layer_wise and layer_ids is not None
+        self.cuda, self.sender, self.stager = cuda, sender, stager
+        self._clock = LayerClock(layer_ids or {})
+        self._names = frozenset(kv_names)
+        self.copies = StagedCopies(kv_names) if stager is not None else None
+        self._layer_pos = {n: i for i, n in enumerate(kv_names)}  # the stager's layer order
+
+    def layer_done(self, specs: list[StreamSpec], layer_name: str) -> None:
+        """After attention layer ``layer_name`` of the step's forward."""
+        fence = None
+        if self.copies is not None and layer_name in self._names:
+            fence, specs = self._copy_layer(specs, layer_name)
+        layers = self._clock.saved(layer_name) if self.layer_wise else None
+        if layers is not None:
+            self._submit(layer_pieces(specs, layers), fence)
+
+    def step_done(self, specs: list[StreamSpec]) -> None:
+        """After the step's forward: its blocks are whole (a staged request's only if every layer was copied)."""
+        self._clock.reset()
+        whole = self.copies.step_done(specs) if self.copies is not None else set()
+        self._submit(step_pieces([sp for sp in specs if not sp.device_ids or sp.request_id in whole],
+                                 self.layer_wise), None)
+
+    def _copy_layer(self, specs: list[StreamSpec], layer_name: str) -> tuple[Any, list[StreamSpec]]:
+        """Copy this layer of each staged request's blocks not yet whole in its slots, on CUDA behind what
+        vLLM queued so far. Returns (what the pieces wait for, the specs with ``whole`` at what is whole in
+        the pool)."""
+        li, fence, out = self._layer_pos[layer_name], None, []
+        after = self.stager.fence()
+        for sp in specs:
+            if not sp.device_ids:
+                out.append(sp)
+                continue
+            k = self.copies.start(sp)
+            if k < len(sp.block_ids):
+                fence = self.stager.to_pool(list(sp.device_ids[k:]), list(sp.block_ids[k:]), after, li).wait
+            self.copies.layer_copied(sp, layer_name)
+            out.append(dataclasses.replace(sp, whole=k) if k < sp.whole else sp)
+        return (fence if self.stager.cuda else None), out
+
+    def _submit(self, pieces: list[Piece], fence: Any) -> None:
+        if not pieces:
+            return
+        if fence is None and self.cuda:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()  # behind what vLLM queued on the current stream (the layer, or the forward)
+            fence = ev.synchronize
+        self.sender.submit(pieces, fence)
 
 
 class PieceSender:

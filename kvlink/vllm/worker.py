@@ -61,7 +61,7 @@ from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, R
 from kvlink.vllm.stager import DONE, Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
 from kvlink.vllm.stats import KVLinkStats
-from kvlink.vllm.stream import LayerClock, PieceSender, StagedCopies, layer_pieces, step_pieces
+from kvlink.vllm.stream import PieceSender, PrefillStream
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +218,6 @@ class KVLinkWorker:
         self.layer_names: list[str] = []
         self._layer_ids: dict[str, int] | None = None  # the model's index of each layer (plan.layer_indices)
         self._layer_rank: dict[str, int] = {}  # ... and its place among this rank's layers, by that index
-        self._clock = LayerClock({})  # prefill, layer-wise streamed KV: the layers of the running forward done
-        self._copies: StagedCopies | None = None  # prefill, staged and streamed: blocks in their slots already
-        self._layer_pos: dict[str, int] = {}
         self.compat: dict = {}
         self.compat_hash = ""
         self.block_bytes = 0
@@ -259,7 +256,7 @@ class KVLinkWorker:
         self._canceller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-cancel",
                                              initializer=self._place_thread)
         self._leases: LeaseCalls | None = None
-        self._sender: PieceSender | None = None  # prefill, streamed KV: sends each step's pieces
+        self._streamer: PrefillStream | None = None  # prefill, streamed KV: what goes out after each layer/step
         self._bytes_local_seen = 0
         self._thread: threading.Thread | None = None
         self._running_sent: int | None = None  # last pulls_in_progress gauge handed out
@@ -321,7 +318,6 @@ class KVLinkWorker:
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
         self._layer_ids = layer_indices(self.layer_names)
-        self._clock = LayerClock(self._layer_ids or {})
         self._layer_rank = {n: i for i, n in enumerate(sorted(self._layer_ids, key=self._layer_ids.get))} \
             if self._layer_ids else {}
         unknown = [n for n in self.layer_names if self._layer_group and n not in self._layer_group]
@@ -403,8 +399,6 @@ class KVLinkWorker:
         if self.role == "kv_producer":
             self._stage_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlink-stage",
                                                   initializer=self._place_thread)
-            self._copies = StagedCopies(self.kv_caches)  # streamed KV: what is in the pool already
-            self._layer_pos = {n: i for i, n in enumerate(self.kv_caches)}  # the stager's layer order
         return region
 
     def _register_destination(self, kv_caches: dict[str, Any]) -> None:
@@ -509,31 +503,13 @@ class KVLinkWorker:
 
     def send_pieces(self, specs: list, layer_name: str | None = None) -> None:
         """Prefill, vLLM's thread, after attention layer ``layer_name`` (layer-wise) or the step's forward
-        (None): hand the step's streamed pieces to the sender thread (stream.py); on CUDA they go out once
-        an event recorded behind that layer or forward (or the copy into the staging pool) has completed.
-        With host staging the layer's new blocks are copied into the request's slots first."""
-        url = self._bootstrap_url
-        if url is None or self.engine is None:
+        (None): the step's streamed pieces go to the sender thread (stream.py, ``PrefillStream``)."""
+        if self._bootstrap_url is None or self.engine is None:
             return
-        layer_wise = self.cfg.stream_granularity == "layer" and self._layer_ids is not None
-        fence = None
-        if layer_name is None:
-            self._clock.reset()
-            whole = self._copies.step_done(specs) if self._copies is not None else set()
-            pieces = step_pieces([sp for sp in specs if not sp.device_ids or sp.request_id in whole], layer_wise)
-        else:
-            if self._copies is not None and layer_name in self.kv_caches:
-                fence, specs = self._copy_layer(specs, layer_name)
-            layers = self._clock.saved(layer_name) if layer_wise else None
-            if layers is None:
-                return
-            pieces = layer_pieces(specs, layers)
-        if not pieces:
-            return
-        if self._sender is None:
+        if self._streamer is None:
             from kvlink.bootstrap.schema import StreamPiece
 
-            cli = self._clients_for(url)
+            cli = self._clients_for(self._bootstrap_url)
             rank, ranks = self.rank.port_index, self.rank.tp_size * self.rank.pp_size
 
             def send(pieces):
@@ -544,33 +520,13 @@ class KVLinkWorker:
                 with self._lock:
                     self._stats.add(key, n)
 
-            self._sender = PieceSender(send, count)
-        if fence is None and self.kv_caches and next(iter(self.kv_caches.values())).device.type == "cuda":
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record()  # behind the forward vLLM queued on the current stream
-            fence = ev.synchronize
-        self._sender.submit(pieces, fence)
-
-    def _copy_layer(self, specs: list, layer_name: str) -> tuple[Any, list]:
-        """Host staging, streamed KV: copy this layer of each staged request's blocks not yet whole in its
-        pool slots (stream.StagedCopies), on CUDA behind what vLLM queued so far. Returns (what the pieces
-        wait for, the specs with ``whole`` at what is whole in the pool)."""
-        import dataclasses
-
-        li, fence, out = self._layer_pos[layer_name], None, []
-        after = self._stager.fence()
-        for sp in specs:
-            if not sp.device_ids:
-                out.append(sp)
-                continue
-            k = self._copies.start(sp)
-            if k < len(sp.block_ids):
-                fence = self._stager.to_pool(list(sp.device_ids[k:]), list(sp.block_ids[k:]), after, li).wait
-            self._copies.layer_copied(sp, layer_name)
-            out.append(dataclasses.replace(sp, whole=min(k, sp.whole)) if k != sp.whole else sp)
-        return (fence if self._stager.cuda else None), out
+            cuda = next(iter(self.kv_caches.values())).device.type == "cuda"
+            self._streamer = PrefillStream(self.cfg.stream_granularity == "layer", self._layer_ids,
+                                           list(self.kv_caches), cuda, PieceSender(send, count), self._stager)
+        if layer_name is None:
+            self._streamer.step_done(specs)
+        else:
+            self._streamer.layer_done(specs, layer_name)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
@@ -592,8 +548,8 @@ class KVLinkWorker:
         that wrote the blocks); on CPU a thread of ours does them."""
         fence = self._stager.fence()
         for rid, blocks, slots in jobs:
-            if self._copies is not None:  # streamed: the leading blocks are in their slots already
-                k = self._copies.take(rid, slots)
+            if self._streamer is not None and self._streamer.copies is not None:  # streamed: leading blocks
+                k = self._streamer.copies.take(rid, slots)  # are in their slots already
                 blocks, slots = blocks[k:], slots[k:]
             if not blocks:
                 pending = DONE
@@ -1036,8 +992,8 @@ class KVLinkWorker:
             self._stage_exec.shutdown(wait=True, cancel_futures=True)  # no copy into a pool being freed
         if self._leases is not None:
             self._leases.stop()
-        if self._sender is not None:
-            self._sender.close()
+        if self._streamer is not None:
+            self._streamer.sender.close()
         if self._heartbeater is not None:
             self._heartbeater.stop()
         if self._clients is not None:

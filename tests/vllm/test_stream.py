@@ -10,8 +10,9 @@ import pytest
 
 from kvlink.vllm.plan import PairingError, layer_indices, ready_pairs, step_pairs
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Resolve, State
-from kvlink.vllm.stream import (LAYER_SLOTS, LayerClock, Piece, PieceSender, StagedCopies, StreamPlanner, StreamSpec,
-                                layer_pieces, step_pieces)
+from kvlink.vllm.stream import (LAYER_SLOTS, LayerClock, Piece, PieceSender, PrefillStream, StagedCopies, StreamPlanner,
+                                StreamSpec, layer_pieces, step_pieces)
+from tests.fakes import RecordingSender, RecordingStager
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
 
@@ -150,6 +151,38 @@ def test_staged_copies_count_a_step_whole_only_when_every_layer_was_copied():
     assert c.take("r", (5, 6, 7, 4)) == 2 and c.take("r", (5, 6)) == 0  # taken once
     c.step_done([s1])  # (no layer copied this step)
     assert c.take("r", (9, 9)) == 0
+
+
+def test_a_staged_stream_copies_each_layer_before_its_piece_and_claims_whole_only_what_is_in_the_pool():
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    stager, sender = RecordingStager(), RecordingSender()
+    ps = PrefillStream(True, {n: i for i, n in enumerate(names)}, names, False, sender, stager)
+    s1 = staged_spec(1, [5, 6], [15, 16], whole=0)
+    for n in names:
+        ps.layer_done([s1], n)
+    ps.step_done([s1])
+    assert stager.copies == [((15, 16), (5, 6), 0), ((15, 16), (5, 6), 1)]
+    assert [(p["layers"] if "layers" in p else 0, p["block_ids"]) for p in sender.pieces] == [
+        (1, [[]]), (2, [[]]), (0, [[5, 6]])]  # layer 0, layers 0-1, then whole
+    # next step: prefill had 3 blocks computed (prefix cache) but only 2 are in the pool: copy from 2
+    s2 = staged_spec(2, [5, 6, 7, 8], [15, 16, 17, 18], whole=3)
+    sender.pieces.clear()
+    ps.layer_done([s2], names[0])
+    assert stager.copies[-1] == ((17, 18), (7, 8), 0)
+    assert sender.pieces[-1]["block_ids"] == [[5, 6]] and sender.pieces[-1]["step_block_ids"] == [[7, 8]]
+    ps.step_done([s2])  # layer 1 never saved: the step is not whole, no step-end piece
+    assert len(sender.pieces) == 1
+    assert ps.copies.take("r", (5, 6, 7, 8, 9)) == 2  # the end copies from position 2
+
+
+def test_an_engine_without_layer_names_sends_step_pieces_only():
+    sender = RecordingSender()
+    ps = PrefillStream(True, None, ["attn"], False, sender)
+    sp = spec_of(1, [1, 2], 0)
+    ps.layer_done([sp], "attn")
+    assert sender.pieces == []
+    ps.step_done([sp])
+    assert [p["block_ids"] for p in sender.pieces] == [[[1, 2]]]
 
 
 def test_layer_indices_are_the_one_number_of_each_name_or_none():
