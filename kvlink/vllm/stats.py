@@ -19,7 +19,9 @@ COUNTERS = (
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
     "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
-    "pieces", "pieces_dropped", "blocks_streamed",  # decode, streamed KV: pieces read, or dropped (not waited for)
+    # decode, streamed KV: pieces read, or dropped (not waited for); block reads before the record (a block
+    # read in several layer ranges counts once per range)
+    "pieces", "pieces_dropped", "blocks_streamed",
     "pieces_sent", "pieces_ended",  # prefill, streamed KV: pieces reported; streams the server said were over
     "stream_pool_full",  # prefill, streamed KV with host staging: not streamed, no room in the pool when it started
     # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests
