@@ -118,14 +118,17 @@ class Stager:
                         self.pool[s:s + n, layer].copy_(self.scratch[i:i + n, layer], non_blocking=True)
             return self._event()
 
-    def from_pool(self, slots: list[int], blocks: list[int], after: Any = None) -> Pending:
-        """Copy pool slots into device blocks (decode). CPU: done on return."""
+    def from_pool(self, slots: list[int], blocks: list[int], after: Any = None,
+                  layers: list[int] | None = None) -> Pending:
+        """Copy pool slots into device blocks (decode): every layer, or only the ``layers``-th (a layer-wise
+        streamed read landed only those). CPU: done on return."""
         import torch
 
+        views = list(enumerate(self.views)) if layers is None else [(li, self.views[li]) for li in layers]
         if not self.cuda:
             bi = torch.tensor(blocks)
             rows = torch.empty((len(blocks), self.layout.segments, self.layout.segment_bytes), dtype=torch.uint8)
-            for layer, v in enumerate(self.views):
+            for layer, v in views:
                 for i, s, n in _runs(slots):
                     rows[i:i + n].copy_(self.pool[s:s + n, layer])
                 v.index_copy_(0, bi, rows)
@@ -136,7 +139,7 @@ class Stager:
                 k = len(bi)
                 for i, s, n in _runs(slots[at:at + k]):
                     self.scratch[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
-                for layer, v in enumerate(self.views):
+                for layer, v in views:
                     v.index_copy_(0, bi, self.scratch[:k, layer])
             return self._event()
 

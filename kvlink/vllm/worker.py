@@ -161,7 +161,7 @@ class _Landing:
     only once nothing writes into them: a copy under way is waited for (and the batch counts as finished),
     one not begun never begins."""
 
-    def __init__(self, read: Any, stager: Stager, moves: list[tuple[int, int]], fence: Any):
+    def __init__(self, read: Any, stager: Stager, moves: list[tuple[int, int, tuple[int, ...] | None]], fence: Any):
         self.read, self.stager, self.moves, self.fence = read, stager, moves, fence
         self._lock = threading.Lock()
         self._copy: Pending | None = None
@@ -179,8 +179,11 @@ class _Landing:
             if self._stopped:
                 raise Canceled("kvlink: batch cancelled before its copy into the KV cache")
             t0 = time.monotonic()
-            self._copy = self.stager.from_pool([s for s, _ in self.moves], [b for _, b in self.moves],
-                                               self.fence)
+            # (slot, block, layers): None is every layer; a layer-wise streamed read moved only some
+            for layers in dict.fromkeys(m[2] for m in self.moves):
+                mine = [m for m in self.moves if m[2] == layers]  # (in order: CUDA's last copy ends last)
+                self._copy = self.stager.from_pool([m[0] for m in mine], [m[1] for m in mine], self.fence,
+                                                   None if layers is None else list(layers))
         self._copy.wait()
         self.copy_s = time.monotonic() - t0
         self._copied = True
@@ -724,8 +727,7 @@ class KVLinkWorker:
         published record, when it was asked for), or None when the pull ended meanwhile."""
         rid, src = spec.request_id, spec.source
         after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
-        # layer-wise progress only where a READ lands in the blocks themselves: a landing slot is copied whole
-        layers = self._layer_ids is not None and self._landing is None
+        layers = self._layer_ids is not None
         while True:
             with self._lock:
                 pull = self._table.get(rid)
@@ -796,7 +798,7 @@ class KVLinkWorker:
             if not pulls:
                 return
         # (group, local block, remote block) per pull; with staging the local block is a landing slot
-        pairs = {p.rid: [(0, slot, rb, 0, ALL_LAYERS) for slot, rb, _ in landing[p.rid]] if landing
+        pairs = {p.rid: [(0, slot, rb, lo, hi) for slot, rb, _, lo, hi in landing[p.rid]] if landing
                  else list(p.pairs) for p in pulls}
         # layer-blocks written: a group with no layers on this PP stage moves nothing here
         nblocks = sum(min(self._group_layers.get(g, 0), hi) - min(self._group_layers.get(g, 0), lo)
@@ -830,7 +832,7 @@ class KVLinkWorker:
             return
         handle = parts[0] if len(parts) == 1 else _Batches(parts)
         if landing:
-            moves = [(slot, lb) for p in pulls for slot, _, lb in landing[p.rid]]
+            moves = [(slot, lb, self._layer_span(lo, hi)) for p in pulls for slot, _, lb, lo, hi in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
         self._waiter.submit(self._await, a.batch, handle, remote)
@@ -846,6 +848,12 @@ class KVLinkWorker:
                 mine = [m for m in mine if lo <= self._layer_rank.get(m.name, -1) < hi]
             parts.append(build_plan(mine, [(lb, rb) for gg, lb, rb, a, b in pairs if (gg, a, b) == (g, lo, hi)]))
         return parts[0] if len(parts) == 1 else ReadPlan.concat(parts) if parts else build_plan([], [])
+
+    def _layer_span(self, lo: int, hi: int) -> tuple[int, ...] | None:
+        """The stager's positions of this rank's layers in place range [lo, hi) (pulls.py); None: all."""
+        if (lo, hi) == (0, ALL_LAYERS):
+            return None
+        return tuple(i for i, n in enumerate(self.kv_caches) if lo <= self._layer_rank.get(n, -1) < hi)
 
     def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
         """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
@@ -868,7 +876,7 @@ class KVLinkWorker:
                     continue
                 fit.append(p)
                 claimed += slots
-                landing[p.rid] = [(s, rb, lb) for s, (_, lb, rb, *_) in zip(slots, p.pairs)]
+                landing[p.rid] = [(s, rb, lb, lo, hi) for s, (_, lb, rb, lo, hi) in zip(slots, p.pairs)]
             if claimed:
                 self._landing_slots[a.batch] = tuple(claimed)
             if deferred or refused:
@@ -899,7 +907,8 @@ class KVLinkWorker:
         else:
             if isinstance(handle, _Landing):
                 with self._lock:
-                    self._stats.add("bytes_landed", len(handle.moves) * self._stager.slot_bytes)
+                    self._stats.add("bytes_landed", sum(self._stager.slot_bytes if m[2] is None else
+                                                        len(m[2]) * self.block_bytes for m in handle.moves))
                     self._stats.sample("landing_s", handle.copy_s)
             self._apply(lambda t, now: t.batch_ended(batch, None, now))
 

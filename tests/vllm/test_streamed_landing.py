@@ -288,3 +288,40 @@ def test_a_layer_wise_streamed_pull_reads_each_layer_range_and_lands_whole_over_
     assert _same_as_source(pre, dec, local, remote)
     untouched = [b for b in range(BLOCKS) if b not in local]
     assert not any(dec.kv_caches[n][untouched].any() for n in dec.kv_caches)
+
+
+def test_a_layer_wise_streamed_pull_through_decodes_landing_pool_copies_only_the_layers_it_read():
+    """Decode with host staging: a READ of a layer range lands in landing slots, and only those layers are
+    copied into the blocks (a landing slot's other layers hold nothing of this request: copied whole they
+    would overwrite what the blocks hold)."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=60.0),
+                         W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=60.0, staging="always",
+                                         staging_pool_mb=1), W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        register_two_layers(pre, dec, srv.url, BLOCKS, HEADS, BLOCK, HEAD2)
+        assert dec._landing is not None
+        for t in dec.kv_caches.values():
+            t.fill_(7)  # what decode's blocks held before: must survive where no layer was read yet
+        url, local, remote = srv.url, list(range(3, 11)), [30, 12, 44, 7, 19, 25, 40, 2]
+        tid = _stream(dec, url, "s1", local)
+        _layer_piece(url, tid, "s1", remote[:2], remote[2:5], layers=1, index=1)
+        deadline = time.monotonic() + 60
+        while not (_layer_equal(pre, dec, 0, local[:5], remote[:5]) and _layer_equal(pre, dec, 1, local[:2], remote[:2])):
+            assert time.monotonic() < deadline, "the layer-wise piece was never read"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        layer1 = dec.kv_caches["model.layers.1.self_attn.attn"][local[2:5]]
+        assert bool((layer1 == 7).all()), "a layer that was not read was copied from the landing slot"
+        _publish(url, tid, "s1", remote)
+        assert _outcome(dec, "s1", 60) == "given back"
+        assert _same_as_source(pre, dec, local, remote)
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()
