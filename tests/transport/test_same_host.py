@@ -117,9 +117,12 @@ print(json.dumps(out))
 def test_forbidden_by_the_kernel_falls_back_to_tcp(remote_target):
     """A requester without the right to read the target's memory (another uid,
     no CAP_SYS_PTRACE) is told so by the probe and stays on TCP."""
-    other_uid = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
+    # Another uid that may still read the checkout (CAP_DAC_READ_SEARCH: a clone under a mode-700 directory
+    # such as mktemp -d), but not another process's memory (no CAP_SYS_PTRACE).
+    other_uid = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=+dac_read_search",
+                 "--ambient-caps=+dac_read_search", sys.executable, "-c"]
     probe = subprocess.run([*other_uid, "import numpy, kvlink"], capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0:  # e.g. a checkout under a mode-700 directory (mktemp -d): not this test's subject
+    if probe.returncode != 0:  # a setpriv or kernel without ambient capabilities: not this test's subject
         pytest.skip("uid 65534 cannot import this checkout's environment: "
                     f"{(probe.stderr.strip().splitlines() or ['?'])[-1]}")
     info = remote_target()

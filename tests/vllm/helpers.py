@@ -286,6 +286,21 @@ def open_completion(url, prompt, params=None, max_tokens=10):
     return conn
 
 
+def assert_each_streamed(url: str, decode, sizes, prompts, want, prefill=None) -> None:
+    """Each prompt through the PD endpoint ``url`` equals ``want``, and decode read blocks of each prompt of a
+    block or more before prefill published it (so did prefill send pieces for it, given ``prefill``); no pull
+    failed. One prompt at a time, so the counters' moves are that prompt's."""
+    for n, prompt, expected in zip(sizes, prompts, want):
+        streamed0 = metric(decode, "kvlink_blocks_streamed_total")
+        sent0 = metric(prefill, "kvlink_pieces_sent_total") if prefill is not None else 0.0
+        assert text(complete(url, prompt, timeout=120)) == expected, f"{n} tokens"
+        if n >= BLOCK:
+            assert metric(decode, "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: decode read none early"
+            if prefill is not None:
+                assert metric(prefill, "kvlink_pieces_sent_total") > sent0, f"{n} tokens: prefill sent no piece"
+    assert metric(decode, "kvlink_pulls_failed_total") == 0
+
+
 def concurrent_legs(bootstrap: str, engine_id: str, transfer_id: str) -> tuple[dict, dict]:
     """The kv_transfer_params of a concurrent pair, as the proxy builds them: (prefill's, decode's)."""
     from kvlink.vllm.params import PrefillRequest, RemoteSource

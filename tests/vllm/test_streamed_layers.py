@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (BLOCK, Server, complete, corrupting_kv_config, free_port, kv_config, metric, text,
-                                token_prompts)
+from tests.vllm.helpers import (Server, assert_each_streamed, complete, corrupting_kv_config, free_port, kv_config,
+                                metric, text, token_prompts)
 
 ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
 
@@ -59,15 +59,10 @@ def lw(tiny_model, tmp_path_factory):
 
 def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
     """Every prompt of a full block or more is read in part while prefill's one forward still runs."""
-    prompts = token_prompts([7, 31, 100, 700, 1500], seed=60)
+    sizes = [7, 31, 100, 700, 1500]
+    prompts = token_prompts(sizes, seed=60)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
-    for n, prompt in zip((7, 31, 100, 700, 1500), prompts):
-        sent0, streamed0 = metric(lw["pre"], "kvlink_pieces_sent_total"), metric(lw["dec"], "kvlink_blocks_streamed_total")
-        assert text(complete(lw["layer"], prompt, timeout=120)) == want[prompts.index(prompt)], f"{n} tokens"
-        if n >= BLOCK:
-            assert metric(lw["pre"], "kvlink_pieces_sent_total") > sent0, f"{n} tokens: prefill sent no piece"
-            assert metric(lw["dec"], "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: decode read none"
-    assert metric(lw["dec"], "kvlink_pulls_failed_total") == 0
+    assert_each_streamed(lw["layer"], lw["dec"], sizes, prompts, want, prefill=lw["pre"])
 
 
 def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):

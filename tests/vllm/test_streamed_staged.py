@@ -17,8 +17,8 @@ import time
 import pytest
 
 from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (BLOCK, Server, complete, corrupting_kv_config, free_port, kv_config, metric,
-                                open_completion, text, token_prompts, wait_for)
+from tests.vllm.helpers import (Server, assert_each_streamed, complete, corrupting_kv_config, free_port, kv_config,
+                                metric, open_completion, text, token_prompts, wait_for)
 
 STAGED = dict(staging="always", staging_pool_mb=16)
 ONE_CHUNK = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "16")
@@ -68,26 +68,14 @@ def baseline(ss, prompts):
 def test_streamed_through_the_pool_equals_a_single_server_and_is_read_during_the_forward(ss):
     sizes = [7, 31, 100, 700, 1000, 1900]  # 1900: two chunks of 1024
     prompts = token_prompts(sizes, seed=70)
-    want = baseline(ss, prompts)
-    for n, prompt, expected in zip(sizes, prompts, want):
-        streamed0 = metric(ss["dec"], "kvlink_blocks_streamed_total")
-        assert text(complete(ss["conc"], prompt, timeout=120)) == expected, f"{n} tokens"
-        if n >= BLOCK:
-            assert metric(ss["dec"], "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: decode read none"
-    assert metric(ss["dec"], "kvlink_pulls_failed_total") == 0
+    assert_each_streamed(ss["conc"], ss["dec"], sizes, prompts, baseline(ss, prompts))
     assert metric(ss["pre"], "kvlink_staged_total") >= len(sizes)
 
 
 def test_a_decode_landing_through_its_own_pool_reads_layer_by_layer_and_equals_a_single_server(ss):
     sizes = [31, 700, 1900]
     prompts = token_prompts(sizes, seed=71)
-    want = baseline(ss, prompts)
-    for n, prompt, expected in zip(sizes, prompts, want):
-        streamed0 = metric(ss["landed"], "kvlink_blocks_streamed_total")
-        assert text(complete(ss["conc_landed"], prompt, timeout=120)) == expected, f"{n} tokens"
-        if n >= BLOCK:
-            assert metric(ss["landed"], "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: read none early"
-    assert metric(ss["landed"], "kvlink_pulls_failed_total") == 0
+    assert_each_streamed(ss["conc_landed"], ss["landed"], sizes, prompts, baseline(ss, prompts))
     assert metric(ss["landed"], "kvlink_bytes_landed_total") > 0
 
 
