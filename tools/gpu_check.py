@@ -144,6 +144,20 @@ def decode(q_out, boot: str, table: list[int], device: str, staged: bool, layers
     w.shutdown()
 
 
+def _get(q, procs, timeout: float = 600.0):
+    """The next message on ``q``; an error at once if one of ``procs`` died instead of answering."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.name for p in procs if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"no answer: {dead or 'timed out'}") from None
+
+
 def run(device: str, staged: bool, layers: int, blocks: int, pool_mb: int) -> dict:
     from kvlink.bootstrap import BootstrapConfig, BootstrapServer
 
@@ -153,10 +167,10 @@ def run(device: str, staged: bool, layers: int, blocks: int, pool_mb: int) -> di
         pq, pin, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=prefill, args=(pq, pin, srv.url, device, staged, layers, blocks, pool_mb))
         p.start()
-        pre = pq.get(timeout=600)
+        pre = _get(pq, [p])
         d = ctx.Process(target=decode, args=(dq, srv.url, pre["table"], device, staged, layers, blocks, pool_mb))
         d.start()
-        dec = dq.get(timeout=600)
+        dec = _get(dq, [p, d])
         pin.put("done")
         d.join(60)
         p.join(60)

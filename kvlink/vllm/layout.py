@@ -79,10 +79,10 @@ class Geometry:
     segment_stride: int
 
 
-def packed_geometry(layout: BlockLayout, layer: int, num_layers: int) -> Geometry:
-    """Layer ``layer`` in a staging pool whose slot ``b`` holds block ``b`` of every layer, segments in
-    order: one slot of ``num_layers * block_bytes`` is one byte range."""
-    return Geometry(layer * layout.block_bytes, num_layers * layout.block_bytes, layout.segment_bytes)
+def pool_geometry(layout: BlockLayout, layer: int, rows: int) -> Geometry:
+    """Layer ``layer`` in a staging pool of ``rows`` slots per layer, layer-major (stager.py): slot ``b`` of
+    a layer holds block ``b`` of that layer, segments in order, and a run of slots is one byte range."""
+    return Geometry(layer * rows * layout.block_bytes, layout.block_bytes, layout.segment_bytes)
 
 
 def head_geometry(g: Geometry, layout: BlockLayout, first: int, heads: int) -> Geometry:

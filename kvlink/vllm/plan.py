@@ -158,8 +158,8 @@ class ReadPlan:
 
 def build_plan(layers: list[LayerMap], pairs: list[tuple[int, int]]) -> ReadPlan:
     """One descriptor per segment of each pair in each layer, then byte ranges that continue each other on
-    both sides merged: a run of blocks in one plane is one descriptor, and where both sides pack a block's
-    layers together (staging pools) a run of blocks of every layer is one."""
+    both sides merged: a run of blocks in one plane is one descriptor, and where both sides hold a block's
+    segments together (staging pools) a run of blocks of one layer is one."""
     if not pairs or not layers:
         return ReadPlan(*(np.empty(0, t) for t in (np.uint64, np.uint32, np.uint64, np.uint64)))
     seg = layers[0].segment_bytes
@@ -177,7 +177,7 @@ def build_plan(layers: list[LayerMap], pairs: list[tuple[int, int]]) -> ReadPlan
 
     lo, ro = side("local", 0), side("remote", 1)
     rid = np.broadcast_to(np.array([m.remote_region_id for m in layers], np.uint32)[:, None, None], lo.shape)
-    order = (2, 0, 1) if _packed(layers) else (0, 1, 2)  # block-major where a block's layers are adjacent
+    order = (0, 2, 1) if _segments_adjacent(layers) else (0, 1, 2)  # where a block is one range: block-major
     lo, ro, rid = (a.transpose(order).ravel() for a in (lo, ro, rid))
     step = np.uint64(seg)
     brk = np.ones(len(lo), bool)
@@ -187,13 +187,8 @@ def build_plan(layers: list[LayerMap], pairs: list[tuple[int, int]]) -> ReadPlan
     return ReadPlan(lo[starts], rid[starts].copy(), ro[starts], lengths)
 
 
-def _packed(layers: list[LayerMap]) -> bool:
-    """Both sides hold a block's segments and layers back to back (a staging pool on each side)."""
-    bb, seg = layers[0].block_bytes, layers[0].segment_bytes
-    for side in ("local", "remote"):
-        first = getattr(layers[0], side).offset
-        for i, m in enumerate(layers):
-            g = getattr(m, side)
-            if g.offset != first + i * bb or g.segment_stride not in (0, seg):
-                return False
-    return True
+def _segments_adjacent(layers: list[LayerMap]) -> bool:
+    """Both sides hold each block's segments back to back (staging pools, and layouts whose planes are
+    inside a block): then a run of blocks of one layer is one byte range on each side."""
+    seg = layers[0].segment_bytes
+    return all(getattr(m, side).segment_stride in (0, seg) for m in layers for side in ("local", "remote"))

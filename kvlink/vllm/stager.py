@@ -1,8 +1,13 @@
 """Copies between a worker's KV blocks and its host staging pool (the torch side of staging.py).
 
-The pool is one host tensor ``[slots + 1, layers, segments, segment_bytes]`` of bytes (pinned when the KV
-is on CUDA), registered with the transport as one region. Each layer's KV tensor is seen as bytes
-``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout.
+The pool is one host tensor ``[layers, slots + 1, segments, segment_bytes]`` of bytes (pinned when the KV
+is on CUDA), registered with the transport as one region (layout.pool_geometry). It is layer-major, so
+one layer of a run of consecutive slots is one byte range: a streamed layer's copy (device -> pool) and a
+landing copy of some layers (pool -> device) are each one plain async copy per run. (Slot-major, one
+layer of a run is strided in host memory, and PyTorch copies a strided device -> host destination
+through a pageable bounce buffer, which blocks the calling thread - vLLM's - until the device reaches the
+copy: seen on an H100, every layer of the forward waited for the device.) Each layer's KV tensor is seen
+as bytes ``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout.
 
 On CUDA every copy runs on the stager's own stream, after an event recorded on vLLM's stream when the
 work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
@@ -58,15 +63,17 @@ class Stager:
         self.layout, self.slots = layout, slots
         n, seg = layout.segments, layout.segment_bytes
         self.slot_bytes = len(kv_caches) * layout.block_bytes
-        self.pool = torch.zeros((slots + 1, len(kv_caches), n, seg), dtype=torch.uint8, pin_memory=self.cuda)
+        self.pool = torch.zeros((len(kv_caches), slots + 1, n, seg), dtype=torch.uint8, pin_memory=self.cuda)
         self.views = [self._bytes(t) for t in kv_caches.values()]
         # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the scratch is
         # shared, and the stream's order is what keeps one copy's use of it from overlapping the next's.
         self._queue_lock = threading.Lock()
+        self._indices: dict[tuple[int, ...], Any] = {}  # CUDA: recent block-id tensors on the device (_index)
         if self.cuda:
             self.stream = torch.cuda.Stream(device=self.device)
             self.chunk = max(1, min(slots, CHUNK_BYTES // self.slot_bytes))
-            self.scratch = torch.empty((self.chunk, len(kv_caches), n, seg), dtype=torch.uint8, device=self.device)
+            # blocks of one layer each; a copy of fewer layers gives each of them a larger share (one round)
+            self.scratch = torch.empty((len(kv_caches) * self.chunk, n, seg), dtype=torch.uint8, device=self.device)
 
     @property
     def pool_span(self) -> tuple[int, int]:
@@ -103,19 +110,18 @@ class Stager:
             for li, v in layers:
                 rows = v.index_select(0, bi)
                 for i, s, n in _runs(slots):
-                    self.pool[s:s + n, li].copy_(rows[i:i + n])
+                    self.pool[li, s:s + n].copy_(rows[i:i + n])
             return DONE
         with self._queued(after):
-            for at in range(0, len(blocks), self.chunk):
-                bi = self._index(blocks[at:at + self.chunk])
+            per = self._per_layer(len(layers))
+            for at in range(0, len(blocks), per):
+                bi = self._index(blocks[at:at + per])
                 k = len(bi)
-                for li, v in layers:
-                    self.scratch[:k, li].copy_(v.index_select(0, bi))
-                for i, s, n in _runs(slots[at:at + k]):
-                    if layer is None:
-                        self.pool[s:s + n].copy_(self.scratch[i:i + n], non_blocking=True)
-                    else:  # one layer of each slot: the others may hold what earlier layers copied
-                        self.pool[s:s + n, layer].copy_(self.scratch[i:i + n, layer], non_blocking=True)
+                for j, (li, v) in enumerate(layers):
+                    buf = self.scratch[j * per:j * per + k]
+                    torch.index_select(v, 0, bi, out=buf)
+                    for i, s, n in _runs(slots[at:at + k]):  # contiguous on both sides: never a bounce buffer
+                        self.pool[li, s:s + n].copy_(buf[i:i + n], non_blocking=True)
             return self._event()
 
     def from_pool(self, slots: list[int], blocks: list[int], after: Any = None,
@@ -130,18 +136,24 @@ class Stager:
             rows = torch.empty((len(blocks), self.layout.segments, self.layout.segment_bytes), dtype=torch.uint8)
             for layer, v in views:
                 for i, s, n in _runs(slots):
-                    rows[i:i + n].copy_(self.pool[s:s + n, layer])
+                    rows[i:i + n].copy_(self.pool[layer, s:s + n])
                 v.index_copy_(0, bi, rows)
             return DONE
         with self._queued(after):
-            for at in range(0, len(blocks), self.chunk):
-                bi = self._index(blocks[at:at + self.chunk])
+            per = self._per_layer(len(views))
+            for at in range(0, len(blocks), per):
+                bi = self._index(blocks[at:at + per])
                 k = len(bi)
-                for i, s, n in _runs(slots[at:at + k]):
-                    self.scratch[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
-                for layer, v in views:
-                    v.index_copy_(0, bi, self.scratch[:k, layer])
+                for j, (layer, v) in enumerate(views):  # only the layers asked for cross the bus
+                    buf = self.scratch[j * per:j * per + k]
+                    for i, s, n in _runs(slots[at:at + k]):
+                        buf[i:i + n].copy_(self.pool[layer, s:s + n], non_blocking=True)
+                    v.index_copy_(0, bi, buf)
             return self._event()
+
+    def _per_layer(self, layers: int) -> int:
+        """Blocks of each of ``layers`` layers one round of a copy moves through the scratch."""
+        return self.chunk * len(self.views) // layers
 
     @contextlib.contextmanager
     def _queued(self, after: Any):
@@ -161,10 +173,18 @@ class Stager:
 
     def _index(self, blocks: list[int]) -> Any:
         """Block ids on the device, copied from pinned memory on the stager's stream: a pageable copy would
-        wait for that stream, and so for vLLM's forward, on the calling thread."""
+        wait for that stream, and so for vLLM's forward, on the calling thread. The last few are kept (a
+        streamed step copies the same blocks once per layer); only the stager's stream ever reads them."""
         import torch
 
-        return torch.tensor(blocks, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        key = tuple(blocks)
+        got = self._indices.pop(key, None)
+        if got is None:
+            got = torch.tensor(blocks, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        self._indices[key] = got
+        while len(self._indices) > 8:
+            self._indices.pop(next(iter(self._indices)))
+        return got
 
     def _event(self) -> Pending:
         import torch

@@ -2,7 +2,7 @@
 
 When the transport cannot address the KV cache's memory (a GPU and kvlink's TCP or same-host transport),
 each worker keeps a pinned host pool of ``slots`` block slots; slot ``s`` holds block ``s`` of every layer
-(layout.packed_geometry), and slot 0 is never used, so a table entry 0 still means vLLM's null block.
+(layer-major: layout.pool_geometry), and slot 0 is never used, so a table entry 0 still means vLLM's null block.
 
 Prefill: a finished request is queued here; when the pool has room its blocks get slots, the worker copies
 them device -> pool (stager.py) and reports the request finished sending, so vLLM frees its device blocks

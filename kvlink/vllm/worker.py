@@ -51,7 +51,7 @@ from kvlink.transport import Access, EngineConfig
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
 from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
 from kvlink.vllm.config import ConnectorConfig
-from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, packed_geometry, state_layout,
+from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
@@ -355,7 +355,8 @@ class KVLinkWorker:
         if self.role in ("kv_producer", "kv_both"):
             if pool_region is not None:
                 self._layer_regions = dict.fromkeys(kv_caches, pool_region)
-                self._source_geoms = {name: packed_geometry(self.layout, i, n) for i, name in enumerate(kv_caches)}
+                rows = self._stager.slots + 1
+                self._source_geoms = {name: pool_geometry(self.layout, i, rows) for i, name in enumerate(kv_caches)}
             else:
                 # one region per allocation: layers of different groups may share memory (a state layer's
                 # pages and an attention layer's)
@@ -369,7 +370,8 @@ class KVLinkWorker:
         if self.role in ("kv_consumer", "kv_both"):
             if pool_region is not None:
                 self._local_region = pool_region
-                self._local_geoms = {name: packed_geometry(self.layout, i, n) for i, name in enumerate(kv_caches)}
+                rows = self._stager.slots + 1
+                self._local_geoms = {name: pool_geometry(self.layout, i, rows) for i, name in enumerate(kv_caches)}
                 self._landing = SlotPool(self._stager.slots)
             else:
                 self._register_destination(kv_caches)

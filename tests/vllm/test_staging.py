@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvlink.vllm.layout import Geometry, block_layout, packed_geometry
+from kvlink.vllm.layout import Geometry, block_layout, pool_geometry
 from kvlink.vllm.plan import LayerMap, build_plan
 from kvlink.vllm.staging import SlotPool, StagePlanner, pool_slots, staging_wanted
 from tests.vllm.helpers import pull_outcome, submit_pull
@@ -117,15 +117,37 @@ def test_staging_decision():
     assert staged and ("non-CUDA" in why or "not installed" in why)
 
 
-def test_plan_between_two_pools_is_one_descriptor_per_run_of_slots():
+def test_plan_between_two_pools_is_one_descriptor_per_layer_per_run_of_slots():
     lay = block_layout((NB, 2, BS, 64), (2 * BS * 64, BS * 64, 64, 1), 2)
-    layers = [LayerMap(f"l{i}", packed_geometry(lay, i, 3), 9, packed_geometry(lay, i, 3), lay.segments,
+    rows, bb = 9, lay.block_bytes  # layer-major pools of 8 slots (+ slot 0)
+    layers = [LayerMap(f"l{i}", pool_geometry(lay, i, rows), 9, pool_geometry(lay, i, rows), lay.segments,
                        lay.segment_bytes) for i in range(3)]
     plan = build_plan(layers, [(1, 5), (2, 6), (3, 7), (7, 1)])
-    slot = 3 * lay.block_bytes
-    assert plan.local_offsets.tolist() == [slot, 7 * slot]
-    assert plan.remote_offsets.tolist() == [5 * slot, slot]
-    assert plan.lengths.tolist() == [3 * slot, slot]
+    got = list(zip(plan.local_offsets.tolist(), plan.remote_offsets.tolist(), plan.lengths.tolist()))
+    want = []
+    for i in range(3):  # each layer: slots 1-3 <- 5-7 in one range, then slot 7 <- 1
+        want += [(i * rows * bb + bb, i * rows * bb + 5 * bb, 3 * bb), (i * rows * bb + 7 * bb, i * rows * bb + bb, bb)]
+    assert got == want
+
+
+def test_the_pool_geometry_names_the_bytes_the_stager_copies_each_block_to():
+    """What prefill publishes (pool_geometry) and where the stager's copies put a block agree, byte for byte,
+    in every layer (a mismatch would have decode read another layer's or slot's bytes)."""
+    from kvlink.vllm.stager import Stager
+
+    kv = {f"model.layers.{i}.attn": torch.randint(0, 100, (2, NB, BS, 2, 8), dtype=torch.int16) for i in range(3)}
+    first = next(iter(kv.values()))
+    lay = block_layout(first.shape, first.stride(), first.element_size())
+    st = Stager(kv, lay, 6)
+    st.to_pool([5, 2, 7], [3, 4, 1])
+    flat = st.pool.view(-1)
+    for li, v in enumerate(st.views):
+        g = pool_geometry(lay, li, st.slots + 1)
+        for block, slot in ((5, 3), (2, 4), (7, 1)):
+            for seg in range(lay.segments):
+                at = g.offset + slot * g.block_stride + seg * g.segment_stride
+                assert torch.equal(flat[at:at + lay.segment_bytes], v[block, seg])
+    assert not st.pool[:, [0, 2, 5, 6]].any()  # the null slot and the unused ones
 
 
 def test_plan_reads_each_side_with_its_own_geometry():
@@ -289,3 +311,30 @@ def test_gpu_check_script_passes_on_the_host_staged_path():
                         "--blocks", "24", "--pool-mb", "4"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every block of every layer equal" in r.stdout and "staging (D2H)" in r.stdout
+
+
+def test_gpu_stream_check_script_passes_on_the_host_staged_path():
+    """tools/gpu_stream_check.py (streamed KV through host staging, for a GPU) through its CPU mode: a stand-in
+    forward, layer-wise copies and pieces, a concurrent decode reading each layer range, byte for byte."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "tools" / "gpu_stream_check.py"), "--device", "cpu", "--layers", "3",
+                        "--blocks", "16", "--pool-mb", "4", "--layer-ms", "40", "--runs", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every block of every layer equal" in r.stdout and "read blocks as pieces: yes" in r.stdout
+
+
+def test_gpu_stager_bench_copies_every_block_both_ways_on_the_host():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "tools" / "gpu_stager_bench.py"), "--device", "cpu", "--layers",
+                        "3", "--blocks", "8", "--reps", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every slot equals its block, and back" in r.stdout
