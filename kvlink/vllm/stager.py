@@ -112,6 +112,8 @@ class Stager:
                 for i, s, n in _runs(slots):
                     self.pool[li, s:s + n].copy_(rows[i:i + n])
             return DONE
+        if not layers:
+            return DONE
         with self._queued(after):
             per = self._per_layer(len(layers))
             for at in range(0, len(blocks), per):
@@ -138,6 +140,8 @@ class Stager:
                 for i, s, n in _runs(slots):
                     rows[i:i + n].copy_(self.pool[layer, s:s + n])
                 v.index_copy_(0, bi, rows)
+            return DONE
+        if not views:
             return DONE
         with self._queued(after):
             per = self._per_layer(len(views))
