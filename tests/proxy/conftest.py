@@ -3,19 +3,12 @@ thread."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvlink.proxy.config import ProxyConfig
 from kvlink.proxy.router import build_app
 from tests.fakes_vllm_server import AppThread, FakeVLLMServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port  # noqa: F401 - test_router imports it from here
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from tests.ports import free_port  # noqa: F401 - the tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -58,12 +59,6 @@ def token_prompts(n_tokens: list[int], seed: int = 0) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(10, 1000) for _ in range(n)] for n in n_tokens]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:

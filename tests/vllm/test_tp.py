@@ -16,11 +16,11 @@ Why not two TP=2 servers: on the 2-core test machine their 4 workers' gloo threa
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 
+from tests.ports import free_port
 from tests.vllm.helpers import pull_outcome, submit_pull
 
 torch = pytest.importorskip("torch")
@@ -36,23 +36,6 @@ def _shard(rank: int, fill: float) -> dict:
         for b in range(BLOCKS):
             buf[layer, b] = fill + 100 * rank + 10 * layer + b
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
-
-
-def _two_free_ports() -> int:
-    """A port P with P and P+1 free (prefill rank i listens on transport_port + i)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
@@ -101,7 +84,7 @@ def tp2():
     from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
     srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    port = _two_free_ports()
+    port = free_port(2)
     pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=port)
     dec_cfg = ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0)
     workers = []
@@ -153,7 +136,7 @@ def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
     """A TP=1 prefill server and a TP=2 decode server: each decode rank reads its one KV head out of
     prefill's two-head blocks (a head range of each block). float32, so TP=1 and TP=2 compute the same
     tokens and the oracle is exact: decode's answer from pulled KV equals its own local answer."""
-    from tests.vllm.helpers import Server, complete, free_port, kv_config, text, token_prompts
+    from tests.vllm.helpers import Server, complete, kv_config, text, token_prompts
 
     bport = free_port()
     # Generous timeouts: once decode's two workers have run a request, their communicator threads busy-poll
