@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ SIZES = (1024, 2048, 4000)  # "4k": the model allows 4,096 positions, 8 of them 
 CONCURRENCY = (1, 4)
 CHUNK = ("--max-num-batched-tokens", "256")
 ISOLATE = False
+DEVICE_CORE = False
 KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
 
 
@@ -99,15 +101,71 @@ def pin_tree(pid: int, cpus: set[int], children: bool = True) -> int:
     return moved
 
 
+class DeviceCore:
+    """``--device-core``: CPU 0 plays prefill's (or the single server's) accelerator and runs its forward
+    only; every other thread of every process in the run (vLLM's API servers and engine cores, the
+    connector's threads, decode, the proxy, the relay) runs on CPU 1, the hosts' CPUs. On a GPU host the
+    forward does not share a core with them; on 2 shared cores, without this, they take turns with it.
+    The forward thread is a worker's main thread (``VLLM::Worker``) that vLLM's OMP binding put on CPU 0;
+    threads started later inherit that binding, so the map is re-applied every 0.2 s while the run lasts."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.stop = pids, threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="device-core", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.2):
+            for pid in self.pids:
+                self.apply(pid)
+            for t in os.listdir("/proc/self/task"):  # the relay's thread, this one: hosts' CPU
+                self._pin(int(t), {1})
+
+    @staticmethod
+    def _pin(tid: int, cpus: set[int]) -> None:
+        try:
+            if os.sched_getaffinity(tid) != cpus:
+                os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
+
+    def apply(self, root: int) -> None:
+        todo = [root]
+        while todo:
+            p = todo.pop()
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+                todo += [int(c) for t in tids for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+                forward = (Path(f"/proc/{p}/comm").read_text().startswith("VLLM::Worker")
+                           and os.sched_getaffinity(p) == {0})
+            except OSError:
+                continue
+            for t in tids:
+                if not (forward and t == p):
+                    self._pin(t, {1})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for t in os.listdir("/proc/self/task"):  # the next run's servers inherit this process's mask
+            self._pin(int(t), set(range(os.cpu_count())))
+
+
 def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | None) -> dict:
     with Stack() as stack:
         if mode == "single":
             srv = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=2 << 30,
                                        extra_args=CHUNK))
             srv.wait_ready()
-            ttft(srv.url, prompts(1, 200, 1)[0])
-            return cells(srv.url, reps, seed, None)
+            pinner = DeviceCore([srv.proc.pid]) if DEVICE_CORE else None
+            try:
+                ttft(srv.url, prompts(1, 200, 1)[0])
+                return cells(srv.url, reps, seed, None)
+            finally:
+                if pinner:
+                    pinner.close()
         bport, tport = free_port(), free_port()
+        pinner = None
         relay = Relay(f"127.0.0.1:{tport}", rate=rate) if rate else None
         if relay is not None:
             relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
@@ -131,9 +189,13 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
                 n = sum(pin_tree(pid, {1}) for pid in (dec.proc.pid, proxy.proc.pid))
                 n += pin_tree(os.getpid(), {1}, children=False)  # the relay's thread; not prefill, a child too
                 print(f"    pinned {n} threads of decode, the proxy and the relay to CPU 1", flush=True)
+            if DEVICE_CORE:
+                pinner = DeviceCore([pre.proc.pid, dec.proc.pid, proxy.proc.pid])
             ttft(proxy.url, prompts(1, 200, 2)[0])
             return cells(proxy.url, reps, seed, dec)
         finally:
+            if pinner is not None:
+                pinner.close()
             if relay is not None:
                 relay.close()
             if ISOLATE:  # this process's threads back on every CPU: the next run's servers inherit its mask
@@ -141,8 +203,77 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
                     os.sched_setaffinity(int(t), range(os.cpu_count()))
 
 
+def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
+    """``--interleave``: the single server and both PD stacks (non-streamed, streamed) alive at once, one
+    request to each in turn, ``reps`` rounds per size (concurrency 1): a slow spell of this VM falls on
+    every mode alike instead of on whichever ran then. With ``--device-core`` CPU 0 runs whichever forward
+    is on (one at a time), everything else CPU 1. Without ``--link-mbps`` the link is set from the single
+    server's first 2k request, as in the default run."""
+    out: dict[str, dict] = {m: {} for m in ("single", "pd/emulated", "pd-stream/emulated")}
+    with Stack() as stack:
+        single = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30, extra_args=CHUNK))
+        single.wait_ready()
+        ttft(single.url, prompts(1, 200, 1)[0])
+        if rate is None:
+            ref = 2048 if 2048 in SIZES else SIZES[0]
+            rate = ref * KV_PER_TOKEN / (0.4 * ttft(single.url, prompts(1, ref, 7)[0]))
+        print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
+        urls, decs, relays, pids = {"single": single.url}, {}, [], [single.proc.pid]
+        for mode in ("pd", "pd-stream"):
+            bport, tport = free_port(), free_port()
+            relay = Relay(f"127.0.0.1:{tport}", rate=rate)
+            relay.CHUNK = 1 << 16
+            relays.append(relay)
+            extra = {"transport_backend": "tcp", "stream_kv": mode == "pd-stream"}
+            pre = stack.add(VLLMServer(f"{mode}-prefill", model, logs, cpu=0, kv_bytes=1 << 30, extra_args=CHUNK,
+                                       kv=kvlink_config("kv_producer", f"{mode}-prefill", bootstrap_port=bport,
+                                                        transport_port=tport, transport_advertise=relay.address,
+                                                        **extra)))
+            dec = stack.add(VLLMServer(f"{mode}-decode", model, logs, kv=kvlink_config("kv_consumer", **extra),
+                                       cpu=1, kv_bytes=1 << 30))
+            pre.wait_ready()
+            dec.wait_ready()
+            proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent",
+                                        bootstrap=f"http://127.0.0.1:{bport}"))
+            proxy.wait_ready()
+            ttft(proxy.url, prompts(1, 200, 2)[0])
+            urls[f"{mode}/emulated"], decs[f"{mode}/emulated"] = proxy.url, dec
+            pids += [pre.proc.pid, dec.proc.pid, proxy.proc.pid]
+        pinner = DeviceCore(pids) if DEVICE_CORE else None
+        try:
+            for size in SIZES:
+                for mode, url in urls.items():  # the first prompt of a new length runs slower: not counted
+                    ttft(url, prompts(1, size, 3 + size)[0])
+                m0 = {m: d.metrics() for m, d in decs.items()}
+                cells_ = {m: {"ttft_ms": []} for m in urls}
+                for r in range(reps):
+                    for mode, url in urls.items():
+                        cells_[mode]["ttft_ms"].append(1e3 * ttft(url, prompts(1, size, 1000 * r + size)[0]))
+                time.sleep(0.5)
+                for mode, dec in decs.items():
+                    m1 = dec.metrics()
+                    d = {k: m1.get(k, 0) - m0[mode].get(k, 0) for k in m1}
+                    pulls = d.get("kvlink_tail_seconds_count", 0) or float("nan")
+                    cells_[mode].update(tail_ms=1e3 * d.get("kvlink_tail_seconds_sum", float("nan")) / pulls,
+                                        mib=d.get("kvlink_bytes_pulled_total", float("nan")) / pulls / 2**20,
+                                        streamed_blocks=d.get("kvlink_blocks_streamed_total", 0) / pulls,
+                                        failed=d.get("kvlink_pulls_failed_total", 0))
+                for mode, cell in cells_.items():
+                    out[mode][(size, 1)] = cell
+                    print(f"    {mode:20s} {size:5d} tokens: TTFT {[round(t) for t in cell['ttft_ms']]} ms"
+                          + (f", tail {cell['tail_ms']:.1f} ms, failed {cell['failed']:.0f}" if mode in decs else ""),
+                          flush=True)
+        finally:
+            if pinner is not None:
+                pinner.close()
+            for relay in relays:
+                relay.close()
+    out["rate"] = rate
+    return out
+
+
 def main() -> int:
-    global SIZES, CONCURRENCY, CHUNK, ISOLATE
+    global SIZES, CONCURRENCY, CHUNK, ISOLATE, DEVICE_CORE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s (default: from "
                     "the single server's 2k TTFT, so the 2k transfer takes 40%% of prefill's compute)")
@@ -156,6 +287,11 @@ def main() -> int:
                     "so most prompts are one chunk)")
     ap.add_argument("--isolate", action="store_true", help="pin decode's engine, the proxy and the relay to CPU 1 "
                     "(prefill's compute is on CPU 0 already): two hosts, roughly, instead of one shared one")
+    ap.add_argument("--device-core", action="store_true", help="CPU 0 runs prefill's (and the single server's) "
+                    "forward only, every other thread of the run CPU 1: the forward alone on its device, as on a "
+                    "GPU host (class DeviceCore)")
+    ap.add_argument("--interleave", action="store_true", help="every mode's servers at once, one request to "
+                    "each in turn (concurrency 1, emulated link only; function interleaved)")
     ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
@@ -164,22 +300,28 @@ def main() -> int:
     CONCURRENCY = tuple(int(x) for x in args.concurrency.split(","))
     CHUNK = ("--max-num-batched-tokens", str(args.chunk))
     ISOLATE = args.isolate
+    DEVICE_CORE = args.device_core
     model = str(ensure_model("kvheavy"))
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-stream-"))
     print(f"kvheavy model, chunked prefill of {args.chunk} tokens, kvlink TCP transport; logs {logs}", flush=True)
     med = statistics.median
     results: dict[str, dict] = {}
-    print("single server:", flush=True)
-    results["single"] = run("single", model, logs, args.reps, 100, None)
-    ref = 2048 if 2048 in SIZES else SIZES[0]  # the link is set so this size's transfer is 40% of its compute
-    rate = args.link_mbps * 1e6 if args.link_mbps else (
-        ref * KV_PER_TOKEN / (0.4 * med(results["single"][(ref, CONCURRENCY[0])]["ttft_ms"]) / 1e3))
-    print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
-    links = (("emulated", rate),) + (() if args.emulated_only else (("loopback", None),))
-    for link, r in links:
-        for mode in ("pd", "pd-stream"):
-            print(f"{mode} over {link}:", flush=True)
-            results[f"{mode}/{link}"] = run(mode, model, logs, args.reps, 100, r)
+    if args.interleave:
+        CONCURRENCY = (1,)
+        results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None)
+        rate, links = results.pop("rate"), (("emulated", None),)
+    else:
+        print("single server:", flush=True)
+        results["single"] = run("single", model, logs, args.reps, 100, None)
+        ref = 2048 if 2048 in SIZES else SIZES[0]  # the link is set so this size's transfer is 40% of its compute
+        rate = args.link_mbps * 1e6 if args.link_mbps else (
+            ref * KV_PER_TOKEN / (0.4 * med(results["single"][(ref, CONCURRENCY[0])]["ttft_ms"]) / 1e3))
+        print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
+        links = (("emulated", rate),) + (() if args.emulated_only else (("loopback", None),))
+        for link, r in links:
+            for mode in ("pd", "pd-stream"):
+                print(f"{mode} over {link}:", flush=True)
+                results[f"{mode}/{link}"] = run(mode, model, logs, args.reps, 100, r)
     if args.granularity_ab:
         print("pd-stream over emulated, stream_granularity step:", flush=True)
         results["pd-stream-step/emulated"] = run("pd-stream-step", model, logs, args.reps, 100, rate)

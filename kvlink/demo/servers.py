@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvlink.demo.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvlink_config(role: str, engine_id: str | None = None, **extra) -> dict:
