@@ -1,7 +1,7 @@
 """Streamed KV: TTFT of a single server, PD with the KV moved after prefill (non-streamed) and PD with the KV
 streamed while prefill computes, over an emulated link and over plain loopback.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_stream.py [--link-mbps R] [--reps 3] [--out FILE]
+    PYTHONPATH=. .venv/bin/python bench/bench_stream.py [--device-core] [--interleave] [--link-mbps R] [--out FILE]
 
 On this machine a CPU forward is slow and loopback fast, the opposite of a GPU cluster: streaming would
 look like nothing. So prefill's transport is reached through a rate-limited relay (tests/relay.py: it
@@ -10,12 +10,19 @@ takes about 40% of prefill's compute, as on GPUs over 25-100 GbE. Unless ``--lin
 rate is set from the single server's 2k-token TTFT measured first in the same run; the achieved rate
 (bytes over the non-streamed tail) is reported with the figures.
 
-kvheavy model (32 KiB of KV per token, 8 layers), chunked prefill of 256 tokens (``--chunk``) on every server
-(the single server too), kvlink's TCP transport (a same-host copy would bypass the relay), concurrent pairing through
-``kvlink proxy --mode concurrent``, prompts of 1k, 2k and 4k tokens at concurrency 1 and 4, each prompt
-new to every server (no prefix-cache hit). Per cell: median TTFT at the client (first streamed token),
-and the exposed transfer: decode's ``kvlink_tail_seconds`` (from decode seeing prefill's published record
-to the KV in place; for the non-streamed mode that is the whole transfer).
+On a GPU host the forward runs on the device and the connector's threads, vLLM's engine loops, decode,
+the proxy and the link do not take turns with it; on 2 shared cores they do. ``--device-core`` gives
+CPU 0 to the forward of prefill (and of the single server) alone and everything else CPU 1 (class
+DeviceCore). ``--interleave`` keeps every mode's servers up at once and sends one request to each in
+turn, so this VM's slow spells fall on all modes alike (concurrency 1, emulated link).
+
+kvheavy model (32 KiB of KV per token, 8 layers), chunked prefill of 2,048 tokens (``--chunk``; GPUs run
+2k-16k) on every server (the single server too), kvlink's TCP transport (a same-host copy would bypass the
+relay), concurrent pairing through ``kvlink proxy --mode concurrent``, prompts of 1k, 2k and 4k tokens at
+concurrency 1 and 4, each prompt new to every server (no prefix-cache hit). Per cell: median TTFT at the
+client (first streamed token), and the exposed transfer: decode's ``kvlink_tail_seconds`` (from decode
+seeing prefill's published record to the KV in place; for the non-streamed mode that is the whole
+transfer).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from tests.relay import Relay
 
 SIZES = (1024, 2048, 4000)  # "4k": the model allows 4,096 positions, 8 of them for the output
 CONCURRENCY = (1, 4)
-CHUNK = ("--max-num-batched-tokens", "256")
+CHUNK = ("--max-num-batched-tokens", "2048")
 ISOLATE = False
 DEVICE_CORE = False
 KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
@@ -48,6 +55,17 @@ KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
 def prompts(n: int, size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 1000) for _ in range(size)] for _ in range(n)]
+
+
+def decode_figures(m0: dict, m1: dict) -> dict:
+    """Per pull, from decode's /metrics before and after a cell: the tail, MiB, blocks read while streamed,
+    and how many pulls failed (recomputed)."""
+    d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
+    pulls = d.get("kvlink_tail_seconds_count", 0) or float("nan")
+    return dict(tail_ms=1e3 * d.get("kvlink_tail_seconds_sum", float("nan")) / pulls,
+                mib=d.get("kvlink_bytes_pulled_total", float("nan")) / pulls / 2**20,
+                streamed_blocks=d.get("kvlink_blocks_streamed_total", 0) / pulls,
+                failed=d.get("kvlink_pulls_failed_total", 0))
 
 
 def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
@@ -65,13 +83,7 @@ def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
             cell = {"ttft_ms": [t * 1e3 for t in ts]}
             if dec:
                 time.sleep(0.5)
-                m1 = dec.metrics()
-                d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
-                pulls = d.get("kvlink_tail_seconds_count", 0) or float("nan")
-                cell.update(tail_ms=1e3 * d.get("kvlink_tail_seconds_sum", float("nan")) / pulls,
-                            mib=d.get("kvlink_bytes_pulled_total", float("nan")) / pulls / 2**20,
-                            streamed_blocks=d.get("kvlink_blocks_streamed_total", 0) / pulls,
-                            failed=d.get("kvlink_pulls_failed_total", 0))
+                cell.update(decode_figures(m0, dec.metrics()))
             out[(size, conc)] = cell
             print(f"    {size:5d} tokens x{conc}: TTFT median {statistics.median(cell['ttft_ms']):8.1f} ms"
                   + (f"  tail {cell['tail_ms']:7.1f} ms for {cell['mib']:.1f} MiB, streamed blocks "
@@ -151,6 +163,39 @@ class DeviceCore:
             self._pin(int(t), set(range(os.cpu_count())))
 
 
+def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None, kv_bytes: int,
+             name: str = "") -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
+    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-nopace), ready, with the
+    concurrent proxy in front; prefill's transport behind a relay at ``rate`` bytes/s (None: plain
+    loopback), which the caller closes."""
+    bport, tport = free_port(), free_port()
+    relay = Relay(f"127.0.0.1:{tport}", rate=rate) if rate else None
+    if relay is not None:
+        relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
+    try:
+        extra = {"transport_backend": "tcp", "stream_kv": mode.startswith("pd-stream")}
+        if mode == "pd-stream-step":  # announced after each step's forward instead of after each layer
+            extra["stream_granularity"] = "step"
+        pre_kv = kvlink_config("kv_producer", f"{name}prefill-0", bootstrap_port=bport, transport_port=tport,
+                               **({"transport_advertise": relay.address} if relay else {}), **extra)
+        # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
+        # lookup_wait_s: at concurrency 4 this VM's prefill takes up to a minute to publish (a GPU, seconds at most)
+        dec_kv = kvlink_config("kv_consumer", lookup_wait_s=600, **extra,
+                               **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}))
+        pre = stack.add(VLLMServer(f"{name}prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=kv_bytes,
+                                   extra_args=CHUNK))
+        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes))
+        pre.wait_ready()
+        dec.wait_ready()
+        proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent", bootstrap=f"http://127.0.0.1:{bport}"))
+        proxy.wait_ready()
+    except BaseException:
+        if relay is not None:
+            relay.close()
+        raise
+    return pre, dec, proxy, relay
+
+
 def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | None) -> dict:
     with Stack() as stack:
         if mode == "single":
@@ -164,27 +209,9 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
             finally:
                 if pinner:
                     pinner.close()
-        bport, tport = free_port(), free_port()
-        pinner = None
-        relay = Relay(f"127.0.0.1:{tport}", rate=rate) if rate else None
-        if relay is not None:
-            relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
-        extra = {"transport_backend": "tcp", "stream_kv": mode.startswith("pd-stream")}
-        if mode == "pd-stream-step":  # announced after each step's forward instead of after each layer
-            extra["stream_granularity"] = "step"
-        pre_kv = kvlink_config("kv_producer", "prefill-0", bootstrap_port=bport, transport_port=tport,
-                               **({"transport_advertise": relay.address} if relay else {}), **extra)
-        # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
-        dec_kv = kvlink_config("kv_consumer", **extra, **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}))
-        pre = stack.add(VLLMServer("prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=2 << 30,
-                                   extra_args=CHUNK))
-        dec = stack.add(VLLMServer("decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=2 << 30))
+        pinner = relay = None
         try:
-            pre.wait_ready()
-            dec.wait_ready()
-            proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent",
-                                        bootstrap=f"http://127.0.0.1:{bport}"))
-            proxy.wait_ready()
+            pre, dec, proxy, relay = pd_stack(stack, mode, model, logs, rate, 2 << 30)
             if ISOLATE:  # decode's host: decode's engine, the proxy and the relay (this process) on CPU 1 only
                 n = sum(pin_tree(pid, {1}) for pid in (dec.proc.pid, proxy.proc.pid))
                 n += pin_tree(os.getpid(), {1}, children=False)  # the relay's thread; not prefill, a child too
@@ -219,28 +246,15 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
             rate = ref * KV_PER_TOKEN / (0.4 * ttft(single.url, prompts(1, ref, 7)[0]))
         print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
         urls, decs, relays, pids = {"single": single.url}, {}, [], [single.proc.pid]
-        for mode in ("pd", "pd-stream"):
-            bport, tport = free_port(), free_port()
-            relay = Relay(f"127.0.0.1:{tport}", rate=rate)
-            relay.CHUNK = 1 << 16
-            relays.append(relay)
-            extra = {"transport_backend": "tcp", "stream_kv": mode == "pd-stream"}
-            pre = stack.add(VLLMServer(f"{mode}-prefill", model, logs, cpu=0, kv_bytes=1 << 30, extra_args=CHUNK,
-                                       kv=kvlink_config("kv_producer", f"{mode}-prefill", bootstrap_port=bport,
-                                                        transport_port=tport, transport_advertise=relay.address,
-                                                        **extra)))
-            dec = stack.add(VLLMServer(f"{mode}-decode", model, logs, kv=kvlink_config("kv_consumer", **extra),
-                                       cpu=1, kv_bytes=1 << 30))
-            pre.wait_ready()
-            dec.wait_ready()
-            proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent",
-                                        bootstrap=f"http://127.0.0.1:{bport}"))
-            proxy.wait_ready()
-            ttft(proxy.url, prompts(1, 200, 2)[0])
-            urls[f"{mode}/emulated"], decs[f"{mode}/emulated"] = proxy.url, dec
-            pids += [pre.proc.pid, dec.proc.pid, proxy.proc.pid]
-        pinner = DeviceCore(pids) if DEVICE_CORE else None
+        pinner = None
         try:
+            for mode in ("pd", "pd-stream"):
+                pre, dec, proxy, relay = pd_stack(stack, mode, model, logs, rate, 1 << 30, name=f"{mode}-")
+                relays.append(relay)
+                ttft(proxy.url, prompts(1, 200, 2)[0])
+                urls[f"{mode}/emulated"], decs[f"{mode}/emulated"] = proxy.url, dec
+                pids += [pre.proc.pid, dec.proc.pid, proxy.proc.pid]
+            pinner = DeviceCore(pids) if DEVICE_CORE else None
             for size in SIZES:
                 for mode, url in urls.items():  # the first prompt of a new length runs slower: not counted
                     ttft(url, prompts(1, size, 3 + size)[0])
@@ -251,13 +265,7 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
                         cells_[mode]["ttft_ms"].append(1e3 * ttft(url, prompts(1, size, 1000 * r + size)[0]))
                 time.sleep(0.5)
                 for mode, dec in decs.items():
-                    m1 = dec.metrics()
-                    d = {k: m1.get(k, 0) - m0[mode].get(k, 0) for k in m1}
-                    pulls = d.get("kvlink_tail_seconds_count", 0) or float("nan")
-                    cells_[mode].update(tail_ms=1e3 * d.get("kvlink_tail_seconds_sum", float("nan")) / pulls,
-                                        mib=d.get("kvlink_bytes_pulled_total", float("nan")) / pulls / 2**20,
-                                        streamed_blocks=d.get("kvlink_blocks_streamed_total", 0) / pulls,
-                                        failed=d.get("kvlink_pulls_failed_total", 0))
+                    cells_[mode].update(decode_figures(m0[mode], dec.metrics()))
                 for mode, cell in cells_.items():
                     out[mode][(size, 1)] = cell
                     print(f"    {mode:20s} {size:5d} tokens: TTFT {[round(t) for t in cell['ttft_ms']]} ms"
@@ -283,8 +291,8 @@ def main() -> int:
                     "decode's pull_step_wait_ms 0 (decode's engine spinning while it waits)")
     ap.add_argument("--granularity-ab", action="store_true", help="also PD streamed over the emulated link "
                     "with stream_granularity \"step\" (the default streams per layer)")
-    ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
-                    "so most prompts are one chunk)")
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
+                    "so most prompts are one chunk; sessions 9-10 ran 256)")
     ap.add_argument("--isolate", action="store_true", help="pin decode's engine, the proxy and the relay to CPU 1 "
                     "(prefill's compute is on CPU 0 already): two hosts, roughly, instead of one shared one")
     ap.add_argument("--device-core", action="store_true", help="CPU 0 runs prefill's (and the single server's) "
@@ -340,6 +348,16 @@ def main() -> int:
                 achieved = a["mib"] * 2**20 / (a["tail_ms"] / 1e3) / 1e6 if a["tail_ms"] else float("nan")
                 print(f"| {link} | {size} | {conc} | {s:.0f} | {ta:.0f} ({ta / s:.2f}) | {tb:.0f} ({tb / s:.2f}) | "
                       f"{a['tail_ms']:.0f} | {b['tail_ms']:.0f} | {b['tail_ms'] / a['tail_ms']:.2f} | {achieved:.0f} |")
+    if args.interleave:  # each round's requests ran back to back: its ratios are the paired comparison
+        print("\n| size | PD / single, median of rounds (rounds) | PD streamed / single, median of rounds (rounds) |"
+              "\n|---|---|---|")
+        for size in SIZES:
+            one = results["single"][(size, 1)]["ttft_ms"]
+            row = []
+            for mode in ("pd/emulated", "pd-stream/emulated"):
+                rs = [t / s for t, s in zip(results[mode][(size, 1)]["ttft_ms"], one)]
+                row.append(f"{med(rs):.2f} ({', '.join(f'{r:.2f}' for r in rs)})")
+            print(f"| {size} | {row[0]} | {row[1]} |")
     if args.granularity_ab:
         print("\n| size | conc | PD streamed per layer: TTFT ms (x single), exposed ms | per step: TTFT ms (x single), "
               "exposed ms |\n|---|---|---|---|")
