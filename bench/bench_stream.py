@@ -68,6 +68,13 @@ def decode_figures(m0: dict, m1: dict) -> dict:
                 failed=d.get("kvlink_pulls_failed_total", 0))
 
 
+def server_ttft_s(srv: VLLMServer) -> float:
+    """The sum of vLLM's own TTFT histogram on ``srv`` (arrival to first token, as the server sees it):
+    read before and after one request, it gives that request's compute (prefill's, for PD), which the
+    client's TTFT contains along with the proxy, decode and the link."""
+    return srv.metrics(("vllm:time_to_first_token_seconds_sum",)).get("vllm:time_to_first_token_seconds_sum", 0.0)
+
+
 def cells(url: str, reps: int, seed: int, dec: VLLMServer | None) -> dict:
     """TTFT per (size, concurrency); decode's tail and bytes per request from /metrics deltas. One request
     of each size first, not counted: the first prompt of a new length after start-up runs slower."""
@@ -246,6 +253,7 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
             rate = ref * KV_PER_TOKEN / (0.4 * ttft(single.url, prompts(1, ref, 7)[0]))
         print(f"emulated link: {rate / 1e6:.0f} MB/s ({rate * 8 / 1e9:.2f} Gb/s)", flush=True)
         urls, decs, relays, pids = {"single": single.url}, {}, [], [single.proc.pid]
+        computes = {"single": single}  # the server whose forward computes the prompt, per mode
         pinner = None
         try:
             for mode in ("pd", "pd-stream"):
@@ -253,22 +261,26 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
                 relays.append(relay)
                 ttft(proxy.url, prompts(1, 200, 2)[0])
                 urls[f"{mode}/emulated"], decs[f"{mode}/emulated"] = proxy.url, dec
+                computes[f"{mode}/emulated"] = pre
                 pids += [pre.proc.pid, dec.proc.pid, proxy.proc.pid]
             pinner = DeviceCore(pids) if DEVICE_CORE else None
             for size in SIZES:
                 for mode, url in urls.items():  # the first prompt of a new length runs slower: not counted
                     ttft(url, prompts(1, size, 3 + size)[0])
                 m0 = {m: d.metrics() for m, d in decs.items()}
-                cells_ = {m: {"ttft_ms": []} for m in urls}
+                cells_ = {m: {"ttft_ms": [], "compute_ms": []} for m in urls}
                 for r in range(reps):
                     for mode, url in urls.items():
+                        c0 = server_ttft_s(computes[mode])
                         cells_[mode]["ttft_ms"].append(1e3 * ttft(url, prompts(1, size, 1000 * r + size)[0]))
+                        cells_[mode]["compute_ms"].append(1e3 * (server_ttft_s(computes[mode]) - c0))
                 time.sleep(0.5)
                 for mode, dec in decs.items():
                     cells_[mode].update(decode_figures(m0[mode], dec.metrics()))
                 for mode, cell in cells_.items():
                     out[mode][(size, 1)] = cell
-                    print(f"    {mode:20s} {size:5d} tokens: TTFT {[round(t) for t in cell['ttft_ms']]} ms"
+                    print(f"    {mode:20s} {size:5d} tokens: TTFT {[round(t) for t in cell['ttft_ms']]} ms, "
+                          f"compute server's own TTFT {[round(t) for t in cell['compute_ms']]} ms"
                           + (f", tail {cell['tail_ms']:.1f} ms, failed {cell['failed']:.0f}" if mode in decs else ""),
                           flush=True)
         finally:
@@ -358,6 +370,16 @@ def main() -> int:
                 rs = [t / s for t, s in zip(results[mode][(size, 1)]["ttft_ms"], one)]
                 row.append(f"{med(rs):.2f} ({', '.join(f'{r:.2f}' for r in rs)})")
             print(f"| {size} | {row[0]} | {row[1]} |")
+        print("\nThe compute server's own TTFT (prefill's for PD; arrival to first token as vLLM counts it), "
+              "paired per round:\n\n| size | single ms | PD prefill ms (x single) | PD streamed prefill ms "
+              "(x single) |\n|---|---|---|---|")
+        for size in SIZES:
+            one = results["single"][(size, 1)]["compute_ms"]
+            row = []
+            for mode in ("pd/emulated", "pd-stream/emulated"):
+                own = results[mode][(size, 1)]["compute_ms"]
+                row.append(f"{med(own):.0f} ({med(t / s for t, s in zip(own, one)):.2f})")
+            print(f"| {size} | {med(one):.0f} | {row[0]} | {row[1]} |")
     if args.granularity_ab:
         print("\n| size | conc | PD streamed per layer: TTFT ms (x single), exposed ms | per step: TTFT ms (x single), "
               "exposed ms |\n|---|---|---|---|")

@@ -80,12 +80,13 @@ class VLLMServer(Proc):
     def wait_ready(self, timeout: float = 240.0) -> None:
         wait_http(self.url + "/health", timeout, self)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, prefixes: tuple[str, ...] = ("kvlink_", "nixl", "vllm:nixl")) -> dict[str, float]:
+        """The server's /metrics lines whose names start with one of ``prefixes``, summed over labels."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
-            if line.startswith("kvlink_") or line.startswith("nixl") or line.startswith("vllm:nixl"):
+            if line.startswith(prefixes):
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out

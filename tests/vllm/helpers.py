@@ -141,6 +141,85 @@ class Server:
         return scrape(self.url, name)
 
 
+class SlowMotion:
+    """A server whose forward runs as on a slow device, for tests that act while prefill still streams a
+    request. While the ``with`` block lasts, a thread keeps its worker processes (``VLLM::Worker``: the
+    forward, and the transport that serves READs) stopped (SIGSTOP) until ``hold_until()`` holds (say, decode
+    waits for the request's pull), then lets them run ``run_ms`` of every ``run_ms + stop_ms``; the API
+    server and the engine core (the embedded bootstrap server) run on. Warm, the tiny model computes a
+    1,900-token prompt in 64-token chunks in a few ms of the worker's time, before decode has even admitted
+    the request; held, then slowed, prefill is a few steps in when decode reads its first piece. On
+    leaving, the workers run again, or stay stopped with ``stopped_after=True``."""
+
+    def __init__(self, server: Server, hold_until=None, run_ms: float = 2.0, stop_ms: float = 98.0,
+                 stopped_after: bool = False):
+        import threading
+
+        self.workers = self._workers(server.proc.pid)
+        assert self.workers, f"no VLLM::Worker process under server {server.proc.pid}"
+        self.hold_until, self.stopped_after = hold_until, stopped_after
+        self.run_s, self.stop_s = run_ms / 1e3, stop_ms / 1e3
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="slow-motion", daemon=True)
+
+    @staticmethod
+    def _workers(pgid: int) -> list[int]:
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.getpgid(int(entry)) == pgid and Path(f"/proc/{entry}/comm").read_text().startswith(
+                            "VLLM::Worker"):
+                        out.append(int(entry))
+                except (OSError, ProcessLookupError):
+                    continue
+        return out
+
+    def __enter__(self) -> SlowMotion:
+        self._signal(signal.SIGSTOP)
+        self._thread.start()
+        return self
+
+    def _holds(self) -> bool:
+        try:
+            return bool(self.hold_until())
+        except OSError:  # a scrape that failed: ask again
+            return False
+
+    def _signal(self, sig: int) -> bool:
+        alive = False
+        for pid in self.workers:
+            try:
+                os.kill(pid, sig)
+                alive = True
+            except ProcessLookupError:  # the test killed the server
+                pass
+        return alive
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + 60.0  # then on, slowed: the test's own wait reports what never came
+        while self.hold_until is not None and not self._holds() and time.monotonic() < deadline:
+            if self._done.wait(0.02):
+                return
+        while not self._done.is_set() and self._signal(signal.SIGSTOP):
+            time.sleep(self.stop_s)
+            if not self._signal(signal.SIGCONT):
+                return
+            self._done.wait(self.run_s)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._signal(signal.SIGSTOP if self.stopped_after else signal.SIGCONT)
+
+    def window(self) -> None:
+        """After a block left them stopped: let the workers alone run ``run_ms`` (a READ on the wire gets
+        its answer; the forward gets at most the step it was sent), then stop them again."""
+        self._signal(signal.SIGCONT)
+        time.sleep(self.run_s)
+        self._signal(signal.SIGSTOP)
+
+
 def metric(server, name: str) -> float:
     """A server's series on /metrics, 0 when it has none yet."""
     return server.metric(name) or 0.0

@@ -22,13 +22,13 @@ import pytest
 
 from tests.fakes_vllm_server import AppThread
 from tests.relay import Relay
-from tests.vllm.helpers import (Server, complete, free_port, kv_config, metric, scrape, text, token_prompts,
-                                wait_for)
+from tests.vllm.helpers import (Server, SlowMotion, complete, free_port, kv_config, metric, scrape, text,
+                                token_prompts, wait_for)
 
 CHUNK = 64
 PREFILL_ARGS = ("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "16")
 PULL_TIMEOUT_S = 30.0
-LONG = 1900  # prompt tokens: ~30 chunks, so prefill is still computing while decode reads the first pieces
+LONG = 1900  # prompt tokens: ~30 chunks, computed in slow motion (SlowMotion) until the test stops prefill
 SLOW_RATE = 16 << 10  # bytes/s through a throttled relay: a 2-block piece (64 KiB) takes ~4 s
 
 
@@ -87,6 +87,14 @@ def stack(tiny_model, tmp_path_factory):
             r.close()
 
 
+def held_until_decode_waits(p: Prefill, dec: Server) -> SlowMotion:
+    """Prefill's forward held until decode waits for the request's KV, then slowed, and left stopped at the
+    end of the block (SlowMotion): decode reads the first pieces while most of the prompt is still to come."""
+    waiting0 = metric(dec, "kvlink_pulls_in_progress")
+    return SlowMotion(p.server, hold_until=lambda: metric(dec, "kvlink_pulls_in_progress") > waiting0,
+                      stopped_after=True)
+
+
 def failure_lines(server, since: int) -> list[str]:
     with open(server.log, "rb") as fh:
         fh.seek(since)
@@ -118,8 +126,9 @@ def test_prefill_killed_while_a_streamed_piece_is_read(stack):
     log_at = dec.log.stat().st_size
     p.relay.throttle(SLOW_RATE)
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
-        assert p.relay.first_byte.wait(60), "decode never read from prefill"
+        with held_until_decode_waits(p, dec):
+            fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
+            assert p.relay.first_byte.wait(60), "decode never read from prefill"
         p.server.kill()
         p.relay.close()  # its connections to the dead process drop; no buffered byte trickles on
         t0 = time.monotonic()
@@ -140,17 +149,17 @@ def test_prefill_killed_between_pieces_while_decode_waits(stack):
     published0 = scrape(p.bootstrap, "kvlink_bootstrap_published_total") or 0.0
     log_at = dec.log.stat().st_size
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
-        assert wait_for(lambda: metric(dec, "kvlink_blocks_streamed_total") > streamed0), "decode read no piece"
-        for attempt in range(40):  # pause prefill at a moment when no READ is owed an answer
-            assert (scrape(p.bootstrap, "kvlink_bootstrap_published_total") or 0.0) == published0, \
-                "prefill finished before the test could stop it: make LONG larger"
-            p.server.pause()
+        with held_until_decode_waits(p, dec) as forward:
+            fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
+            assert wait_for(lambda: metric(dec, "kvlink_blocks_streamed_total") > streamed0), "decode read no piece"
+        assert (scrape(p.bootstrap, "kvlink_bootstrap_published_total") or 0.0) == published0, \
+            "prefill finished before the test could stop it: make LONG larger"
+        p.server.pause()  # all of it now; its forward was stopped already
+        for attempt in range(40):  # wait for a moment when no READ is owed an answer
             time.sleep(0.5)
             if not p.relay.awaiting_answer():
                 break
-            p.server.resume()
-            time.sleep(0.05)
+            forward.window()  # the worker alone, briefly: the READ on the wire gets its answer
         else:
             pytest.fail("decode always had a READ on the wire")
         assert not fut.done(), "decode finished: prefill published just before it was paused"
