@@ -141,15 +141,41 @@ class Server:
         return scrape(self.url, name)
 
 
+# The duty cycle of SlowMotion, in a process of its own: its timing does not wait for the test's GIL (the
+# in-process proxy, the test's polling), and it runs real-time where it may. Stops the pids, lets them run
+# ``run`` s of every ``run + stop``, until its stdin closes; it leaves them stopped.
+_DUTY = """
+import os, select, signal, sys, time
+run, stop, pids = float(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+except (OSError, AttributeError):
+    pass
+def send(sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+while True:
+    send(signal.SIGSTOP)
+    if select.select([sys.stdin], [], [], stop)[0]:
+        break
+    send(signal.SIGCONT)
+    time.sleep(run)
+send(signal.SIGSTOP)
+"""
+
+
 class SlowMotion:
     """A server whose forward runs as on a slow device, for tests that act while prefill still streams a
-    request. While the ``with`` block lasts, a thread keeps its worker processes (``VLLM::Worker``: the
-    forward, and the transport that serves READs) stopped (SIGSTOP) until ``hold_until()`` holds (say, decode
-    waits for the request's pull), then lets them run ``run_ms`` of every ``run_ms + stop_ms``; the API
-    server and the engine core (the embedded bootstrap server) run on. Warm, the tiny model computes a
-    1,900-token prompt in 64-token chunks in a few ms of the worker's time, before decode has even admitted
-    the request; held, then slowed, prefill is a few steps in when decode reads its first piece. On
-    leaving, the workers run again, or stay stopped with ``stopped_after=True``."""
+    request. While the ``with`` block lasts its worker processes (``VLLM::Worker``: the forward, and the
+    transport that serves READs) are stopped (SIGSTOP) until ``hold_until()`` holds (say, decode waits for
+    the request's pull), then let run ``run_ms`` of every ``run_ms + stop_ms`` (a helper process keeps
+    the time); the API server and the engine core (the embedded bootstrap server) run on. Warm, the tiny
+    model computes a 1,900-token prompt in 64-token chunks in a few ms of the worker's time, before decode
+    has even admitted the request; held, then slowed, prefill is a few steps in when decode reads its
+    first piece. On leaving, the workers run again, or stay stopped with ``stopped_after=True``."""
 
     def __init__(self, server: Server, hold_until=None, run_ms: float = 2.0, stop_ms: float = 98.0,
                  stopped_after: bool = False):
@@ -160,7 +186,8 @@ class SlowMotion:
         self.hold_until, self.stopped_after = hold_until, stopped_after
         self.run_s, self.stop_s = run_ms / 1e3, stop_ms / 1e3
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="slow-motion", daemon=True)
+        self._duty: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._hold, name="slow-motion", daemon=True)
 
     @staticmethod
     def _workers(pgid: int) -> list[int]:
@@ -186,30 +213,27 @@ class SlowMotion:
         except OSError:  # a scrape that failed: ask again
             return False
 
-    def _signal(self, sig: int) -> bool:
-        alive = False
-        for pid in self.workers:
-            try:
-                os.kill(pid, sig)
-                alive = True
-            except ProcessLookupError:  # the test killed the server
-                pass
-        return alive
-
-    def _loop(self) -> None:
+    def _hold(self) -> None:
         deadline = time.monotonic() + 60.0  # then on, slowed: the test's own wait reports what never came
         while self.hold_until is not None and not self._holds() and time.monotonic() < deadline:
             if self._done.wait(0.02):
                 return
-        while not self._done.is_set() and self._signal(signal.SIGSTOP):
-            time.sleep(self.stop_s)
-            if not self._signal(signal.SIGCONT):
-                return
-            self._done.wait(self.run_s)
+        self._duty = subprocess.Popen([sys.executable, "-c", _DUTY, str(self.run_s), str(self.stop_s),
+                                       *map(str, self.workers)], stdin=subprocess.PIPE)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.workers:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:  # the test killed the server
+                pass
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+        if self._duty is not None:
+            self._duty.stdin.close()  # it ends with the workers stopped
+            self._duty.wait(10)
         self._signal(signal.SIGSTOP if self.stopped_after else signal.SIGCONT)
 
     def window(self) -> None:
