@@ -244,6 +244,14 @@ class SlowMotion:
         self._signal(signal.SIGSTOP)
 
 
+def held_until_decode_waits(prefill: Server, decode: Server, stopped_after: bool = False) -> SlowMotion:
+    """Prefill's forward held until ``decode`` waits for the request's KV, then slowed (SlowMotion): decode
+    reads the first pieces while prefill still has most of the prompt to compute."""
+    waiting0 = metric(decode, "kvlink_pulls_in_progress")
+    return SlowMotion(prefill, hold_until=lambda: metric(decode, "kvlink_pulls_in_progress") > waiting0,
+                      stopped_after=stopped_after)
+
+
 def metric(server, name: str) -> float:
     """A server's series on /metrics, 0 when it has none yet."""
     return server.metric(name) or 0.0

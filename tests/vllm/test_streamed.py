@@ -25,8 +25,9 @@ import uuid
 import pytest
 
 from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (Server, SlowMotion, complete, concurrent_legs, corrupting_kv_config, free_port,
-                                kv_config, metric, open_completion, scrape, text, token_prompts, wait_for)
+from tests.vllm.helpers import (Server, complete, concurrent_legs, corrupting_kv_config, free_port,
+                                held_until_decode_waits, kv_config, metric, open_completion, scrape, text,
+                                token_prompts, wait_for)
 
 CHUNK = 64  # prefill's max_num_batched_tokens: a 500-token prompt is 8 engine steps, 7 of them streamed
 LONG = 1900  # a prompt prefill computes in ~30 steps, in slow motion (SlowMotion) while a test acts mid-stream
@@ -86,13 +87,6 @@ def mid_stream(sd, streamed0: float, published0: float) -> None:
     assert published(sd) == published0, "prefill finished before the test could act mid-stream"
 
 
-def held_until_decode_waits(sd) -> SlowMotion:
-    """Prefill's forward held until decode waits for the request's KV, then slowed (SlowMotion): decode
-    reads the first pieces while prefill still has most of the prompt to compute."""
-    waiting0 = metric(sd["dec"], "kvlink_pulls_in_progress")
-    return SlowMotion(sd["pre"], hold_until=lambda: metric(sd["dec"], "kvlink_pulls_in_progress") > waiting0)
-
-
 def assert_nothing_held(sd) -> None:
     assert wait_zero(sd["pre"], "kvlink_held_blocks"), "prefill still holds blocks"
     assert wait_zero(sd["dec"], "kvlink_pulls_in_progress"), "decode still waits for pulls"
@@ -140,7 +134,7 @@ def test_client_hangs_up_mid_stream_both_legs_stop(sd):
         return metric(dec, "kvlink_pulls_cancelled_total") + metric(dec, "kvlink_pulls_failed_total")
 
     ended0 = pulls_ended()
-    with held_until_decode_waits(sd):
+    with held_until_decode_waits(sd["pre"], sd["dec"]):
         conn = open_completion(sd["conc"], prompt, max_tokens=8)
         mid_stream(sd, metric(dec, "kvlink_blocks_streamed_total"), published0)
         conn.close()
@@ -167,7 +161,7 @@ def test_decode_gives_up_mid_stream_prefill_stops_sending_pieces(sd):
     sent0, ended0 = metric(pre, "kvlink_pieces_sent_total"), metric(pre, "kvlink_pieces_ended_total")
     abandoned0, published0 = metric(pre, "kvlink_released_abandoned_total"), published(sd)
     with cf.ThreadPoolExecutor(1) as ex:
-        with held_until_decode_waits(sd):
+        with held_until_decode_waits(sd["pre"], sd["dec"]):
             prefill_leg = ex.submit(complete, pre.url, prompt, pre_params, 1, 120.0)
             conn = open_completion(dec.url, prompt, dec_params, max_tokens=8)
             mid_stream(sd, metric(dec, "kvlink_blocks_streamed_total"), published0)
@@ -196,7 +190,7 @@ def test_prefill_aborted_mid_stream_decode_recomputes_at_once(sd):
     failed0, aborted0 = metric(dec, "kvlink_pulls_failed_total"), metric(pre, "kvlink_aborted_transfers_total")
     log_at = dec.log.stat().st_size
     with cf.ThreadPoolExecutor(1) as ex:
-        with held_until_decode_waits(sd):
+        with held_until_decode_waits(sd["pre"], sd["dec"]):
             conn = open_completion(pre.url, prompt, pre_params, max_tokens=1)
             decode_leg = ex.submit(complete, dec.url, prompt, dec_params, 10, 120.0)
             mid_stream(sd, metric(dec, "kvlink_blocks_streamed_total"), published(sd))

@@ -22,8 +22,8 @@ import pytest
 
 from tests.fakes_vllm_server import AppThread
 from tests.relay import Relay
-from tests.vllm.helpers import (Server, SlowMotion, complete, free_port, kv_config, metric, scrape, text,
-                                token_prompts, wait_for)
+from tests.vllm.helpers import (Server, complete, free_port, held_until_decode_waits, kv_config, metric, scrape,
+                                text, token_prompts, wait_for)
 
 CHUNK = 64
 PREFILL_ARGS = ("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "16")
@@ -87,14 +87,6 @@ def stack(tiny_model, tmp_path_factory):
             r.close()
 
 
-def held_until_decode_waits(p: Prefill, dec: Server) -> SlowMotion:
-    """Prefill's forward held until decode waits for the request's KV, then slowed, and left stopped at the
-    end of the block (SlowMotion): decode reads the first pieces while most of the prompt is still to come."""
-    waiting0 = metric(dec, "kvlink_pulls_in_progress")
-    return SlowMotion(p.server, hold_until=lambda: metric(dec, "kvlink_pulls_in_progress") > waiting0,
-                      stopped_after=True)
-
-
 def failure_lines(server, since: int) -> list[str]:
     with open(server.log, "rb") as fh:
         fh.seek(since)
@@ -126,7 +118,7 @@ def test_prefill_killed_while_a_streamed_piece_is_read(stack):
     log_at = dec.log.stat().st_size
     p.relay.throttle(SLOW_RATE)
     with cf.ThreadPoolExecutor(1) as ex:
-        with held_until_decode_waits(p, dec):
+        with held_until_decode_waits(p.server, dec, stopped_after=True):
             fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
             assert p.relay.first_byte.wait(60), "decode never read from prefill"
         p.server.kill()
@@ -149,7 +141,7 @@ def test_prefill_killed_between_pieces_while_decode_waits(stack):
     published0 = scrape(p.bootstrap, "kvlink_bootstrap_published_total") or 0.0
     log_at = dec.log.stat().st_size
     with cf.ThreadPoolExecutor(1) as ex:
-        with held_until_decode_waits(p, dec) as forward:
+        with held_until_decode_waits(p.server, dec, stopped_after=True) as forward:
             fut = ex.submit(lambda: text(complete(p.proxy, prompt, timeout=120)))
             assert wait_for(lambda: metric(dec, "kvlink_blocks_streamed_total") > streamed0), "decode read no piece"
         assert (scrape(p.bootstrap, "kvlink_bootstrap_published_total") or 0.0) == published0, \
