@@ -175,16 +175,18 @@ class SlowMotion:
     the time); the API server and the engine core (the embedded bootstrap server) run on. Warm, the tiny
     model computes a 1,900-token prompt in 64-token chunks in a few ms of the worker's time, before decode
     has even admitted the request; held, then slowed, prefill is a few steps in when decode reads its
-    first piece. On leaving, the workers run again, or stay stopped with ``stopped_after=True``."""
+    first piece. With ``run_ms=None`` the workers run at full speed once the hold ends (a forward slowed by
+    other means, such as tests.fakes_connector.SlowLayersConnector). On leaving, the workers run again, or
+    stay stopped with ``stopped_after=True``."""
 
-    def __init__(self, server: Server, hold_until=None, run_ms: float = 2.0, stop_ms: float = 98.0,
+    def __init__(self, server: Server, hold_until=None, run_ms: float | None = 2.0, stop_ms: float = 98.0,
                  stopped_after: bool = False):
         import threading
 
         self.workers = self._workers(server.proc.pid)
         assert self.workers, f"no VLLM::Worker process under server {server.proc.pid}"
         self.hold_until, self.stopped_after = hold_until, stopped_after
-        self.run_s, self.stop_s = run_ms / 1e3, stop_ms / 1e3
+        self.run_s, self.stop_s = (None if run_ms is None else run_ms / 1e3), stop_ms / 1e3
         self._done = threading.Event()
         self._duty: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._hold, name="slow-motion", daemon=True)
@@ -218,6 +220,9 @@ class SlowMotion:
         while self.hold_until is not None and not self._holds() and time.monotonic() < deadline:
             if self._done.wait(0.02):
                 return
+        if self.run_s is None:
+            self._signal(signal.SIGCONT)
+            return
         self._duty = subprocess.Popen([sys.executable, "-c", _DUTY, str(self.run_s), str(self.stop_s),
                                        *map(str, self.workers)], stdin=subprocess.PIPE)
 
@@ -240,16 +245,18 @@ class SlowMotion:
         """After a block left them stopped: let the workers alone run ``run_ms`` (a READ on the wire gets
         its answer; the forward gets at most the step it was sent), then stop them again."""
         self._signal(signal.SIGCONT)
-        time.sleep(self.run_s)
+        time.sleep(self.run_s or 0.002)
         self._signal(signal.SIGSTOP)
 
 
-def held_until_decode_waits(prefill: Server, decode: Server, stopped_after: bool = False) -> SlowMotion:
-    """Prefill's forward held until ``decode`` waits for the request's KV, then slowed (SlowMotion): decode
-    reads the first pieces while prefill still has most of the prompt to compute."""
+def held_until_decode_waits(prefill: Server, decode: Server, stopped_after: bool = False,
+                            slowed: bool = True) -> SlowMotion:
+    """Prefill's forward held until ``decode`` waits for the request's KV, then slowed (SlowMotion; at full
+    speed with ``slowed=False``): decode reads the first pieces while prefill still has most of the prompt
+    to compute."""
     waiting0 = metric(decode, "kvlink_pulls_in_progress")
     return SlowMotion(prefill, hold_until=lambda: metric(decode, "kvlink_pulls_in_progress") > waiting0,
-                      stopped_after=stopped_after)
+                      run_ms=2.0 if slowed else None, stopped_after=stopped_after)
 
 
 def metric(server, name: str) -> float:
@@ -392,18 +399,26 @@ def open_completion(url, prompt, params=None, max_tokens=10):
     return conn
 
 
-def assert_each_streamed(url: str, decode, sizes, prompts, want, prefill=None) -> None:
-    """Each prompt through the PD endpoint ``url`` equals ``want``, and decode read blocks of each prompt of a
-    block or more before prefill published it (so did prefill send pieces for it, given ``prefill``); no pull
-    failed. One prompt at a time, so the counters' moves are that prompt's."""
+def assert_each_streamed(url: str, prefill: Server, decode: Server, sizes, prompts, want) -> None:
+    """Each prompt through the PD endpoint ``url`` equals ``want``, and for each prompt of a block or more
+    prefill sent pieces and decode read blocks before prefill published it; no pull failed. One prompt at a
+    time, so the counters' moves are that prompt's.
+
+    Prefill's connector must slow its streaming forward (tests.fakes_connector.SlowLayersConnector); its
+    workers are also held until decode waits for the prompt's KV: on a fast host the tiny model's forward
+    and its 150 ms a layer could end before a busy decode had admitted the request (CI saw it)."""
     for n, prompt, expected in zip(sizes, prompts, want):
         streamed0 = metric(decode, "kvlink_blocks_streamed_total")
-        sent0 = metric(prefill, "kvlink_pieces_sent_total") if prefill is not None else 0.0
-        assert text(complete(url, prompt, timeout=120)) == expected, f"{n} tokens"
+        sent0 = metric(prefill, "kvlink_pieces_sent_total")
+        if n >= BLOCK:
+            with held_until_decode_waits(prefill, decode, slowed=False):
+                got = text(complete(url, prompt, timeout=120))
+        else:  # no full block: decode has nothing to wait for, nothing streams
+            got = text(complete(url, prompt, timeout=120))
+        assert got == expected, f"{n} tokens"
         if n >= BLOCK:
             assert metric(decode, "kvlink_blocks_streamed_total") > streamed0, f"{n} tokens: decode read none early"
-            if prefill is not None:
-                assert metric(prefill, "kvlink_pieces_sent_total") > sent0, f"{n} tokens: prefill sent no piece"
+            assert metric(prefill, "kvlink_pieces_sent_total") > sent0, f"{n} tokens: prefill sent no piece"
     assert metric(decode, "kvlink_pulls_failed_total") == 0
 
 

@@ -62,7 +62,7 @@ def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
     sizes = [7, 31, 100, 700, 1500]
     prompts = token_prompts(sizes, seed=60)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
-    assert_each_streamed(lw["layer"], lw["dec"], sizes, prompts, want, prefill=lw["pre"])
+    assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], sizes, prompts, want)
 
 
 def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):

@@ -68,14 +68,14 @@ def baseline(ss, prompts):
 def test_streamed_through_the_pool_equals_a_single_server_and_is_read_during_the_forward(ss):
     sizes = [7, 31, 100, 700, 1000, 1900]  # 1900: two chunks of 1024
     prompts = token_prompts(sizes, seed=70)
-    assert_each_streamed(ss["conc"], ss["dec"], sizes, prompts, baseline(ss, prompts))
+    assert_each_streamed(ss["conc"], ss["pre"], ss["dec"], sizes, prompts, baseline(ss, prompts))
     assert metric(ss["pre"], "kvlink_staged_total") >= len(sizes)
 
 
 def test_a_decode_landing_through_its_own_pool_reads_layer_by_layer_and_equals_a_single_server(ss):
     sizes = [31, 700, 1900]
     prompts = token_prompts(sizes, seed=71)
-    assert_each_streamed(ss["conc_landed"], ss["landed"], sizes, prompts, baseline(ss, prompts))
+    assert_each_streamed(ss["conc_landed"], ss["pre"], ss["landed"], sizes, prompts, baseline(ss, prompts))
     assert metric(ss["landed"], "kvlink_bytes_landed_total") > 0
 
 
