@@ -49,6 +49,7 @@ CONCURRENCY = (1, 4)
 CHUNK = ("--max-num-batched-tokens", "2048")
 ISOLATE = False
 DEVICE_CORE = False
+NOSPIN = str(Path(__file__).resolve().parents[1] / "tools" / "nospin")  # sitecustomize.py: --device-core servers
 KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
 
 
@@ -126,7 +127,17 @@ class DeviceCore:
     connector's threads, decode, the proxy, the relay) runs on CPU 1, the hosts' CPUs. On a GPU host the
     forward does not share a core with them; on 2 shared cores, without this, they take turns with it.
     The forward thread is a worker's main thread (``VLLM::Worker``) that vLLM's OMP binding put on CPU 0;
-    threads started later inherit that binding, so the map is re-applied every 0.2 s while the run lasts."""
+    threads started later inherit that binding, so the map is re-applied every 0.2 s while the run lasts.
+
+    vLLM's engine core and worker main threads busy-wait on their shared-memory queues for a second after
+    each message (``sched_yield`` in a loop): prefill's engine core while its forward runs, decode's
+    worker between steps. On a GPU host each has a core to itself; here both land on CPU 1 with every
+    other host thread, and holding the GIL as they spin they also delay the connector's threads in their
+    process (prefill's bootstrap server, decode's resolver). A session 15 timeline (``KVLINK_TRACE``)
+    showed decode's API server waiting up to 550 ms for CPU 1 before it handed a request to its engine,
+    after prefill had published in half the requests. So every server of a ``--device-core`` run starts
+    with tools/nospin on its path: vLLM's queue loops nap 0.5 ms between polls instead of spinning
+    (up to 0.5 ms per message, paid by the single server alike)."""
 
     def __init__(self, pids: list[int]):
         self.pids, self.stop = pids, threading.Event()
@@ -176,7 +187,7 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
     concurrent proxy in front; prefill's transport behind a relay at ``rate`` bytes/s (None: plain
     loopback), which the caller closes."""
     bport, tport = free_port(), free_port()
-    relay = Relay(f"127.0.0.1:{tport}", rate=rate) if rate else None
+    relay = Relay(f"127.0.0.1:{tport}", rate=rate, realtime=True) if rate else None
     if relay is not None:
         relay.CHUNK = 1 << 16  # paced in 64 KiB steps: the sleep per step stays well above its overhead
     try:
@@ -321,6 +332,8 @@ def main() -> int:
     CHUNK = ("--max-num-batched-tokens", str(args.chunk))
     ISOLATE = args.isolate
     DEVICE_CORE = args.device_core
+    if DEVICE_CORE:  # every server started from here on: vLLM's queue readers do not spin (class DeviceCore)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (NOSPIN, os.environ.get("PYTHONPATH"))))
     model = str(ensure_model("kvheavy"))
     logs = Path(tempfile.mkdtemp(prefix="kvlink-bench-stream-"))
     print(f"kvheavy model, chunked prefill of {args.chunk} tokens, kvlink TCP transport; logs {logs}", flush=True)

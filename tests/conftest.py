@@ -56,3 +56,21 @@ class Pair:
     def __init__(self, target, init, peer, src, dst, rsrc, rdst):
         self.target, self.init, self.peer = target, init, peer
         self.src, self.dst, self.rsrc, self.rdst = src, dst, rsrc, rdst
+
+
+@pytest.fixture
+def traced(tmp_path):
+    """kvlink.trace on, into a file of the test's own, for the test's duration: yields the file's path."""
+    from kvlink import trace
+
+    path = tmp_path / "trace.jsonl"
+    trace.configure(str(path))
+    yield path
+    trace.configure(None)
+
+
+def trace_lines(path) -> list[dict]:
+    """The events of a KVLINK_TRACE file, in file order."""
+    import json
+
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

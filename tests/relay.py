@@ -5,11 +5,18 @@ directions between each client and the upstream, for tests that reach the engine
 Its options act on the upstream-to-client direction, where READ data flows: ``flip_after`` flips one
 byte (once, at that offset of a connection's stream) so CRC has something to catch; ``rate`` throttles
 it (bytes/s, None = full speed, changeable while running with ``throttle``) so a pull is held slow on
-purpose.
+purpose, or so a benchmark sees a link of that rate.
+
+The rate is one link's: every connection's bytes share it, each chunk leaving when the link has carried
+the bytes before it (a clock of when the link is next free). A pump thread that wakes late sends its
+next chunk at once, so up to ``SLACK_S`` of a late wake-up is caught up instead of lost, as a NIC keeps
+sending while a CPU is busy; an idle link earns no more credit than that. ``realtime`` runs the pump
+threads SCHED_FIFO where allowed, so a busy CPU does not slow the emulated wire (benchmarks).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -17,9 +24,13 @@ import time
 
 class Relay:
     CHUNK = 8192  # recv size while throttled: the rate applies in small steps, not 64 KiB bursts
+    SLACK_S = 0.002  # how far behind the link's clock a chunk may start (a pump that woke late)
 
-    def __init__(self, upstream: str, *, flip_after: int | None = None, rate: float | None = None) -> None:
+    def __init__(self, upstream: str, *, flip_after: int | None = None, rate: float | None = None,
+                 realtime: bool = False) -> None:
         host, _, port = upstream.rpartition(":")
+        self.realtime = realtime
+        self._link_free = 0.0  # when the link has carried every throttled byte so far (monotonic)
         self.upstream = (host, int(port))
         self.flip_after = flip_after
         self.flipped = False
@@ -44,7 +55,7 @@ class Relay:
             self.rate = rate
             if rate is not None:
                 self.first_byte.clear()
-                self.first_at = self.last_at = 0.0
+                self.first_at = self.last_at = self._link_free = 0.0
                 self.throttled_bytes = 0
 
     def throttled(self) -> tuple[int, float]:
@@ -78,6 +89,11 @@ class Relay:
             threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        if self.realtime:
+            try:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(20))  # this thread only
+            except (OSError, AttributeError):
+                pass
         seen = 0  # bytes of this connection's stream already forwarded
         try:
             while True:
@@ -118,11 +134,15 @@ class Relay:
 
     def _throttle_chunk(self, n: int, rate: float) -> None:
         with self._lock:
+            now = time.monotonic()
             if not self.first_byte.is_set():
-                self.first_at = time.monotonic()
+                self.first_at = now
                 self.first_byte.set()
             self.throttled_bytes += n
-        time.sleep(n / rate)  # the throttle itself, not synchronization
+            self._link_free = leaves = max(self._link_free, now - self.SLACK_S) + n / rate
+        delay = leaves - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the throttle itself, not synchronization
         with self._lock:
             self.last_at = time.monotonic()
 

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvlink import trace
 from kvlink.proxy.config import ProxyConfig
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, decode_params, flag, read
 
@@ -97,6 +98,7 @@ async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: s
     """POST and return the decoded JSON answer, or raise BackendError."""
     try:
         async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+            trace.event("proxy_prefill_answer")
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(stage, url, f"HTTP {resp.status}: {text[:500]}",
@@ -114,6 +116,7 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
     """Send the decode request and pass its answer (JSON or SSE stream) through to the client."""
     try:
         async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+            trace.event("proxy_decode_answer")
             ctype = resp.headers.get("Content-Type", "application/json")
             if resp.status != 200 or not ctype.startswith("text/event-stream"):
                 data = await resp.read()
@@ -165,6 +168,7 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
 
 
 async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
+    trace.event("proxy_request")
     i = cfg.prefill.index(prefill := next(st.prefill_rr))
     decode = next(st.decode_rr)
     transfer_id = uuid.uuid4().hex

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
+from kvlink import trace  # noqa: E402
 from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
 from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
 from kvlink.vllm.plugin import attach_vllm_log_handlers  # noqa: E402
@@ -200,6 +201,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             meta = self._connector_metadata
             if isinstance(meta, KVLinkMetadata) and meta.streams:
+                trace.event("layer", layer=layer_name)
                 self._worker.send_pieces(meta.streams, layer_name)
 
     def wait_for_save(self) -> None:

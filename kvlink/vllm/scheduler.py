@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from kvlink import trace
 from kvlink.bootstrap.pool import ClientPool
 from kvlink.bootstrap.schema import Outcome, RequestStatus
 from kvlink.vllm import params as kvparams
@@ -234,6 +235,7 @@ class KVLinkScheduler:
         with self._held_lock:
             self._held.published(rid, sum(1 for g in groups for b in g if b != NULL_BLOCK))  # nulls hold nothing
         self._count("published")
+        trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
                                   block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
                                   lease_s=self.cfg.lease_s).to_params()
@@ -385,6 +387,7 @@ class KVLinkScheduler:
                             "computing the prompt locally", request.request_id, n, w[0], g, self.block_size)
                 return 0, False
         self._local_hit[request.request_id] = num_computed_tokens  # block-aligned (vLLM passes it so)
+        trace.event("admit", rid=request.request_id, tokens=count)
         return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

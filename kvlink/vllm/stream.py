@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlink import trace
+
 logger = logging.getLogger(__name__)
 
 
@@ -361,11 +363,13 @@ class PieceSender:
         pieces = list(newest.values())
         if not pieces:
             return
+        trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers) for p in pieces])
         try:
             ended = self._send(pieces)
         except Exception as e:  # noqa: BLE001 - a lost piece costs overlap, never correctness
             logger.debug("kvlink: sending %d streamed pieces failed: %s", len(pieces), e)
             return
+        trace.event("piece_sent", n=len(pieces), ended=len(ended or ()))
         self._count("pieces_sent", len(pieces))
         if ended:
             self._count("pieces_ended", len(ended))

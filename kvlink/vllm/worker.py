@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.bootstrap.errors import BootstrapUnavailable
 from kvlink.errors import Canceled, NotSettled
@@ -545,6 +546,8 @@ class KVLinkWorker:
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
         failed = set(res.failed)
+        for rid in res.done:
+            trace.event("pull_done", rid=rid, failed=rid in failed)
         return sending | staged, res.done | failed, failed
 
     def _stage(self, jobs: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
@@ -663,6 +666,7 @@ class KVLinkWorker:
 
     def _submit(self, spec: PullSpec) -> None:
         src = spec.source
+        trace.event("pull_start", rid=spec.request_id)
         with self._lock:
             known = (src.block_ids is not None and src.engine_id is not None and src.request_id is not None
                      and (src.bootstrap_url, src.engine_id) in self._remotes)
@@ -681,6 +685,7 @@ class KVLinkWorker:
         that did not answer (a stall, a dropped connection) is asked again, up to twice, on a resolver
         thread while the pull's deadline allows: one slow answer does not cost decode a recompute."""
         src, rid = spec.source, spec.request_id
+        trace.event("resolve", rid=rid, attempt=attempt)
         try:
             cli = self._clients_for(src.bootstrap_url)
             engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
@@ -739,6 +744,8 @@ class KVLinkWorker:
                 return None
             rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after,
                                       layers=layers)
+            trace.event("answer", rid=rid, transfer_id=src.transfer_id, partial=rec.partial, layers=rec.layers,
+                        version=rec.version, asked=round(asked, 6))
             if not rec.partial:
                 return rec, asked
             after = rec.version
@@ -837,6 +844,7 @@ class KVLinkWorker:
             moves = [(slot, lb, self._layer_span(lo, hi)) for p in pulls for slot, _, lb, lo, hi in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
+        trace.event("read_post", batch=a.batch, rids=[p.rid for p in pulls], blocks=nblocks, bytes=nbytes)
         self._waiter.submit(self._await, a.batch, handle, remote)
 
     def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int, int, int]]) -> ReadPlan:
@@ -907,6 +915,7 @@ class KVLinkWorker:
         except Exception as e:  # noqa: BLE001
             self._ended(batch, e, remote)
         else:
+            trace.event("read_end", batch=batch)
             if isinstance(handle, _Landing):
                 with self._lock:
                     self._stats.add("bytes_landed", sum(self._stager.slot_bytes if m[2] is None else

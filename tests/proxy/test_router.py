@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from kvlink.proxy.config import ProxyConfig
+from tests.conftest import trace_lines
 
 
 def post(url, body, timeout=20):
@@ -300,3 +301,15 @@ def test_pairing_options_follow_the_params_rules_at_start_up(kw, option, field):
 def test_prefill_bootstrap_is_kept_in_the_form_decode_gets():
     cfg = ProxyConfig(prefill=("http://a",), decode=("http://d",), mode="concurrent", prefill_bootstrap=("b:1/",))
     assert cfg.bootstrap_for(0) == "http://b:1"
+
+
+def test_the_proxy_traces_both_legs_of_a_concurrent_request(traced, backends, proxy):
+    url = proxy(prefill=(backends("p0").url,), decode=(backends("d0").url,), mode="concurrent",
+                prefill_bootstrap=("http://127.0.0.1:9999",), prefill_engine_ids=("eng-p0",))
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "x", "max_tokens": 4}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.status == 200
+    evs = [e["ev"] for e in trace_lines(traced)]
+    assert evs[0] == "proxy_request"
+    assert sorted(evs[1:]) == ["proxy_decode_answer", "proxy_prefill_answer"]

@@ -76,7 +76,12 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tupl
 
 
 class Server:
-    """A vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server) in its own process group."""
+    """A vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server) in its own process group.
+
+    Started with tools/nospin on its path: vLLM's queue loops nap 0.5 ms between polls instead of spinning
+    for a second after each message. Several servers' spinners on this machine's 2 cores starved the
+    rest (a streamed piece once took 387 ms to reach prefill's bootstrap server, longer than the slowed
+    forward it was meant to overlap)."""
 
     def __init__(self, model: str, kv: dict | None, cpu: int, log: Path, extra_args=(), env=None):
         self.port = free_port()
@@ -89,7 +94,8 @@ class Server:
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
         e = dict(os.environ, **BASE_ENV, VLLM_CPU_OMP_THREADS_BIND=str(cpu),
-                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                 PYTHONPATH=os.pathsep.join((str(ROOT / "tools" / "nospin"), str(ROOT),
+                                             os.environ.get("PYTHONPATH", ""))))
         e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         e.update(env or {})
         self.log = log

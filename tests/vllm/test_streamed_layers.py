@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import trace_lines
 from tests.fakes_vllm_server import AppThread
 from tests.vllm.helpers import (Server, assert_each_streamed, complete, corrupting_kv_config, free_port, kv_config,
                                 metric, text, token_prompts)
@@ -24,15 +25,16 @@ ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
 def lw(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("layers")
     bport, sport = free_port(), free_port()
+    traced = {"KVLINK_TRACE": str(logs / "trace.jsonl")}  # prefill's and decode's timeline, one file
     slow = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0, stream_kv=True),
                 engine_id="prefill-l", kv_connector="SlowLayersConnector",
                 kv_connector_module_path="tests.fakes_connector")
-    pre = Server(tiny_model, slow, cpu=0, log=logs / "prefill-layer.log", extra_args=ONE_CHUNK)
+    pre = Server(tiny_model, slow, cpu=0, log=logs / "prefill-layer.log", extra_args=ONE_CHUNK, env=traced)
     step = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=sport, lease_s=20.0, stream_kv=True,
                                              stream_granularity="step"), engine_id="prefill-step"),
                   cpu=0, log=logs / "prefill-step.log", extra_args=ONE_CHUNK)
     dec = Server(tiny_model, dict(kv_config("kv_consumer", lookup_wait_s=20.0, pull_timeout_s=60.0),
-                                  kv_load_failure_policy="recompute"), cpu=1, log=logs / "decode.log")
+                                  kv_load_failure_policy="recompute"), cpu=1, log=logs / "decode.log", env=traced)
     bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0), cpu=1, log=logs / "corrupt.log")
     proxies = []
     try:
@@ -48,7 +50,7 @@ def lw(tiny_model, tmp_path_factory):
             proxies.append(p)
             return p.url
 
-        yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "layer": proxy(pre, bport, "prefill-l", dec),
+        yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "trace": logs / "trace.jsonl", "layer": proxy(pre, bport, "prefill-l", dec),
                "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec)}
     finally:
         for p in proxies:
@@ -63,6 +65,30 @@ def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
     prompts = token_prompts(sizes, seed=60)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
     assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], sizes, prompts, want)
+
+
+def test_the_timeline_shows_decode_reading_while_prefill_computes(lw):
+    """KVLINK_TRACE through the real servers: for one prompt, prefill's layers and pieces, decode's long
+    poll answers and READs come before prefill publishes; the record comes after every piece, and the
+    pull is handed to vLLM after it. The events of both processes, on one clock, in one file."""
+    prompt = token_prompts([700], seed=63)[0]
+    want = text(complete(lw["bad"].url, prompt))
+    start = trace_lines(lw["trace"])
+    assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], [700], [prompt], [want])
+    evs = trace_lines(lw["trace"])[len(start):]
+    (pub,) = [e for e in evs if e["ev"] == "publish"]
+    tid = pub["transfer_id"]
+    answers = [e for e in evs if e["ev"] == "answer" and e["transfer_id"] == tid]
+    rid = answers[0]["rid"]
+    assert {e["pid"] for e in evs if e["ev"] in ("layer", "piece_send")} != {e["pid"] for e in answers}
+    early = [e["ev"] for e in evs if e["t"] < pub["t"]]
+    assert early.count("layer") >= 1 and "piece_send" in early, early
+    assert [a for a in answers if a["partial"] and a["t"] < pub["t"]], "no piece reached decode before publish"
+    reads = [e for e in evs if e["ev"] == "read_post" and rid in e["rids"]]
+    assert reads and reads[0]["t"] < pub["t"], "decode read nothing while prefill computed"
+    (done,) = [e for e in evs if e["ev"] == "pull_done" and e["rid"] == rid]
+    (record,) = [a for a in answers if not a["partial"]]  # (logged by prefill after its publish call returned)
+    assert max(a["t"] for a in answers if a["partial"]) <= record["t"] <= done["t"] and not done["failed"]
 
 
 def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):

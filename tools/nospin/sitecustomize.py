@@ -1,0 +1,57 @@
+"""For vLLM servers of the tests and of ``bench_stream.py --device-core``: vLLM's shared-memory queue loops
+nap instead of spinning.
+
+vLLM's engine core and worker main threads busy-wait on these queues for a second after each message.
+On a GPU host each has a core of its own; on a 2-core test machine several servers' spinners starve
+everything else (a streamed piece took 387 ms to reach the bootstrap server in a test; decode's API
+server waited up to 550 ms for CPU in the benchmark) and, holding the GIL as they spin, slow the other
+threads of their process. On this path every Python process of such a server runs this at start-up. When vLLM's
+``shm_broadcast`` module is first imported, its ``sched_yield`` (called in a loop while a reader waits
+for the next message, for a second after each one, and while a writer waits for room) becomes a
+``NAP_S`` sleep: the loop still polls the queue, so no wake-up can be missed (blocking on vLLM's
+notify socket instead loses wake-ups: 5 s stalls), but it leaves the CPU and the GIL to the process's
+other threads between polls. Costs up to ``NAP_S`` per message (a benchmark's single server pays it
+alike). A vLLM without that function is left alone (and says so).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import time
+
+TARGET = "vllm.distributed.device_communicators.shm_broadcast"
+NAP_S = 500e-6
+
+
+def _nap() -> None:
+    time.sleep(NAP_S)
+
+
+def _patch(module) -> None:
+    if not callable(getattr(module, "sched_yield", None)):
+        print(f"tools/nospin: {TARGET} has no sched_yield; its queues spin as usual", file=sys.stderr)
+        return
+    module.sched_yield = _nap
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # find the real module below us, once
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
