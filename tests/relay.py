@@ -11,7 +11,9 @@ The rate is one link's: every connection's bytes share it, each chunk leaving wh
 the bytes before it (a clock of when the link is next free). A pump thread that wakes late sends its
 next chunk at once, so up to ``SLACK_S`` of a late wake-up is caught up instead of lost, as a NIC keeps
 sending while a CPU is busy; an idle link earns no more credit than that. ``realtime`` runs the pump
-threads SCHED_FIFO where allowed, so a busy CPU does not slow the emulated wire (benchmarks).
+threads SCHED_FIFO where allowed, so a busy CPU does not slow the emulated wire (benchmarks). Both of
+its sockets are TCP_NODELAY: without it the end of a READ's answer waited behind the client's delayed
+ACK (Nagle), and a 4 MB READ took 50 ms instead of 12 over a 326 MB/s link.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class Relay:
             try:
                 u = socket.create_connection(self.upstream, timeout=5)
                 u.settimeout(None)
+                for s in (c, u):  # a wire forwards what it has: no Nagle hold behind a delayed ACK (40 ms)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 c.close()
                 continue
