@@ -6,10 +6,12 @@ process appends one JSON line per event: ``{"t": <CLOCK_MONOTONIC seconds>, "pid
 on one host merge into one timeline (``sort -n`` on "t"); across hosts only durations within a process
 compare. Each line is one ``write`` to an O_APPEND file, so processes do not interleave inside a line.
 
-Events (see the call sites): prefill ``layer`` (a streaming step's attention layer saved its KV),
-``piece_send`` / ``piece_sent`` (the sender thread's bootstrap call), ``publish`` (the record is out);
-decode ``answer`` (a long poll answered: pieces or the record), ``read_post`` / ``read_end`` (a batch of
-READs), ``pull_done`` (the pull's outcome handed to vLLM). Off, ``event`` is one global test.
+Events (see the call sites): proxy ``proxy_request``, ``proxy_prefill_answer``, ``proxy_decode_answer``;
+prefill ``layer`` (a streaming step's attention layer saved its KV), ``piece_send`` / ``piece_sent`` (the
+sender thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the scheduler took the
+request's external tokens), ``pull_start``, ``resolve``, ``answer`` (a long poll answered: pieces or the
+record), ``read_post`` / ``read_end`` (a batch of READs), ``pull_done`` (the outcome handed to vLLM).
+Off, ``event`` is one global test; call sites that would build a field first ask ``enabled()``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def configure(path: str | None) -> None:
         if _fd is not None:
             os.close(_fd)
         _path, _fd = path, None
+
+
+def enabled() -> bool:
+    """Tracing is on (a call site can skip building its fields when not)."""
+    return _path is not None
 
 
 def event(what: str, **fields) -> None:

@@ -18,10 +18,11 @@ from tests.conftest import trace_lines as lines
 def test_off_writes_nothing(tmp_path):
     trace.configure(None)
     trace.event("anything", n=1)
-    assert list(tmp_path.iterdir()) == []
+    assert not trace.enabled() and list(tmp_path.iterdir()) == []
 
 
 def test_on_appends_one_line_per_event_with_time_pid_and_fields(traced):
+    assert trace.enabled()
     t0 = time.monotonic()
     trace.event("first", rid="r1", n=3)
     trace.event("second", pairs=[(1, 2)], obj=object())  # not JSON: written as its str, never raises

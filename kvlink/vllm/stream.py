@@ -363,7 +363,8 @@ class PieceSender:
         pieces = list(newest.values())
         if not pieces:
             return
-        trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers) for p in pieces])
+        if trace.enabled():
+            trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers) for p in pieces])
         try:
             ended = self._send(pieces)
         except Exception as e:  # noqa: BLE001 - a lost piece costs overlap, never correctness

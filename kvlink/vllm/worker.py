@@ -546,8 +546,9 @@ class KVLinkWorker:
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
         failed = set(res.failed)
-        for rid in res.done:
-            trace.event("pull_done", rid=rid, failed=rid in failed)
+        if trace.enabled():
+            for rid in res.done:
+                trace.event("pull_done", rid=rid, failed=rid in failed)
         return sending | staged, res.done | failed, failed
 
     def _stage(self, jobs: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
@@ -844,7 +845,8 @@ class KVLinkWorker:
             moves = [(slot, lb, self._layer_span(lo, hi)) for p in pulls for slot, _, lb, lo, hi in landing[p.rid]]
             handle = _Landing(handle, self._stager, moves, self._fence)
         self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
-        trace.event("read_post", batch=a.batch, rids=[p.rid for p in pulls], blocks=nblocks, bytes=nbytes)
+        if trace.enabled():
+            trace.event("read_post", batch=a.batch, rids=[p.rid for p in pulls], blocks=nblocks, bytes=nbytes)
         self._waiter.submit(self._await, a.batch, handle, remote)
 
     def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int, int, int]]) -> ReadPlan:
