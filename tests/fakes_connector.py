@@ -99,12 +99,21 @@ class CorruptingConnector(RecordingConnector):
 
 
 class SlowLayersConnector(RecordingConnector):
-    """Prefill: every attention layer of a step with streamed requests takes ``SLOW_LAYER_S`` longer."""
+    """Prefill: every attention layer of a step with streamed requests takes ``SLOW_LAYER_S`` longer on
+    entry to its attention op (before the attention computes) and as long again on exit. A layer whose KV
+    vLLM wrote before the op is announced on entry, so decode reads it while the attention has not run."""
 
     SLOW_LAYER_S = 0.15
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)
+        self._slow()
+
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._slow()
+
+    def _slow(self) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVLinkMetadata) and meta.streams:
             import time

@@ -194,8 +194,9 @@ class StreamPiece(_Strict, kw_only=True, omit_defaults=True):
     the full blocks ``block_ids`` (by position, one list per KV cache group). Cumulative: each piece
     repeats what the earlier ones said. ``index`` only grows for a request (across chunks and restarts).
 
-    Layer-wise: the running step's further full blocks ``step_block_ids`` (positions after ``block_ids``)
-    hold their KV in the model's layers whose index is below ``layers`` (0: none yet)."""
+    Layer-wise: the running step's further blocks ``step_block_ids`` (positions after ``block_ids``; full
+    ones, and the prompt's last, partial one in the step that completes it) hold their KV in the model's
+    layers whose index is below ``layers`` (0: none yet)."""
 
     transfer_id: RequestId
     request_id: RequestId

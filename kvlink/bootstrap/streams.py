@@ -13,8 +13,8 @@ lost piece costs nothing and a late one is stale. Per rank:
   or decode stopped waiting) is dropped and counted, and the answer names the transfer, so prefill stops
   sending for it.
 
-Layer-wise pieces (sent per layer while a step computes) add the running step's further full blocks
-(``step_block_ids``) and ``layers``: those blocks hold their KV in every layer whose index (the model's,
+Layer-wise pieces (sent per layer while a step computes) add the running step's further blocks
+(``step_block_ids``: full ones, and in the step that completes the prompt its last, partial one) and ``layers``: those blocks hold their KV in every layer whose index (the model's,
 the same on every rank and stage) is below it. A rank's progress orders as (``num_tokens``, ``layers``):
 within a step layers grow, and the step's end moves ``num_tokens`` on with ``layers`` back to 0.
 

@@ -122,6 +122,24 @@ def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_con
     return slots
 
 
+def kv_written_before_attention(layer_name: str) -> bool:
+    """Prefill: vLLM writes this layer's new KV into its cache in an op of its own that runs just before
+    the layer's attention op (``unified_kv_cache_update``, ordered before it, on the same CUDA stream): the
+    layer is vLLM's ``Attention`` with its forward, its backend's forward does not include that update,
+    and the layer has a KV cache of its own. Anything else (MLA, a backend that writes inside its forward,
+    an unknown layer): False, the layer is announced when its attention op has returned."""
+    try:
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        layer = get_forward_context().no_compile_layers.get(layer_name)
+    except Exception:  # noqa: BLE001 - another vLLM: the safe answer
+        return False
+    return (isinstance(layer, Attention) and type(layer).forward is Attention.forward
+            and getattr(getattr(layer, "attn_backend", None), "forward_includes_kv_cache_update", True) is False
+            and getattr(layer, "kv_sharing_target_layer_name", "") is None)
+
+
 class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
     """SupportsHMA: vLLM keeps its hybrid KV cache manager on with kvlink (several KV cache groups: models
     mixing full and sliding-window attention); request_finished_all_groups hands every group's blocks."""
@@ -135,6 +153,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
         self.engine_id = engine_id_of(vllm_config)
         self.kv_role = kv.kv_role
+        self._written_first: dict[str, bool] = {}  # prefill streaming: layer -> its KV is in place on entry
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         # Tokens per block of the group kvlink pairs (a group's spec may differ from cache_config's, e.g. MLA).
         block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
@@ -193,16 +212,29 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(meta if isinstance(meta, KVLinkMetadata) else None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole requests load asynchronously before they are scheduled
+        """Decode: nothing, whole requests load before they are scheduled. Prefill streaming per layer, on
+        entry to the layer's attention op: where vLLM wrote the layer's new KV in an op of its own just
+        before (``kv_written_before_attention``), the step's new blocks hold this layer now, while its
+        attention still computes."""
+        self._layer_saved(layer_name, on_entry=True)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Pull model: prefill keeps its blocks, decode reads them. Streamed KV per layer: the step's new
-        blocks now hold this layer (stream.py)."""
-        if self._worker is not None:
-            meta = self._connector_metadata
-            if isinstance(meta, KVLinkMetadata) and meta.streams:
-                trace.event("layer", layer=layer_name)
-                self._worker.send_pieces(meta.streams, layer_name)
+        """Pull model: prefill keeps its blocks, decode reads them. Streamed KV per layer, on exit from the
+        layer's attention op: the step's new blocks hold this layer (unless that was said on entry)."""
+        self._layer_saved(layer_name, on_entry=False)
+
+    def _layer_saved(self, layer_name: str, on_entry: bool) -> None:
+        if self._worker is None:
+            return
+        meta = self._connector_metadata
+        if not (isinstance(meta, KVLinkMetadata) and meta.streams):
+            return
+        early = self._written_first.get(layer_name)
+        if early is None:
+            early = self._written_first[layer_name] = kv_written_before_attention(layer_name)
+        if early == on_entry:
+            trace.event("layer", layer=layer_name, on_entry=on_entry)
+            self._worker.send_pieces(meta.streams, layer_name)
 
     def wait_for_save(self) -> None:
         """After the step's forward: prefill sends the step's streamed pieces (stream.py)."""

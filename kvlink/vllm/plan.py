@@ -84,8 +84,8 @@ def ready_pairs(request_id: str, tables, remote: tuple[tuple[int, ...], ...]) ->
 
 def step_pairs(request_id: str, tables, whole: tuple[tuple[int, ...], ...],
                step: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int]]:
-    """Layer-wise streamed KV: [(group, local block, remote block)] of the running step's further full blocks
-    ``step`` (per group, the positions after ``whole``)."""
+    """Layer-wise streamed KV: [(group, local block, remote block)] of the running step's further blocks
+    ``step`` (per group, the positions after ``whole``; the last may be the prompt's partial one)."""
     if len(step) != len(whole):
         raise PairingError(f"request {request_id}: prefill streamed {len(step)} KV cache group(s) of the running "
                            f"step and {len(whole)} of whole blocks")

@@ -7,8 +7,9 @@ Granularity (``stream_granularity``):
   new full blocks hold their KV in the layers up to that one (``save_kv_layer``); after the forward, that
   they are whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one
   chunk (most prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward
-  and the tail decode reads after the published record is about the last layer's share plus the
-  prompt's last, partial block. Pieces are cumulative: the sender sends only the newest per request of
+  and the tail decode reads after the published record is about the last layer's share (the prompt's
+  last, partial block streams layer by layer with that chunk: no later forward writes its prompt's
+  positions). Pieces are cumulative: the sender sends only the newest per request of
   whatever queued while its last call was out, so a slow bootstrap call costs overlap, never the forward.
 - "step": one piece per request per step, after the step's forward; a one-chunk prompt streams nothing
   and the tail is the last chunk's blocks (``max_num_batched_tokens``). One bootstrap call per step.
@@ -53,7 +54,8 @@ class StreamSpec:
     """One step of a streamed request, scheduler -> worker: after this step's forward the first
     ``num_tokens`` tokens are in ``block_ids``, of which the first ``whole`` blocks were complete before it
     (layer-wise pieces announce the others layer by layer). ``last``: the step completes the prompt (no
-    step-end piece: the published record follows)."""
+    step-end piece: the published record follows); layer-wise, its ``block_ids`` end with the prompt's
+    last, partial block, whose KV is final once the step's layers have written it."""
 
     request_id: str
     transfer_id: str
@@ -66,6 +68,7 @@ class StreamSpec:
     # host staging: ``block_ids`` are the request's pool slots (what decode reads) and these its device
     # blocks, by position; the worker copies each layer of the step's new ones into the slots as it goes
     device_ids: tuple[int, ...] = ()
+    block_size: int = field(kw_only=True)
 
 
 LAYER_SLOTS = 1024  # layer-wise: wire index = step index * LAYER_SLOTS + layers (the step's end: the last)
@@ -89,8 +92,7 @@ class Piece:
         out = dict(transfer_id=sp.transfer_id, request_id=sp.request_id, index=self.index, epoch=sp.epoch)
         if not self.layers:
             return dict(out, num_tokens=sp.num_tokens, block_ids=[list(sp.block_ids)])
-        per_block = sp.num_tokens // len(sp.block_ids)
-        return dict(out, num_tokens=sp.whole * per_block, block_ids=[list(sp.block_ids[:sp.whole])],
+        return dict(out, num_tokens=sp.whole * sp.block_size, block_ids=[list(sp.block_ids[:sp.whole])],
                     step_block_ids=[list(sp.block_ids[sp.whole:])], layers=self.layers)
 
 
@@ -177,14 +179,16 @@ class StreamPlanner:
             last = done >= r.prompt_tokens
             if last and not self.layer_wise:
                 continue  # the last chunk: the published record ends the stream
-            full = min(min(done, r.prompt_tokens) // self.block_size, len(r.blocks))
+            # full blocks; layer-wise, the step that completes the prompt streams its partial block too
+            full = min(-(-r.prompt_tokens // self.block_size) if last
+                       else min(done, r.prompt_tokens) // self.block_size, len(r.blocks))
             whole = min(computed // self.block_size, full)
             if full <= max(r.sent_blocks, whole if self.layer_wise else 0):
                 continue
             r.index += 1
             r.sent_blocks = full
-            out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch, full * self.block_size,
-                                  tuple(r.blocks[:full]), whole, last))
+            out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch, min(full * self.block_size, r.prompt_tokens),
+                                  tuple(r.blocks[:full]), whole, last, block_size=self.block_size))
         return out
 
 

@@ -63,21 +63,40 @@ def test_layer_wise_every_step_with_new_full_blocks_is_planned_the_last_chunk_to
     assert (a.index, a.num_tokens, a.block_ids, a.whole, a.last) == (1, 64, (1, 2), 0, False)
     assert sp.step([], [("r", [3], False, 64)], {"r": 20}) == []  # 84 done: no new full block
     (b,) = sp.step([], [("r", [4, 5, 6, 7, 8, 9, 10], False, 84)], {"r": 216})  # completes the prompt
-    # 300 tokens: 9 full blocks (the 10th is partial: the tail); 2 were whole before this step
-    assert (b.index, b.num_tokens, b.block_ids, b.whole, b.last) == (2, 288, tuple(range(1, 10)), 2, True)
+    # 300 tokens: 9 full blocks and the partial 10th, whose prompt positions no later forward writes; 2 were
+    # whole before this step
+    assert (b.index, b.num_tokens, b.block_ids, b.whole, b.last) == (2, 300, tuple(range(1, 11)), 2, True)
 
 
 def test_layer_wise_a_one_chunk_prompt_is_planned_and_its_cached_prefix_is_whole():
     sp = StreamPlanner(block_size=32, layer_wise=True)
     sp.track("r", "t", prompt_tokens=200)
     (a,) = sp.step([("r", [5, 6, 7, 8, 9, 10, 11], 64)], [], {"r": 136})  # 64 tokens from the prefix cache
-    assert (a.num_tokens, a.whole, a.last) == (192, 2, True)
+    assert (a.num_tokens, a.block_ids, a.whole, a.last) == (200, (5, 6, 7, 8, 9, 10, 11), 2, True)
     sp.track("s", "u", prompt_tokens=20)
-    assert sp.step([("s", [1], 0)], [], {"s": 20}) == []  # shorter than a block: the record carries it all
+    (b,) = sp.step([("s", [1], 0)], [], {"s": 20})  # shorter than a block: it streams all the same
+    assert (b.num_tokens, b.block_ids, b.whole, b.last) == (20, (1,), 0, True)
+    sp.track("x", "v", prompt_tokens=64)
+    (c,) = sp.step([("x", [2, 3, 4], 0)], [], {"x": 64})  # a prompt of whole blocks: nothing more
+    assert (c.num_tokens, c.block_ids) == (64, (2, 3))
+
+
+def test_the_chunk_that_only_finishes_the_partial_block_streams_it_and_step_wise_never_does():
+    sp = StreamPlanner(block_size=32, layer_wise=True)
+    sp.track("r", "t", prompt_tokens=70)
+    (a,) = sp.step([("r", [1, 2, 3], 0)], [], {"r": 64})
+    (b,) = sp.step([], [("r", None, False, 64)], {"r": 6})  # the 3rd block's 6 tokens complete the prompt
+    assert (a.block_ids, a.last, b.block_ids, b.whole, b.last) == ((1, 2), False, (1, 2, 3), 2, True)
+    (p,) = layer_pieces([b], 1)
+    assert p.fields()["num_tokens"] == 64 and p.fields()["step_block_ids"] == [[3]]
+    st = StreamPlanner(block_size=32)
+    st.track("r", "t", prompt_tokens=70)
+    assert [s.block_ids for s in st.step([("r", [1, 2, 3], 0)], [], {"r": 64})] == [(1, 2)]
+    assert st.step([], [("r", None, False, 64)], {"r": 6}) == []  # the published record ends the stream
 
 
 def spec_of(index, blocks, whole, last=False, tid="t"):
-    return StreamSpec("r", tid, index, 0, 32 * len(blocks), tuple(blocks), whole, last)
+    return StreamSpec("r", tid, index, 0, 32 * len(blocks), tuple(blocks), whole, last, block_size=32)
 
 
 def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indices():
@@ -131,7 +150,7 @@ def test_the_layer_clock_counts_layers_done_below_the_first_one_missing_whatever
 
 
 def staged_spec(index, slots, devs, whole, epoch=0):
-    return StreamSpec("r", "t", index, epoch, 32 * len(slots), tuple(slots), whole, False, tuple(devs))
+    return StreamSpec("r", "t", index, epoch, 32 * len(slots), tuple(slots), whole, False, tuple(devs), block_size=32)
 
 
 def test_staged_copies_count_a_step_whole_only_when_every_layer_was_copied():

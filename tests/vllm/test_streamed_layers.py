@@ -1,11 +1,13 @@
 """Layer-wise streamed KV through real vLLM servers: a prompt that fits in one chunked-prefill step (the
-common case on GPUs, whose token budget is 2k-16k) still streams: after each attention layer prefill
-announces that the step's blocks hold it, and decode reads that layer's share while the next computes.
+common case on GPUs, whose token budget is 2k-16k) still streams: as each attention layer's KV is written
+(on vLLM CPU, on entry to the layer's attention op) prefill announces that the step's blocks hold it, and
+decode reads that layer's share while prefill computes on.
 
 Prefill's connector here is tests.fakes_connector.SlowLayersConnector: each layer of a streaming step takes
-150 ms longer, so decode reads during the forward every time, not when this host's timing allows. Outputs
-must equal a single server's, and a decode whose connector corrupts what it pulled must change them. The
-"step" granularity is run beside it: its one-chunk prompts stream nothing (its pieces come after a step).
+150 ms longer on entry to its attention op and as long on exit, so decode reads during the forward every
+time, not when this host's timing allows. Outputs must equal a single server's, and a decode whose
+connector corrupts what it pulled must change them. The "step" granularity is run beside it: its one-chunk
+prompts stream nothing (its pieces come after a step).
 Multi-chunk layer-wise streaming, aborts and faults: test_streamed.py, test_streamed_faults.py.
 """
 
@@ -15,8 +17,8 @@ import pytest
 
 from tests.conftest import trace_lines
 from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (Server, assert_each_streamed, complete, corrupting_kv_config, free_port, kv_config,
-                                metric, text, token_prompts)
+from tests.vllm.helpers import (BLOCK, Server, assert_each_streamed, complete, corrupting_kv_config, free_port,
+                                kv_config, metric, text, token_prompts)
 
 ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
 
@@ -65,6 +67,44 @@ def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
     prompts = token_prompts(sizes, seed=60)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
     assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], sizes, prompts, want)
+
+
+def test_the_prompts_partial_last_block_is_read_with_the_layers_while_prefill_computes(lw):
+    """The one chunk completes the prompt, so its last, partial block is final as each layer writes it:
+    decode's first READ, posted while prefill still computes, covers every block decode loads (all but the
+    last token), the partial one too, in each of the layers it reads; for a prompt shorter than one block,
+    that block."""
+    sizes = [7, 100, 700]  # decode loads 6, 99 and 699 tokens: 1, 4 and 22 blocks, the last one partial
+    prompts = token_prompts(sizes, seed=64)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    for n, prompt, expected in zip(sizes, prompts, want):
+        start = len(trace_lines(lw["trace"]))
+        assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], [n], [prompt], [expected])
+        evs = trace_lines(lw["trace"])[start:]
+        (pub,) = [e for e in evs if e["ev"] == "publish"]
+        reads = [e for e in evs if e["ev"] == "read_post"]
+        blocks = -(-(n - 1) // BLOCK)
+        assert reads and reads[0]["t"] < pub["t"], f"{n} tokens: decode read nothing while prefill computed"
+        assert reads[0]["blocks"] % blocks == 0, f"{n} tokens: the first READ is not of all {blocks} blocks: {reads[0]}"
+
+
+def test_a_layer_is_read_on_entry_to_its_attention_op_before_the_attention_runs(lw):
+    """vLLM CPU writes a layer's new KV in an op of its own just before the layer's attention op, so prefill
+    announces each layer on entry to that op: decode reads it while prefill is held there (SlowLayersConnector
+    sleeps on entry, before the attention computes), and the output still equals a single server's."""
+    from tests.fakes_connector import SlowLayersConnector
+
+    sizes = [300, 900]
+    prompts = token_prompts(sizes, seed=65)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    start = len(trace_lines(lw["trace"]))
+    assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], sizes, prompts, want)
+    evs = trace_lines(lw["trace"])[start:]
+    layers = [e for e in evs if e["ev"] == "layer"]
+    assert layers and all(e["on_entry"] for e in layers), layers
+    windows = [(e["t"], e["t"] + SlowLayersConnector.SLOW_LAYER_S) for e in layers]
+    ends = [e["t"] for e in evs if e["ev"] == "read_end"]
+    assert any(a < t < b for t in ends for a, b in windows), "no READ ended before a layer's attention ran"
 
 
 def test_the_timeline_shows_decode_reading_while_prefill_computes(lw):
