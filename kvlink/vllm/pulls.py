@@ -456,6 +456,10 @@ class PullTable:
 
     # ----- results ---------------------------------------------------------------------------------------
 
+    def has_results(self) -> bool:
+        """Outcomes are waiting for ``take_results``."""
+        return bool(self._results.done or self._results.failed)
+
     def take_results(self, now: float) -> Results:
         out, self._results = self._results, Results()
         for settled in self._settled_at.values():

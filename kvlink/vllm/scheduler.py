@@ -33,6 +33,7 @@ from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.held import COUNTER_OF, HeldTable
 from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
+from kvlink.vllm.nudge import NudgeListener
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
 from kvlink.vllm.siblings import SIBLING_GRACE_S, Siblings, is_sample
@@ -61,6 +62,9 @@ class KVLinkScheduler:
         # Per KV cache group: (sliding window, extra retained tokens) of a SlidingWindowSpec group, else None.
         self.windows = windows if windows is not None else ((window, window_extra) if window else None,)
         self.is_producer = role in ("kv_producer", "kv_both")
+        # Decode: a worker's pull that ends cuts a step's pull_step_wait_ms short (nudge.py)
+        self._nudges = (NudgeListener(engine_id) if role in ("kv_consumer", "kv_both") and cfg.pull_step_wait_ms
+                        else None)
         self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
         # Reports that first wait for prefill to publish (long polls) get their own threads.
@@ -127,6 +131,8 @@ class KVLinkScheduler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._wait_pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
+        if self._nudges is not None:
+            self._nudges.close()
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -643,16 +649,15 @@ class KVLinkScheduler:
 
     def _pull_wait(self, scheduler_output: Any) -> None:
         """Decode: a step with nothing to run while pulls wait for prefill to publish (concurrent pairing:
-        through the whole of prefill's compute) sleeps ``pull_step_wait_ms`` first, so waiting for KV does
-        not spin the engine (and its worker) at ~1 kHz beside prefill. A pull of published blocks
-        (sequential pairing) takes a transfer's time: while one runs, steps are not delayed."""
-        if (self.cfg.pull_step_wait_ms and self._pulls and not self._new_pulls and not self._new_cancels
+        through the whole of prefill's compute) waits up to ``pull_step_wait_ms`` first, so waiting for KV
+        does not spin the engine (and its worker) at ~1 kHz beside prefill. A worker whose pull ends
+        nudges the wait short (nudge.py): the step goes on and hands the pull to vLLM. A pull of published
+        blocks (sequential pairing) takes a transfer's time: while one runs, steps are not delayed."""
+        if (self._nudges is not None and self._pulls and not self._new_pulls and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and not getattr(scheduler_output, "finished_req_ids", None)
                 and all(src.block_ids is None for src in self._pulls.values())):
-            import time
-
-            time.sleep(self.cfg.pull_step_wait_ms / 1e3)
+            self._nudges.wait(self.cfg.pull_step_wait_ms / 1e3)
 
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on

@@ -56,6 +56,7 @@ from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geomet
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
 from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
+from kvlink.vllm.nudge import Nudger
 from kvlink.vllm.plan import (LayerMap, PairingError, ReadPlan, build_plan, group_pairs, layer_indices, ready_pairs,
                               step_pairs)
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve
@@ -247,6 +248,9 @@ class KVLinkWorker:
         self._lock = threading.Lock()  # guards the table, _remotes, _frees
         self._wake = threading.Condition(self._lock)
         self._table = PullTable(cfg.pull_timeout_s)
+        # Decode: a pull that ends nudges the scheduler out of its step's wait (nudge.py); once per handover
+        self._nudger = Nudger(rank.engine_id) if role in ("kv_consumer", "kv_both") else None
+        self._nudged = False  # under _lock: nudged since the last transfer_results
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
@@ -545,6 +549,7 @@ class KVLinkWorker:
         with self._lock:
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
+            self._nudged = False
         failed = set(res.failed)
         if trace.enabled():
             for rid in res.done:
@@ -638,6 +643,10 @@ class KVLinkWorker:
             if self._landing_slots:
                 actions += self._give_back_landing(now)
             messages = self._table.take_messages()
+            nudge = self._nudger is not None and not self._nudged and self._table.has_results()
+            self._nudged = self._nudged or nudge
+        if nudge:
+            self._nudger.nudge()
         for m in messages:
             logger.warning("%s", m)
         self._carry_out(actions)
@@ -1018,6 +1027,8 @@ class KVLinkWorker:
             self._streamer.sender.close()
         if self._heartbeater is not None:
             self._heartbeater.stop()
+        if self._nudger is not None:
+            self._nudger.close()
         if self._clients is not None:
             self._clients.close()
         if self.engine is not None:

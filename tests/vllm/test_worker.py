@@ -340,3 +340,23 @@ def test_multi_part_batch_failing_in_one_part_stops_the_others_before_it_fails()
     stubborn = Part(cancel_error=NotSettled("chunk in flight"))
     with pytest.raises(NotSettled):  # not settled: the table keeps the pulls and asks again
         _Batches([Part(error=PeerClosed("reset")), stubborn]).wait(1.0)
+
+
+def test_a_pull_that_ends_nudges_the_scheduler_once_per_handover(pair):
+    """The decode worker nudges its engine's scheduler (nudge.py; here in this process) when a pull ends,
+    so a step waiting for pulls goes on and hands it over; after the handover the next pull nudges again."""
+    from kvlink.vllm.nudge import NudgeListener
+
+    pre, dec, url = pair
+    listener = NudgeListener(dec.rank.engine_id)
+    try:
+        assert listener.listening and not listener.wait(0.0)
+        _pull(dec, url, "n1", [(1, 3)])
+        assert listener.wait(30.0)
+        assert pull_outcome(dec, "n1") == "ok"
+        _pull(dec, url, "n2", [(2, 4)])
+        assert listener.wait(30.0)
+        assert pull_outcome(dec, "n2") == "ok"
+        assert not listener.wait(0.05)
+    finally:
+        listener.close()
