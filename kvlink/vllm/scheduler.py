@@ -657,7 +657,8 @@ class KVLinkScheduler:
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and not getattr(scheduler_output, "finished_req_ids", None)
                 and all(src.block_ids is None for src in self._pulls.values())):
-            self._nudges.wait(self.cfg.pull_step_wait_ms / 1e3)
+            if self._nudges.wait(self.cfg.pull_step_wait_ms / 1e3):
+                self._count("pull_waits_nudged")
 
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on

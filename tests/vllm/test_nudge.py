@@ -71,5 +71,6 @@ def test_a_decode_step_waiting_for_pulls_ends_when_a_worker_nudges():
         t0 = time.monotonic()
         sched.build_connector_meta(idle)
         assert time.monotonic() - t0 < 0.9
+        assert sched.get_kv_connector_stats().data["pull_waits_nudged"] == 1
     finally:
         sched.shutdown()

@@ -62,11 +62,15 @@ def lw(tiny_model, tmp_path_factory):
 
 
 def test_one_chunk_prompts_stream_layer_by_layer_and_equal_a_single_server(lw):
-    """Every prompt of a full block or more is read in part while prefill's one forward still runs."""
+    """Every prompt is read in part while prefill's one forward still runs. Decode's steps wait for the
+    pulls between layers, and the worker (a child process of vLLM's EngineCore) nudges its scheduler out
+    of that wait when a pull ends."""
     sizes = [7, 31, 100, 700, 1500]
     prompts = token_prompts(sizes, seed=60)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    nudged0 = metric(lw["dec"], "kvlink_pull_waits_nudged_total")
     assert_each_streamed(lw["layer"], lw["pre"], lw["dec"], sizes, prompts, want)
+    assert metric(lw["dec"], "kvlink_pull_waits_nudged_total") > nudged0
 
 
 def test_the_prompts_partial_last_block_is_read_with_the_layers_while_prefill_computes(lw):
