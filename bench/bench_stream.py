@@ -183,7 +183,7 @@ class DeviceCore:
 
 def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None, kv_bytes: int,
              name: str = "") -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
-    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-nopace), ready, with the
+    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-exit, pd-stream-nopace), ready, with the
     concurrent proxy in front; prefill's transport behind a relay at ``rate`` bytes/s (None: plain
     loopback), which the caller closes."""
     bport, tport = free_port(), free_port()
@@ -194,6 +194,8 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
         extra = {"transport_backend": "tcp", "stream_kv": mode.startswith("pd-stream")}
         if mode == "pd-stream-step":  # announced after each step's forward instead of after each layer
             extra["stream_granularity"] = "step"
+        if mode == "pd-stream-exit":  # every layer announced when its attention op returns, not on entry
+            extra["stream_layer_on_entry"] = False
         pre_kv = kvlink_config("kv_producer", f"{name}prefill-0", bootstrap_port=bport, transport_port=tport,
                                **({"transport_advertise": relay.address} if relay else {}), **extra)
         # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
@@ -248,13 +250,14 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
                     os.sched_setaffinity(int(t), range(os.cpu_count()))
 
 
-def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
+def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tuple[str, ...] = ()) -> dict:
     """``--interleave``: the single server and both PD stacks (non-streamed, streamed) alive at once, one
     request to each in turn, ``reps`` rounds per size (concurrency 1): a slow spell of this VM falls on
     every mode alike instead of on whichever ran then. With ``--device-core`` CPU 0 runs whichever forward
     is on (one at a time), everything else CPU 1. Without ``--link-mbps`` the link is set from the single
-    server's first 2k request, as in the default run."""
-    out: dict[str, dict] = {m: {} for m in ("single", "pd/emulated", "pd-stream/emulated")}
+    server's first 2k request, as in the default run. ``more``: further PD modes beside pd and pd-stream."""
+    modes = ("pd", "pd-stream", *more)
+    out: dict[str, dict] = {m: {} for m in ("single", *(f"{m}/emulated" for m in modes))}
     with Stack() as stack:
         single = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30, extra_args=CHUNK))
         single.wait_ready()
@@ -267,7 +270,7 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None) -> dict:
         computes = {"single": single}  # the server whose forward computes the prompt, per mode
         pinner = None
         try:
-            for mode in ("pd", "pd-stream"):
+            for mode in modes:
                 pre, dec, proxy, relay = pd_stack(stack, mode, model, logs, rate, 1 << 30, name=f"{mode}-")
                 relays.append(relay)
                 ttft(proxy.url, prompts(1, 200, 2)[0])
@@ -312,6 +315,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     ap.add_argument("--pacing-ab", action="store_true", help="also PD streamed over the emulated link with "
                     "decode's pull_step_wait_ms 0 (decode's engine spinning while it waits)")
+    ap.add_argument("--entry-ab", action="store_true", help="also PD streamed over the emulated link with "
+                    "stream_layer_on_entry false (every layer announced when its attention op returns)")
     ap.add_argument("--granularity-ab", action="store_true", help="also PD streamed over the emulated link "
                     "with stream_granularity \"step\" (the default streams per layer)")
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
@@ -341,7 +346,8 @@ def main() -> int:
     results: dict[str, dict] = {}
     if args.interleave:
         CONCURRENCY = (1,)
-        results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None)
+        results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None,
+                              ("pd-stream-exit",) if args.entry_ab else ())
         rate, links = results.pop("rate"), (("emulated", None),)
     else:
         print("single server:", flush=True)
@@ -358,6 +364,9 @@ def main() -> int:
     if args.granularity_ab:
         print("pd-stream over emulated, stream_granularity step:", flush=True)
         results["pd-stream-step/emulated"] = run("pd-stream-step", model, logs, args.reps, 100, rate)
+    if args.entry_ab and not args.interleave:
+        print("pd-stream over emulated, stream_layer_on_entry false:", flush=True)
+        results["pd-stream-exit/emulated"] = run("pd-stream-exit", model, logs, args.reps, 100, rate)
     if args.pacing_ab:
         print("pd-stream over emulated, pull_step_wait_ms 0:", flush=True)
         results["pd-stream-nopace/emulated"] = run("pd-stream-nopace", model, logs, args.reps, 100, rate)
@@ -403,6 +412,18 @@ def main() -> int:
                 ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
                 print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
                       f"{b['tail_ms']:.0f} |")
+    if args.entry_ab:
+        print("\n| size | conc | PD streamed, layers on entry: TTFT ms (x single), exposed ms | on exit: TTFT ms "
+              "(x single), exposed ms | on exit / on entry (paired, interleaved) |\n|---|---|---|---|---|")
+        for size in SIZES:
+            for conc in CONCURRENCY:
+                s = med(results["single"][(size, conc)]["ttft_ms"])
+                a, b = results["pd-stream/emulated"][(size, conc)], results["pd-stream-exit/emulated"][(size, conc)]
+                ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
+                paired = (f"{med(y / x for x, y in zip(a['ttft_ms'], b['ttft_ms'])):.3f}" if args.interleave
+                          else "-")
+                print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
+                      f"{b['tail_ms']:.0f} | {paired} |")
     if args.pacing_ab:
         print("\n| size | conc | PD streamed TTFT ms, pull_step_wait_ms 5 | same, 0 (x of 5) |\n|---|---|---|---|")
         for size in SIZES:

@@ -81,7 +81,8 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
     assert w.staged, "the check needs host staging"
     lo = num_blocks - blocks
     src, slots = list(range(lo, num_blocks)), list(range(1, blocks + 1))
-    spec = StreamSpec(RID, tid, 1, 0, BS_TOKENS * blocks, tuple(slots), last=True, device_ids=tuple(src))
+    spec = StreamSpec(RID, tid, 1, 0, BS_TOKENS * blocks, tuple(slots), last=True, device_ids=tuple(src),
+                      block_size=BS_TOKENS)
     sleep = _sleeper(device, layer_ms)
     _sync(device)
     q_out.put("ready")

@@ -54,6 +54,9 @@ class ConnectorConfig:
     # prompt of one chunk streams too and the tail is about one layer) or "step" (after each chunked-
     # prefill step's forward: one bootstrap call per step, a one-chunk prompt streams nothing).
     stream_granularity: str = "layer"
+    # Per layer: announce a layer on entry to its attention op where vLLM wrote its KV in an op of its own
+    # just before (decode reads it while the attention computes); false: when the op returns, always.
+    stream_layer_on_entry: bool = True
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
@@ -100,7 +103,7 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..64, got {self.transport_streams!r}")
-        for key in ("crc", "allow_insecure", "spread_threads", "stream_kv"):
+        for key in ("crc", "allow_insecure", "spread_threads", "stream_kv", "stream_layer_on_entry"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
         if self.stream_granularity not in ("layer", "step"):

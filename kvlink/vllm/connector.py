@@ -231,7 +231,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             return
         early = self._written_first.get(layer_name)
         if early is None:
-            early = self._written_first[layer_name] = kv_written_before_attention(layer_name)
+            early = self._written_first[layer_name] = (self.config.stream_layer_on_entry
+                                                       and kv_written_before_attention(layer_name))
         if early == on_entry:
             trace.event("layer", layer=layer_name, on_entry=on_entry)
             self._worker.send_pieces(meta.streams, layer_name)

@@ -3,9 +3,10 @@ announced as pieces, so decode reads them during prefill and only the tail is le
 
 Granularity (``stream_granularity``):
 
-- "layer" (default): during each step's forward, after every attention layer, a piece says the step's
-  new full blocks hold their KV in the layers up to that one (``save_kv_layer``); after the forward, that
-  they are whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one
+- "layer" (default): during each step's forward, as every attention layer's KV is written (on entry to
+  its attention op where vLLM writes the KV in an op before it, else on exit: connector.py), a piece says
+  the step's new full blocks hold their KV in the layers up to that one; after the forward, that they are
+  whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one
   chunk (most prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward
   and the tail decode reads after the published record is about the last layer's share (the prompt's
   last, partial block streams layer by layer with that chunk: no later forward writes its prompt's

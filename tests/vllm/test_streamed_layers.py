@@ -32,6 +32,12 @@ def lw(tiny_model, tmp_path_factory):
                 engine_id="prefill-l", kv_connector="SlowLayersConnector",
                 kv_connector_module_path="tests.fakes_connector")
     pre = Server(tiny_model, slow, cpu=0, log=logs / "prefill-layer.log", extra_args=ONE_CHUNK, env=traced)
+    xport = free_port()  # a prefill that announces every layer when its attention op returns
+    on_exit = dict(kv_config("kv_producer", bootstrap_port=xport, lease_s=20.0, stream_kv=True,
+                             stream_layer_on_entry=False), engine_id="prefill-x", kv_connector="SlowLayersConnector",
+                   kv_connector_module_path="tests.fakes_connector")
+    exit_ = Server(tiny_model, on_exit, cpu=0, log=logs / "prefill-exit.log", extra_args=ONE_CHUNK,
+                   env={"KVLINK_TRACE": str(logs / "trace-exit.jsonl")})
     step = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=sport, lease_s=20.0, stream_kv=True,
                                              stream_granularity="step"), engine_id="prefill-step"),
                   cpu=0, log=logs / "prefill-step.log", extra_args=ONE_CHUNK)
@@ -40,7 +46,7 @@ def lw(tiny_model, tmp_path_factory):
     bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0), cpu=1, log=logs / "corrupt.log")
     proxies = []
     try:
-        for s in (pre, step, dec, bad):
+        for s in (pre, exit_, step, dec, bad):
             s.wait_ready()
         from kvlink.proxy.config import ProxyConfig
         from kvlink.proxy.router import build_app
@@ -53,11 +59,12 @@ def lw(tiny_model, tmp_path_factory):
             return p.url
 
         yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "trace": logs / "trace.jsonl", "layer": proxy(pre, bport, "prefill-l", dec),
-               "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec)}
+               "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec),
+               "exit": exit_, "on_exit": proxy(exit_, xport, "prefill-x", dec), "trace_exit": logs / "trace-exit.jsonl"}
     finally:
         for p in proxies:
             p.stop()
-        for s in (pre, step, dec, bad):
+        for s in (pre, exit_, step, dec, bad):
             s.stop()
 
 
@@ -109,6 +116,15 @@ def test_a_layer_is_read_on_entry_to_its_attention_op_before_the_attention_runs(
     windows = [(e["t"], e["t"] + SlowLayersConnector.SLOW_LAYER_S) for e in layers]
     ends = [e["t"] for e in evs if e["ev"] == "read_end"]
     assert any(a < t < b for t in ends for a, b in windows), "no READ ended before a layer's attention ran"
+
+
+def test_with_stream_layer_on_entry_off_layers_are_announced_on_exit_and_equal_a_single_server(lw):
+    sizes = [7, 700]
+    prompts = token_prompts(sizes, seed=66)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    assert_each_streamed(lw["on_exit"], lw["exit"], lw["dec"], sizes, prompts, want)
+    layers = [e for e in trace_lines(lw["trace_exit"]) if e["ev"] == "layer"]
+    assert layers and not any(e["on_entry"] for e in layers), layers
 
 
 def test_the_timeline_shows_decode_reading_while_prefill_computes(lw):
