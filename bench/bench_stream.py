@@ -306,6 +306,22 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tup
     return out
 
 
+def ab_table(results: dict, other: str, ours: str, theirs: str, paired: bool) -> None:
+    """Streamed PD as configured by default (``ours``) against streamed PD with one setting changed (mode
+    ``other``, ``theirs``), per cell; ``paired``: the runs were interleaved, so each round's ratio counts."""
+    med = statistics.median
+    print(f"\n| size | conc | PD streamed, {ours}: TTFT ms (x single), exposed ms | {theirs}: TTFT ms (x single), "
+          f"exposed ms | {theirs} / {ours}, paired |\n|---|---|---|---|---|")
+    for size in SIZES:
+        for conc in CONCURRENCY:
+            s = med(results["single"][(size, conc)]["ttft_ms"])
+            a, b = results["pd-stream/emulated"][(size, conc)], results[f"{other}/emulated"][(size, conc)]
+            ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
+            ratio = f"{med(y / x for x, y in zip(a['ttft_ms'], b['ttft_ms'])):.3f}" if paired else "-"
+            print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
+                  f"{b['tail_ms']:.0f} | {ratio} |")
+
+
 def main() -> int:
     global SIZES, CONCURRENCY, CHUNK, ISOLATE, DEVICE_CORE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -403,27 +419,9 @@ def main() -> int:
                 row.append(f"{med(own):.0f} ({med(t / s for t, s in zip(own, one)):.2f})")
             print(f"| {size} | {med(one):.0f} | {row[0]} | {row[1]} |")
     if args.granularity_ab:
-        print("\n| size | conc | PD streamed per layer: TTFT ms (x single), exposed ms | per step: TTFT ms (x single), "
-              "exposed ms |\n|---|---|---|---|")
-        for size in SIZES:
-            for conc in CONCURRENCY:
-                s = med(results["single"][(size, conc)]["ttft_ms"])
-                a, b = results["pd-stream/emulated"][(size, conc)], results["pd-stream-step/emulated"][(size, conc)]
-                ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
-                print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
-                      f"{b['tail_ms']:.0f} |")
+        ab_table(results, "pd-stream-step", "per layer", "per step", paired=False)
     if args.entry_ab:
-        print("\n| size | conc | PD streamed, layers on entry: TTFT ms (x single), exposed ms | on exit: TTFT ms "
-              "(x single), exposed ms | on exit / on entry (paired, interleaved) |\n|---|---|---|---|---|")
-        for size in SIZES:
-            for conc in CONCURRENCY:
-                s = med(results["single"][(size, conc)]["ttft_ms"])
-                a, b = results["pd-stream/emulated"][(size, conc)], results["pd-stream-exit/emulated"][(size, conc)]
-                ta, tb = med(a["ttft_ms"]), med(b["ttft_ms"])
-                paired = (f"{med(y / x for x, y in zip(a['ttft_ms'], b['ttft_ms'])):.3f}" if args.interleave
-                          else "-")
-                print(f"| {size} | {conc} | {ta:.0f} ({ta / s:.2f}), {a['tail_ms']:.0f} | {tb:.0f} ({tb / s:.2f}), "
-                      f"{b['tail_ms']:.0f} | {paired} |")
+        ab_table(results, "pd-stream-exit", "layers on entry", "on exit", paired=args.interleave)
     if args.pacing_ab:
         print("\n| size | conc | PD streamed TTFT ms, pull_step_wait_ms 5 | same, 0 (x of 5) |\n|---|---|---|---|")
         for size in SIZES:
