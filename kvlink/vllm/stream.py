@@ -6,12 +6,12 @@ Granularity (``stream_granularity``):
 - "layer" (default): during each step's forward, as every attention layer's KV is written (on entry to
   its attention op where vLLM writes the KV in an op before it, else on exit: connector.py), a piece says
   the step's new full blocks hold their KV in the layers up to that one; after the forward, that they are
-  whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one
-  chunk (most prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward
-  and the tail decode reads after the published record is about the last layer's share (the prompt's
-  last, partial block streams layer by layer with that chunk: no later forward writes its prompt's
-  positions). Pieces are cumulative: the sender sends only the newest per request of
-  whatever queued while its last call was out, so a slow bootstrap call costs overlap, never the forward.
+  whole. The chunk that completes the prompt streams too, layer by layer, so a prompt of one chunk (most
+  prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward and the tail
+  decode reads after the published record is at most the last layer's share (the prompt's last, partial
+  block streams layer by layer with that chunk: no later forward writes its prompt's positions). Pieces
+  are cumulative: the sender sends only the newest per request of whatever queued while its last call was
+  out, so a slow bootstrap call costs overlap, never the forward.
 - "step": one piece per request per step, after the step's forward; a one-chunk prompt streams nothing
   and the tail is the last chunk's blocks (``max_num_batched_tokens``). One bootstrap call per step.
 
@@ -188,8 +188,9 @@ class StreamPlanner:
                 continue
             r.index += 1
             r.sent_blocks = full
-            out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch, min(full * self.block_size, r.prompt_tokens),
-                                  tuple(r.blocks[:full]), whole, last, block_size=self.block_size))
+            out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch,
+                                  min(full * self.block_size, r.prompt_tokens), tuple(r.blocks[:full]), whole, last,
+                                  block_size=self.block_size))
         return out
 
 
