@@ -122,6 +122,22 @@ def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_con
     return slots
 
 
+def why_not_streamable(cfg: ConnectorConfig, staged: bool, backoff: int, windows: tuple,
+                       ubatching: bool) -> str | None:
+    """Why a prefill engine cannot stream its requests' KV (None: it can): host staging copies per layer;
+    a Mamba state exists only at the end; one KV cache group of full attention only; not under vLLM's
+    micro-batching (``enable_dbo``, ``ubatch_size``): a layer's hooks run once per micro-batch, so a layer
+    would be announced when the first one has written it, and each micro-batch computes on a CUDA stream
+    of its own, which the event behind a piece does not cover."""
+    layer_wise = cfg.stream_granularity == "layer"
+    return ("host staging with stream_granularity \"step\" (the pool copy is made per layer)"
+            if staged and not layer_wise
+            else "Mamba state" if backoff
+            else "several KV cache groups" if len(windows) > 1
+            else "sliding window" if windows[0]
+            else "micro-batching (enable_dbo or ubatch_size > 1)" if ubatching else None)
+
+
 def kv_written_before_attention(layer_name: str) -> bool:
     """Prefill: vLLM writes this layer's new KV into its cache in an op of its own that runs just before
     the layer's attention op (``unified_kv_cache_update``, ordered before it, on the same CUDA stream): the
@@ -167,11 +183,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             attn_sizes = [g.kv_cache_spec.block_size for g in groups or ()
                           if not isinstance(g.kv_cache_spec, MambaSpec)]
             block_size = min(attn_sizes) if attn_sizes else block_size  # the attention groups' tokens per block
-            streamable = ("host staging with stream_granularity \"step\" (the pool copy is made per layer)"
-                          if slots is not None and self.config.stream_granularity != "layer"
-                          else "Mamba state" if backoff
-                          else "several KV cache groups" if len(windows) > 1
-                          else "sliding window" if windows[0] else None)
+            streamable = why_not_streamable(self.config, slots is not None, backoff, windows,
+                                            bool(getattr(vllm_config.parallel_config, "use_ubatching", False)))
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
                                           backoff=backoff, streamable=streamable)

@@ -55,15 +55,17 @@ class NudgeListener:
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep up to ``timeout_s``; True if a nudge (maybe one that came before this call) ended it."""
-        if self._sock is None:
+        sock, poll = self._sock, self._poll
+        if sock is None:
             time.sleep(timeout_s)
             return False
-        nudged = bool(self._poll.poll(max(0.0, timeout_s) * 1e3))
-        while True:  # one wait per nudge at most: the step that follows hands over what ended
-            try:
-                self._sock.recv(16)
-            except OSError:
-                break
+        nudged = False
+        try:
+            nudged = any(ev & select.POLLIN for _, ev in poll.poll(max(0.0, timeout_s) * 1e3))
+            while True:  # one wait per nudge at most: the step that follows hands over what ended
+                sock.recv(16)
+        except OSError:  # drained (or closed meanwhile: shutting down)
+            pass
         return nudged
 
     def close(self) -> None:
@@ -84,11 +86,12 @@ class Nudger:
             self._sock = None
 
     def nudge(self) -> None:
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             return
         for to in self._to:
             try:
-                self._sock.sendto(b"!", to)
+                sock.sendto(b"!", to)
             except OSError:  # nobody there (not the scheduler's process), or its queue is full: a hint lost
                 pass
 

@@ -17,7 +17,8 @@ Granularity (``stream_granularity``):
 
 - ``StreamPlanner`` (scheduler process, pure): follows each streamed request's block table through
   vLLM's scheduler output (new requests, appended blocks, a restart after preemption) and, per step,
-  says which full blocks the step's forward completes (and how many were whole before it). Per step, the
+  says which blocks the step's forward completes (full ones, and layer-wise the prompt's partial last
+  one in the chunk that completes it; and how many were whole before it). Per step, the
   chunk that completes the prompt gets no step-end piece: the published record follows it at once and is
   the end of the stream.
 - ``PrefillStream`` (worker process, vLLM's thread): after each layer and each forward, the pieces to send
@@ -119,7 +120,7 @@ class _Streamed:
     epoch: int = 0
     index: int = 0
     blocks: list[int] = field(default_factory=list)
-    sent_blocks: int = 0  # full blocks the last piece covered
+    sent_blocks: int = 0  # blocks the last piece covered (full ones; the partial last one in the last chunk)
     scheduled: bool = False  # seen in a scheduler output since its (re)start
 
 

@@ -16,7 +16,13 @@ def _engine() -> str:
 
 
 def _nudge_from_child(engine_id: str) -> None:
-    Nudger(engine_id).nudge()
+    _nudge(engine_id)
+
+
+def _nudge(engine_id: str) -> None:
+    n = Nudger(engine_id)
+    n.nudge()
+    n.close()
 
 
 def test_a_child_process_nudge_ends_the_wait_and_a_wait_without_one_times_out():
@@ -40,11 +46,11 @@ def test_nudges_reach_only_their_engine_and_a_taken_name_falls_back_to_sleeping(
     listener, twin = NudgeListener(eid), NudgeListener(eid)
     try:
         assert not twin.listening  # the name is this process's engine's: the second one sleeps it out
-        Nudger(_engine()).nudge()  # another engine's nudge goes nowhere and never raises
+        _nudge(_engine())  # another engine's nudge goes nowhere and never raises
         assert listener.wait(0.05) is False
         t0 = time.monotonic()
         assert twin.wait(0.1) is False and time.monotonic() - t0 >= 0.09
-        threading.Timer(0.1, Nudger(eid).nudge).start()
+        threading.Timer(0.1, _nudge, (eid,)).start()
         t0 = time.monotonic()
         assert listener.wait(30.0) is True and time.monotonic() - t0 < 29
     finally:
@@ -67,10 +73,18 @@ def test_a_decode_step_waiting_for_pulls_ends_when_a_worker_nudges():
         t0 = time.monotonic()
         sched.build_connector_meta(idle)
         assert time.monotonic() - t0 >= 0.9  # nobody nudged: the whole wait
-        threading.Timer(0.05, Nudger(eid).nudge).start()
+        threading.Timer(0.05, _nudge, (eid,)).start()
         t0 = time.monotonic()
         sched.build_connector_meta(idle)
         assert time.monotonic() - t0 < 0.9
         assert sched.get_kv_connector_stats().data["pull_waits_nudged"] == 1
     finally:
         sched.shutdown()
+
+
+def test_closing_a_listener_while_it_waits_ends_nothing_badly():
+    """Shutdown closes the listener while vLLM's thread may be in a step's wait: the wait returns, no error."""
+    listener = NudgeListener(_engine())
+    threading.Timer(0.1, listener.close).start()
+    assert listener.wait(0.5) is False
+    assert listener.wait(0.01) is False and not listener.listening

@@ -113,9 +113,20 @@ def test_a_layer_is_read_on_entry_to_its_attention_op_before_the_attention_runs(
     evs = trace_lines(lw["trace"])[start:]
     layers = [e for e in evs if e["ev"] == "layer"]
     assert layers and all(e["on_entry"] for e in layers), layers
-    windows = [(e["t"], e["t"] + SlowLayersConnector.SLOW_LAYER_S) for e in layers]
-    ends = [e["t"] for e in evs if e["ev"] == "read_end"]
-    assert any(a < t < b for t in ends for a, b in windows), "no READ ended before a layer's attention ran"
+    # A READ posted after decode heard "layers below k" covers layer k - 1; it proves the point when it ended
+    # before that layer's attention ran: inside the entry sleep that followed the layer's announcement.
+    entered: dict[int, float] = {}  # layer index -> its latest announcement (one prompt at a time)
+    heard, covers, early = 0, {}, []
+    for e in evs:
+        if e["ev"] == "layer":
+            entered[int(e["layer"].split(".")[2])] = e["t"]
+        elif e["ev"] == "answer" and e["partial"]:
+            heard = e["layers"]
+        elif e["ev"] == "read_post" and heard:
+            covers[e["batch"]] = entered.get(heard - 1)
+        elif e["ev"] == "read_end" and covers.get(e["batch"]) is not None:
+            early.append(e["t"] < covers[e["batch"]] + SlowLayersConnector.SLOW_LAYER_S)
+    assert any(early), f"no READ of a layer ended before that layer's attention ran: {early}"
 
 
 def test_with_stream_layer_on_entry_off_layers_are_announced_on_exit_and_equal_a_single_server(lw):

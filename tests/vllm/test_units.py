@@ -259,3 +259,19 @@ def test_mooncake_settings_are_validated_at_startup_naming_the_key():
         ConnectorConfig.from_extra({"transport_backend": "mooncake", "mooncake": {"max_queued": 1}})
     with pytest.raises(ConnectorConfigError, match="must be an object"):
         ConnectorConfig.from_extra({"mooncake": "tcp"})
+
+
+def test_why_not_streamable_names_each_reason_and_refuses_micro_batching():
+    from kvlink.vllm.connector import why_not_streamable
+
+    layer, step = ConnectorConfig(stream_kv=True), ConnectorConfig(stream_kv=True, stream_granularity="step")
+    assert why_not_streamable(layer, False, 0, (None,), False) is None
+    assert why_not_streamable(layer, True, 0, (None,), False) is None  # staged per layer streams
+    assert "host staging" in why_not_streamable(step, True, 0, (None,), False)
+    assert why_not_streamable(layer, False, 1, (None,), False) == "Mamba state"
+    assert why_not_streamable(layer, False, 0, (None, None), False) == "several KV cache groups"
+    assert why_not_streamable(layer, False, 0, ((4096, 0),), False) == "sliding window"
+    # vLLM's micro-batches each run a layer's hooks (the first would announce a layer the others have not
+    # written), each on a CUDA stream of its own
+    assert "micro-batching" in why_not_streamable(layer, False, 0, (None,), True)
+    assert "micro-batching" in why_not_streamable(step, False, 0, (None,), True)
