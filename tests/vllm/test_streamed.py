@@ -220,9 +220,10 @@ def test_mixed_aborts_mid_stream_leave_nothing_held(sd):
     prompts = token_prompts([rng.randint(200, 900) for _ in range(n)], seed=43)
     kinds = ["client"] * 130 + ["prefill"] * 35 + ["finish"] * 35
     rng.shuffle(kinds)
-    # a client hangs up within 0.6 s; a prefill request is aborted within 1 s. How many clients hang up before
-    # their answer depends on the machine's speed: at ~0.3 s a request under this load, about half of them.
-    delays = [rng.uniform(0.02, 0.6 if k == "client" else 1.0) for k in kinds]
+    # a client hangs up within 0.4 s; a prefill request is aborted within 1 s. How many clients hang up before
+    # their answer depends on the machine's speed: at ~0.3 s a request under this load, about 3 in 4 of them;
+    # on a machine 3x faster, about 1 in 4
+    delays = [rng.uniform(0.02, 0.4 if k == "client" else 1.0) for k in kinds]
 
     def one(i):
         if kinds[i] == "prefill":  # only prefill's request is aborted, decode's waits for its KV
@@ -243,7 +244,7 @@ def test_mixed_aborts_mid_stream_leave_nothing_held(sd):
         results = list(ex.map(one, range(n)))
     answered = [i for i, r in enumerate(results) if r is not None]
     print(f"{n} requests in {time.monotonic() - t0:.1f} s: {n - len(answered)} hung up, {len(answered)} answered")
-    assert sum(r is None for r in results) >= 30, "too few clients hung up to test aborts mid-stream"
+    assert sum(r is None for r in results) >= 20, "too few clients hung up to test aborts mid-stream"
     assert all(results[i] is not None for i in range(n) if kinds[i] != "client")
     want = baseline(sd, [prompts[i] for i in answered])
     assert [results[i] for i in answered] == want
