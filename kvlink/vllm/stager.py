@@ -9,12 +9,19 @@ through a pageable bounce buffer, which blocks the calling thread - vLLM's - unt
 copy: seen on an H100, every layer of the forward waited for the device.) Each layer's KV tensor is seen
 as bytes ``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout.
 
-On CUDA every copy runs on the stager's own stream, after an event recorded on vLLM's stream when the
-work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
-it was given to this request), through a fixed device scratch buffer (``CHUNK_BYTES``): a gather of the
-blocks into the scratch, then one copy per run of consecutive slots. Nothing synchronizes the device on
-vLLM's thread; ``Pending.done()`` asks the stream's event. On CPU (staging forced) the copies are plain
-indexed copies, run on the caller's thread (the worker hands prefill's to a thread of its own).
+On CUDA the copies run on two streams of the stager's own, after an event recorded on vLLM's stream when
+the work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
+it was given to this request), through a fixed device scratch buffer of two halves (``CHUNK_BYTES`` each).
+A round gathers blocks into one half on the kernel stream (an index_select), then the copy stream moves
+that half over the bus (one copy per run of consecutive slots) while the kernel stream gathers the next
+round into the other half; landing runs the other way (bus copy into a half, then an index_copy_ into the
+blocks). Each half is reused only after an event says the last round that used it is done, in either
+direction. (With one stream the gather, ~20% of a request's device time on an H100, added to the copies.)
+Nothing synchronizes the device on vLLM's thread; ``Pending.done()`` asks an event. The stager warms up
+when it is built (each kind of copy once, at full size, of bytes that stay as they were: ``_warm``), so
+the first forward that streams does not pay for first-time allocations and kernel loading. On CPU (staging
+forced) the copies are plain indexed copies, run on the caller's thread (the worker hands prefill's to a
+thread of its own).
 """
 
 from __future__ import annotations
@@ -54,7 +61,11 @@ DONE = Pending(lambda: True, lambda: None)
 
 
 class Stager:
-    def __init__(self, kv_caches: dict[str, Any], layout: BlockLayout, slots: int):
+    """``overlap=False`` runs every CUDA copy on one stream, whole scratch per round (the A/B of
+    tools/gpu_stager_bench.py); ``warm=False`` skips the warm-up (the cold-start probe)."""
+
+    def __init__(self, kv_caches: dict[str, Any], layout: BlockLayout, slots: int, *, overlap: bool = True,
+                 warm: bool = True):
         import torch
 
         first = next(iter(kv_caches.values()))
@@ -65,15 +76,24 @@ class Stager:
         self.slot_bytes = len(kv_caches) * layout.block_bytes
         self.pool = torch.zeros((len(kv_caches), slots + 1, n, seg), dtype=torch.uint8, pin_memory=self.cuda)
         self.views = [self._bytes(t) for t in kv_caches.values()]
-        # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the scratch is
-        # shared, and the stream's order is what keeps one copy's use of it from overlapping the next's.
+        # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the halves of the
+        # scratch are shared, and their events are what keep one round's use of a half from overlapping the next.
         self._queue_lock = threading.Lock()
         self._indices: dict[tuple[int, ...], Any] = {}  # CUDA: recent block-id tensors on the device (_index)
         if self.cuda:
-            self.stream = torch.cuda.Stream(device=self.device)
+            self.stream = torch.cuda.Stream(device=self.device)  # bus copies (D2H, H2D)
+            self.kernels = torch.cuda.Stream(device=self.device) if overlap else self.stream  # gathers, scatters
+            halves = 2 if overlap else 1  # each half is CHUNK_BYTES: halves of half the size double the
+            # rounds of a whole request, and its copies are bound by their launches (tools/gpu_stager_bench.py)
             self.chunk = max(1, min(slots, CHUNK_BYTES // self.slot_bytes))
-            # blocks of one layer each; a copy of fewer layers gives each of them a larger share (one round)
-            self.scratch = torch.empty((len(kv_caches) * self.chunk, n, seg), dtype=torch.uint8, device=self.device)
+            # each half: blocks of one layer each; a copy of fewer layers gives each a larger share
+            scratch = torch.empty((halves, len(kv_caches) * self.chunk, n, seg), dtype=torch.uint8,
+                                  device=self.device)
+            self._halves = list(scratch)
+            self._free: list[Any] = [None] * halves  # event: the last round that used the half is done
+            self._round = 0
+            if warm:
+                self._warm()
 
     @property
     def pool_span(self) -> tuple[int, int]:
@@ -88,6 +108,21 @@ class Stager:
         return raw.as_strided((lay.num_blocks, lay.segments, lay.segment_bytes),
                               (lay.block_stride, lay.segment_stride or lay.segment_bytes, 1),
                               t.storage_offset() * t.element_size())
+
+    def _warm(self) -> None:
+        """Run each kind of copy once at full size, before vLLM runs a forward and before the pool is
+        registered with the transport (no peer reads it yet): blocks ``0..k-1`` into slots ``0..k-1`` (slot 0
+        is the null slot; the others are free), one layer and every layer, then back into the same blocks,
+        which writes the bytes they already hold. First-time costs (kernel loading - index_select and
+        index_copy_ load a second kernel past 16 indices - pinned block-id memory, events) then land at
+        start-up rather than on the first forward that streams."""
+        k = min(self.chunk, self.slots + 1, self.layout.num_blocks)
+        ids = list(range(k))
+        self.to_pool(ids, ids, self.fence(), 0).wait()
+        self.to_pool(ids, ids, self.fence()).wait()
+        self.from_pool(ids, ids, self.fence(), [0]).wait()
+        self.from_pool(ids, ids, self.fence()).wait()
+        self._indices.clear()
 
     def fence(self) -> Any:
         """An event on vLLM's current stream (CUDA): copies started later wait for what it had queued."""
@@ -117,14 +152,21 @@ class Stager:
         with self._queued(after):
             per = self._per_layer(len(layers))
             for at in range(0, len(blocks), per):
-                bi = self._index(blocks[at:at + per])
-                k = len(bi)
-                for j, (li, v) in enumerate(layers):
-                    buf = self.scratch[j * per:j * per + k]
-                    torch.index_select(v, 0, bi, out=buf)
-                    for i, s, n in _runs(slots[at:at + k]):  # contiguous on both sides: never a bounce buffer
-                        self.pool[li, s:s + n].copy_(buf[i:i + n], non_blocking=True)
-            return self._event()
+                half, h = self._take(self.kernels)  # the gather writes the half first
+                with torch.cuda.stream(self.kernels):
+                    bi = self._index(blocks[at:at + per])
+                    k = len(bi)
+                    for j, (li, v) in enumerate(layers):
+                        torch.index_select(v, 0, bi, out=h[j * per:j * per + k])
+                    gathered = self._mark(self.kernels)
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(gathered)
+                    for j, (li, _v) in enumerate(layers):
+                        buf = h[j * per:j * per + k]
+                        for i, s, n in _runs(slots[at:at + k]):  # contiguous on both sides: never a bounce buffer
+                            self.pool[li, s:s + n].copy_(buf[i:i + n], non_blocking=True)
+                    self._free[half] = self._mark(self.stream)
+            return self._pending(half)
 
     def from_pool(self, slots: list[int], blocks: list[int], after: Any = None,
                   layers: list[int] | None = None) -> Pending:
@@ -146,39 +188,65 @@ class Stager:
         with self._queued(after):
             per = self._per_layer(len(views))
             for at in range(0, len(blocks), per):
-                bi = self._index(blocks[at:at + per])
-                k = len(bi)
-                for j, (layer, v) in enumerate(views):  # only the layers asked for cross the bus
-                    buf = self.scratch[j * per:j * per + k]
-                    for i, s, n in _runs(slots[at:at + k]):
-                        buf[i:i + n].copy_(self.pool[layer, s:s + n], non_blocking=True)
-                    v.index_copy_(0, bi, buf)
-            return self._event()
+                half, h = self._take(self.stream)  # the bus copy writes the half first
+                k = len(blocks[at:at + per])
+                with torch.cuda.stream(self.stream):  # only the layers asked for cross the bus
+                    for j, (layer, _v) in enumerate(views):
+                        buf = h[j * per:j * per + k]
+                        for i, s, n in _runs(slots[at:at + k]):
+                            buf[i:i + n].copy_(self.pool[layer, s:s + n], non_blocking=True)
+                    landed = self._mark(self.stream)
+                with torch.cuda.stream(self.kernels):
+                    self.kernels.wait_event(landed)
+                    bi = self._index(blocks[at:at + per])
+                    for j, (_layer, v) in enumerate(views):
+                        v.index_copy_(0, bi, h[j * per:j * per + k])
+                    self._free[half] = self._mark(self.kernels)
+            return self._pending(half)
 
     def _per_layer(self, layers: int) -> int:
-        """Blocks of each of ``layers`` layers one round of a copy moves through the scratch."""
+        """Blocks of each of ``layers`` layers one round of a copy moves through a half of the scratch."""
         return self.chunk * len(self.views) // layers
+
+    def _take(self, writer: Any) -> tuple[int, Any]:
+        """The next half of the scratch, once ``writer`` (the stream that writes it first in this round) has
+        waited for the last round that used it, in either direction. The other stream touches the half only
+        after an event ``writer`` records behind its write, so it waits too."""
+        half = self._round % len(self._halves)
+        self._round += 1
+        if self._free[half] is not None:
+            writer.wait_event(self._free[half])
+        return half, self._halves[half]
+
+    @staticmethod
+    def _mark(stream: Any) -> Any:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
 
     @contextlib.contextmanager
     def _queued(self, after: Any):
-        """Queue copies on the stager's stream, after ``after``, one caller at a time. If queueing fails
+        """Queue copies on the stager's streams, one caller at a time, the kernel stream (the one that reads
+        or writes vLLM's blocks; the copy stream follows its events) after ``after``. If queueing fails
         part-way, what was queued is waited for before the error goes on: the caller then gives the memory
         back, and nothing of ours may still write into it."""
-        import torch
-
-        with self._queue_lock, torch.cuda.stream(self.stream):
+        with self._queue_lock:
             if after is not None:
-                self.stream.wait_event(after)
+                self.kernels.wait_event(after)
             try:
                 yield
             except BaseException:
                 self.stream.synchronize()
+                self.kernels.synchronize()
                 raise
 
     def _index(self, blocks: list[int]) -> Any:
-        """Block ids on the device, copied from pinned memory on the stager's stream: a pageable copy would
-        wait for that stream, and so for vLLM's forward, on the calling thread. The last few are kept (a
-        streamed step copies the same blocks once per layer); only the stager's stream ever reads them."""
+        """Block ids on the device, copied from pinned memory on the kernel stream (called inside it): a
+        pageable copy would wait for that stream, and so for vLLM's forward, on the calling thread. The last
+        few are kept (a streamed step copies the same blocks once per layer); only the kernel stream ever
+        reads them."""
         import torch
 
         key = tuple(blocks)
@@ -190,9 +258,8 @@ class Stager:
             self._indices.pop(next(iter(self._indices)))
         return got
 
-    def _event(self) -> Pending:
-        import torch
-
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
+    def _pending(self, half: int) -> Pending:
+        """Done when the copy's last round is: its event on the stream that ran the round's final step,
+        after the other stream's steps it needed."""
+        ev = self._free[half]
         return Pending(ev.query, ev.synchronize)
