@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlink import trace
+from kvlink.vllm.stager import Pending
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ class PrefillStream:
                 continue
             k = self.copies.start(sp)
             if k < len(sp.block_ids):
-                fence = self.stager.to_pool(list(sp.device_ids[k:]), list(sp.block_ids[k:]), after, li).wait
+                fence = self.stager.to_pool(list(sp.device_ids[k:]), list(sp.block_ids[k:]), after, li)
             self.copies.layer_copied(sp, layer_name)
             out.append(dataclasses.replace(sp, whole=k) if k < sp.whole else sp)
         return (fence if self.stager.cuda else None), out
@@ -321,7 +322,7 @@ class PrefillStream:
 
             ev = torch.cuda.Event()
             ev.record()  # behind what vLLM queued on the current stream (the layer, or the forward)
-            fence = ev.synchronize
+            fence = Pending(ev.query, ev.synchronize)
         self.sender.submit(pieces, fence)
 
 
@@ -336,33 +337,49 @@ class PieceSender:
         self._thread.start()
 
     def submit(self, pieces: list[Piece], fence: Any = None) -> None:
-        """After a layer or the step's forward (vLLM's thread): ``fence`` waits for the device work that
-        puts these pieces' KV in place (a CUDA event's ``synchronize``), or is None when it is in place
-        already (CPU)."""
+        """After a layer or the step's forward (vLLM's thread): ``fence`` says when the device work that puts
+        these pieces' KV in place is done (``done()`` without blocking, ``wait()``: stager.Pending, on CUDA
+        an event behind it), or is None when it is in place already (CPU)."""
         self._queue.put((pieces, fence))
 
     def close(self) -> None:
         self._queue.put(None)
 
     def _run(self) -> None:
+        """Send in order, each piece as soon as its KV is in place. On a GPU vLLM's thread queues a whole
+        forward's layers long before the device has run them: what queued is not sent together (that would
+        wait for the last layer), but the first waiting item once its fence is done, with every item after it
+        whose fence is done too (one call, the newest piece of each transfer)."""
+        waiting: list = []  # queued, not sent, in order
+        closing = False
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            while not self._queue.empty():  # steps that queued while the last call was out: one call
-                nxt = self._queue.get()
-                if nxt is None:
-                    self._flush(batch)
+            if not waiting:
+                item = self._queue.get()
+                if item is None:
                     return
-                batch.append(nxt)
-            self._flush(batch)
+                waiting.append(item)
+            while not closing:  # whatever else queued meanwhile
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    closing = True
+                else:
+                    waiting.append(nxt)
+            first = waiting.pop(0)
+            if first[1] is not None:
+                first[1].wait()  # the layer or forward (and copy) that wrote these blocks is done on the device
+            ready = [first]
+            while waiting and (waiting[0][1] is None or waiting[0][1].done()):
+                ready.append(waiting.pop(0))
+            self._flush(ready)
+            if closing and not waiting:
+                return
 
     def _flush(self, batch: list) -> None:
         newest: dict[str, Any] = {}  # pieces are cumulative: the newest of each transfer says it all
-        for step, fence in batch:
-            if fence is not None:
-                fence()  # the forward or layer (and copy) that wrote these blocks has finished on the device
+        for step, _fence in batch:  # every fence here is done (_run)
             for p in step:
                 if p.transfer_id not in self._ended and (p.transfer_id not in newest
                                                          or p.index > newest[p.transfer_id].index):

@@ -114,6 +114,73 @@ def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indice
     assert [p.index for p in step_pieces([sp], layer_wise=False)] == [3]
 
 
+class _Fence:
+    """A device fence the test completes by hand (stager.Pending's done/wait)."""
+
+    def __init__(self):
+        self._ev = threading.Event()
+
+    def done(self):
+        return self._ev.is_set()
+
+    def wait(self):
+        self._ev.wait(10)
+
+    def set(self):
+        self._ev.set()
+
+
+def test_the_sender_sends_each_layer_once_its_fence_is_done_not_after_the_last_queued():
+    """On a GPU vLLM's thread queues a whole forward's layers before the device runs them: each layer's piece
+    goes out as its own fence is done (not once the last queued one is), never before it, and layers whose
+    fences are done together go in one call. (It used to wait for every queued fence first: on an H200 a
+    32-layer forward was read in 2 ranges, most of it after the forward.)"""
+    sent = []
+    sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
+    a = spec_of(1, [1, 2], 0)
+    fences = [_Fence() for _ in range(5)]
+    for layers, f in enumerate(fences, 1):
+        sender.submit(layer_pieces([a], layers), f)
+
+    def settle(n):
+        deadline = time.monotonic() + 5
+        while len(sent) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # nothing more may follow
+
+    settle(0)
+    assert sent == []  # no fence done: nothing announced
+    fences[2].set()  # a later layer done before an earlier one: still nothing, order holds
+    settle(0)
+    assert sent == []
+    fences[0].set()
+    settle(1)
+    assert sent == [[LAYER_SLOTS + 1]]  # layer 1 out while 2..5 still compute
+    fences[1].set()
+    settle(2)
+    assert sent[1] == [LAYER_SLOTS + 3]  # layers 2 and 3 (done together): one call, the newest piece
+    fences[4].set()
+    fences[3].set()
+    settle(3)
+    assert sent == [[LAYER_SLOTS + 1], [LAYER_SLOTS + 3], [LAYER_SLOTS + 5]]
+    sender.close()
+    sender._thread.join(5)
+    assert not sender._thread.is_alive()
+
+
+def test_the_sender_sends_what_queued_before_close_once_its_fence_is_done():
+    sent = []
+    sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
+    f = _Fence()
+    sender.submit(layer_pieces([spec_of(1, [1, 2], 0)], 2), f)
+    sender.close()
+    time.sleep(0.1)
+    assert sent == [] and sender._thread.is_alive()
+    f.set()
+    sender._thread.join(5)
+    assert sent == [[LAYER_SLOTS + 2]]
+
+
 def test_the_sender_sends_only_the_newest_piece_of_each_transfer_that_queued():
     sent, release = [], threading.Event()
 
