@@ -10,8 +10,8 @@ Granularity (``stream_granularity``):
   prompts on GPUs, whose token budget is 2k-16k) overlaps its transfer with its own forward and the tail
   decode reads after the published record is at most the last layer's share (the prompt's last, partial
   block streams layer by layer with that chunk: no later forward writes its prompt's positions). Pieces
-  are cumulative: the sender sends only the newest per request of whatever queued while its last call was
-  out, so a slow bootstrap call costs overlap, never the forward.
+  are cumulative: the sender sends only the newest per request of whatever queued, in place, while its
+  last call was out, so a slow bootstrap call costs overlap, never the forward.
 - "step": one piece per request per step, after the step's forward; a one-chunk prompt streams nothing
   and the tail is the last chunk's blocks (``max_num_batched_tokens``). One bootstrap call per step.
 
