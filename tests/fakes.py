@@ -125,14 +125,66 @@ class RecordingStager:
         return DONE
 
 
+class HandFence:
+    """A device fence (stager.Pending's ``done``/``wait``) the test completes by hand with ``set``."""
+
+    def __init__(self) -> None:
+        self._ev = threading.Event()
+
+    def done(self) -> bool:
+        return self._ev.is_set()
+
+    def wait(self) -> None:
+        self._ev.wait(10)
+
+    def set(self) -> None:
+        self._ev.set()
+
+
+class CudaLikeStager(RecordingStager):
+    """A RecordingStager that answers as a CUDA one does: its copies and its marker are HandFences the test
+    completes (``pending``: each copy's, in order; ``markers``), and its fence (vLLM's stream) is done."""
+
+    cuda = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[HandFence] = []
+        self.markers: list[HandFence] = []
+
+    def fence(self):
+        class _Event:
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                pass
+
+        return _Event()
+
+    def to_pool(self, blocks, slots, after=None, layer=None):
+        super().to_pool(blocks, slots, after, layer)
+        if not blocks:
+            return self.marker()
+        self.pending.append(HandFence())
+        return self.pending[-1]
+
+    def marker(self):
+        self.markers.append(HandFence())
+        return self.markers[-1]
+
+
 class RecordingSender:
-    """A stream.PieceSender that keeps what it is handed, in order, instead of sending it."""
+    """A stream.PieceSender that keeps what it is handed, in order, instead of sending it (``fences``: the
+    fence each call came with)."""
 
     def __init__(self) -> None:
         self.pieces: list = []
+        self.fences: list = []
 
     def submit(self, pieces, fence=None) -> None:
         self.pieces += [p.fields() for p in pieces]
+        self.fences.append(fence)
 
     def close(self) -> None:
         pass

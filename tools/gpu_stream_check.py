@@ -11,9 +11,10 @@ CPU: a host sleep), then the write of the layer's KV into the request's blocks, 
 ``send_pieces`` as ``save_kv_layer`` calls it. The worker copies that layer of the blocks into their pool
 slots on the stager's stream behind an event on vLLM's stream, and sends a piece once the copy is done. A
 decode process, paired concurrently (transfer id), reads each layer range as its piece arrives into its
-landing pool and copies those layers into its blocks. When the forward ends, prefill stages what is left
-(nothing, if every layer was copied), zeroes its device blocks (decode can only be reading the pool) and
-publishes; decode reads the tail. Every block of every layer is compared.
+landing pool and copies those layers into its blocks. When the forward ends (its stream, not the device:
+the stager's copies may still trail it, as in vLLM), prefill stages what is left (nothing, if every layer
+was copied: the staging then ends when those trailing copies do), zeroes its device blocks (decode can
+only be reading the pool) and publishes; decode reads the tail. Every block of every layer is compared.
 
 Runs: streamed, then non-streamed (the same forward, the whole request staged and published after it;
 ``--modes`` adds ``cold``: streamed with the stager's start-up warm-up skipped), and on CUDA a control:
@@ -59,6 +60,15 @@ def _sleeper(device: str, ms: float):
     return lambda: torch.cuda._sleep(n)
 
 
+def _sync_stream(device: str) -> None:
+    """Wait for the current stream (the forward), not the device: vLLM's sampling waits for its own stream
+    alone, so the stager's copies of the last layers may still run when the request is staged."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
+
 def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: int, blocks: int, pool_mb: int,
             layer_ms: float) -> None:
     from kvlink.bootstrap import BootstrapClient
@@ -99,7 +109,7 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
     if mode != "plain":
         w.send_pieces([spec], None)
     t_launch = time.time()  # the host thread is free again (on CUDA the device still runs the forward)
-    _sync(device)
+    _sync_stream(device)  # the forward's stream only: the stager's copies may still trail it, as in vLLM
     t_fwd = time.time()
     w.start_load_kv(KVLinkMetadata(stages=[(RID, tuple(src), tuple(slots))]))
     while RID not in w.transfer_results()[0]:

@@ -60,6 +60,16 @@ class Pending:
 DONE = Pending(lambda: True, lambda: None)
 
 
+def both(a: Pending, b: Pending) -> Pending:
+    """Done when ``a`` and ``b`` are."""
+    return Pending(lambda: a.done() and b.done(), lambda: (a.wait(), b.wait()) and None)
+
+
+def event_pending(ev: Any) -> Pending:
+    """A CUDA event (``query``, ``synchronize``) as a Pending."""
+    return Pending(ev.query, ev.synchronize)
+
+
 class Stager:
     """``overlap=False`` runs every CUDA copy on one stream, whole scratch per round (the A/B of
     tools/gpu_stager_bench.py); ``warm=False`` skips the warm-up (the cold-start probe)."""
@@ -130,9 +140,18 @@ class Stager:
             return None
         import torch
 
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    def marker(self) -> Pending:
+        """Done when every copy into the pool queued so far is (CUDA; on CPU they are done on return). A
+        request whose blocks all went into the pool layer by layer as it computed is staged with nothing left
+        to copy: this is what its end waits for, and so what its publish waits for."""
+        if not self.cuda:
+            return DONE
+        with self._queue_lock:  # every copy into the pool ends on the copy stream, after its gather
+            return event_pending(self._mark(self.stream))
 
     def to_pool(self, blocks: list[int], slots: list[int], after: Any = None, layer: int | None = None) -> Pending:
         """Copy device blocks into pool slots (prefill): every layer, or only the ``layer``-th (streamed KV,
@@ -149,6 +168,8 @@ class Stager:
             return DONE
         if not layers:
             return DONE
+        if not blocks:
+            return self.marker()
         with self._queued(after):
             per = self._per_layer(len(layers))
             for at in range(0, len(blocks), per):
@@ -183,7 +204,7 @@ class Stager:
                     rows[i:i + n].copy_(self.pool[layer, s:s + n])
                 v.index_copy_(0, bi, rows)
             return DONE
-        if not views:
+        if not views or not blocks:
             return DONE
         with self._queued(after):
             per = self._per_layer(len(views))
@@ -220,9 +241,10 @@ class Stager:
 
     @staticmethod
     def _mark(stream: Any) -> Any:
+        """An event recorded on ``stream``; one waited for on the host sleeps (a default event spins a core)."""
         import torch
 
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(stream)
         return ev
 
@@ -261,5 +283,4 @@ class Stager:
     def _pending(self, half: int) -> Pending:
         """Done when the copy's last round is: its event on the stream that ran the round's final step,
         after the other stream's steps it needed."""
-        ev = self._free[half]
-        return Pending(ev.query, ev.synchronize)
+        return event_pending(self._free[half])

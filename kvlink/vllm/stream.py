@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlink import trace
-from kvlink.vllm.stager import Pending
+from kvlink.vllm.stager import both, event_pending
 
 logger = logging.getLogger(__name__)
 
@@ -294,8 +294,14 @@ class PrefillStream:
         """After the step's forward: its blocks are whole (a staged request's only if every layer was copied)."""
         self._clock.reset()
         whole = self.copies.step_done(specs) if self.copies is not None else set()
+        fence = None
+        if self.copies is not None and self.cuda:
+            # The forward (vLLM's stream) and the layer copies into the pool (the stager's streams, which may
+            # trail it): layer-wise, the last layer's piece waited for the copies already; without layer
+            # pieces (no layer ids) nothing else would.
+            fence = both(event_pending(self.stager.fence()), self.stager.marker())
         self._submit(step_pieces([sp for sp in specs if not sp.device_ids or sp.request_id in whole],
-                                 self.layer_wise), None)
+                                 self.layer_wise), fence)
 
     def _copy_layer(self, specs: list[StreamSpec], layer_name: str) -> tuple[Any, list[StreamSpec]]:
         """Copy this layer of each staged request's blocks not yet whole in its slots, on CUDA behind what
@@ -320,9 +326,9 @@ class PrefillStream:
         if fence is None and self.cuda:
             import torch
 
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # the sender's wait sleeps rather than spins
             ev.record()  # behind what vLLM queued on the current stream (the layer, or the forward)
-            fence = Pending(ev.query, ev.synchronize)
+            fence = event_pending(ev)
         self.sender.submit(pieces, fence)
 
 

@@ -558,17 +558,19 @@ class KVLinkWorker:
 
     def _stage(self, jobs: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Prefill, vLLM's thread: copy finished requests' blocks into the slots the scheduler gave them. On
-        CUDA the copies are queued on the stager's stream after everything vLLM queued so far (the forward
-        that wrote the blocks); on CPU a thread of ours does them."""
+        CUDA the copies are queued on the stager's streams after everything vLLM queued so far (the forward
+        that wrote the blocks), and a streamed request's end also waits for its layer copies still under way
+        (they may trail vLLM's stream: the publish and the blocks' release wait for them); on CPU a thread
+        of ours does them (a streamed request's layer copies were done on vLLM's thread)."""
         fence = self._stager.fence()
         for rid, blocks, slots in jobs:
             if self._streamer is not None and self._streamer.copies is not None:  # streamed: leading blocks
                 k = self._streamer.copies.take(rid, slots)  # are in their slots already
                 blocks, slots = blocks[k:], slots[k:]
-            if not blocks:
-                pending = DONE
-            elif self._stager.cuda:
+            if self._stager.cuda:  # with no block left, the layer copies queued while it computed (marker)
                 pending = self._stager.to_pool(list(blocks), list(slots), fence)
+            elif not blocks:
+                pending = DONE
             else:
                 fut = self._stage_exec.submit(self._stager.to_pool, list(blocks), list(slots))
                 pending = Pending(fut.done, fut.result)

@@ -12,7 +12,7 @@ from kvlink.vllm.plan import PairingError, layer_indices, ready_pairs, step_pair
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Resolve, State
 from kvlink.vllm.stream import (LAYER_SLOTS, LayerClock, Piece, PieceSender, PrefillStream, StagedCopies, StreamPlanner,
                                 StreamSpec, layer_pieces, step_pieces)
-from tests.fakes import RecordingSender, RecordingStager
+from tests.fakes import CudaLikeStager, HandFence, RecordingSender, RecordingStager
 
 pytest.importorskip("vllm")  # PullSpec is vLLM metadata
 
@@ -114,22 +114,6 @@ def test_layer_pieces_name_the_step_blocks_and_the_layers_done_in_growing_indice
     assert [p.index for p in step_pieces([sp], layer_wise=False)] == [3]
 
 
-class _Fence:
-    """A device fence the test completes by hand (stager.Pending's done/wait)."""
-
-    def __init__(self):
-        self._ev = threading.Event()
-
-    def done(self):
-        return self._ev.is_set()
-
-    def wait(self):
-        self._ev.wait(10)
-
-    def set(self):
-        self._ev.set()
-
-
 def test_the_sender_sends_each_layer_once_its_fence_is_done_not_after_the_last_queued():
     """On a GPU vLLM's thread queues a whole forward's layers before the device runs them: each layer's piece
     goes out as its own fence is done (not once the last queued one is), never before it, and layers whose
@@ -138,7 +122,7 @@ def test_the_sender_sends_each_layer_once_its_fence_is_done_not_after_the_last_q
     sent = []
     sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
     a = spec_of(1, [1, 2], 0)
-    fences = [_Fence() for _ in range(5)]
+    fences = [HandFence() for _ in range(5)]
     for layers, f in enumerate(fences, 1):
         sender.submit(layer_pieces([a], layers), f)
 
@@ -171,7 +155,7 @@ def test_the_sender_sends_each_layer_once_its_fence_is_done_not_after_the_last_q
 def test_the_sender_sends_what_queued_before_close_once_its_fence_is_done():
     sent = []
     sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
-    f = _Fence()
+    f = HandFence()
     sender.submit(layer_pieces([spec_of(1, [1, 2], 0)], 2), f)
     sender.close()
     time.sleep(0.1)
@@ -259,6 +243,58 @@ def test_a_staged_stream_copies_each_layer_before_its_piece_and_claims_whole_onl
     ps.step_done([s2])  # layer 1 never saved: the step is not whole, no step-end piece
     assert len(sender.pieces) == 1
     assert ps.copies.take("r", (5, 6, 7, 8, 9)) == 2  # the end copies from position 2
+
+
+def test_on_cuda_the_step_end_piece_waits_for_the_layer_copies_into_the_pool():
+    """CUDA staging: the copies into the pool run on the stager's streams and may trail the forward. Without
+    layer ids (no layer pieces) the step-end piece is all there is: its fence must cover those copies, not
+    only vLLM's stream. Layer-wise, each layer piece waits for its own copy."""
+    names = ["attn_a", "attn_b"]  # no layer number: layer ids unknown
+    stager, sender = CudaLikeStager(), RecordingSender()
+    ps = PrefillStream(True, None, names, True, sender, stager)
+    s1 = staged_spec(1, [5, 6], [15, 16], whole=0)
+    for n in names:
+        ps.layer_done([s1], n)
+    ps.step_done([s1])
+    assert len(stager.copies) == 2 and [p["block_ids"] for p in sender.pieces] == [[[5, 6]]]
+    fence = sender.fences[-1]
+    assert fence is not None and not fence.done()  # the layer copies are not done: the piece must wait
+    stager.markers[-1].set()
+    assert fence.done()
+
+    stager, sender = CudaLikeStager(), RecordingSender()
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    ps = PrefillStream(True, {n: i for i, n in enumerate(names)}, names, True, sender, stager)
+    for n in names:
+        ps.layer_done([s1], n)
+    assert sender.fences[:2] == stager.pending[:2]  # each layer piece: its own layer's copy
+
+
+def test_on_cuda_a_request_streamed_whole_into_the_pool_is_staged_only_once_its_layer_copies_are_done():
+    """Nothing is left to copy when it finishes, but its last layers' copies may still be under way on the
+    stager's streams: the worker reports it staged (the scheduler publishes its slots, vLLM frees its
+    blocks) only once every copy queued before is done."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"), W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    stager = CudaLikeStager()
+    stager.slot_bytes = 64
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    copies = StagedCopies(names)
+    sp = staged_spec(1, [5, 6], [15, 16], whole=0)
+    copies.start(sp)
+    for n in names:
+        copies.layer_copied(sp, n)
+    assert copies.step_done([sp]) == {"r"}
+    w._stager, w._streamer = stager, SimpleNamespace(copies=copies)
+    w._stage([("r", (15, 16), (5, 6))])
+    assert stager.copies == [((), (), None)]  # nothing left to copy: the marker of what was queued
+    assert w._staged_done() == set()
+    stager.markers[-1].set()
+    assert w._staged_done() == {"r"}
 
 
 def test_an_engine_without_layer_names_sends_step_pieces_only():
