@@ -135,7 +135,7 @@ class HandFence:
         return self._ev.is_set()
 
     def wait(self) -> None:
-        self._ev.wait(10)
+        assert self._ev.wait(10), "HandFence never set"
 
     def set(self) -> None:
         self._ev.set()

@@ -78,7 +78,12 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
     from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
     if mode == "control":
-        S.Stager.fence = lambda self: None  # copies no longer wait for the layer's write on vLLM's stream
+        copy = S.Stager.to_pool  # copies no longer wait for the layer's write on vLLM's stream
+
+        def unfenced(self, blocks, slots, after=None, layer=None):
+            return copy(self, blocks, slots, None, layer)
+
+        S.Stager.to_pool = unfenced
     if mode == "cold":  # streamed, the stager not warmed up when built: the first forward pays first-time costs
         S.Stager._warm = lambda self: None
     if mode == "copies":  # the layer-wise copies into the pool, no piece sent: what the copies alone cost

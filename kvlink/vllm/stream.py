@@ -38,6 +38,7 @@ has room for the request when it starts. Others publish once, as before.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -332,6 +333,21 @@ class PrefillStream:
         self.sender.submit(pieces, fence)
 
 
+def _in_place(fence: Any, block: bool) -> bool:
+    """Whether the device work behind ``fence`` is done (None: nothing to wait for); ``block`` waits for it.
+    A fence that raises (a device error) counts as never done: its piece is not sent."""
+    if fence is None:
+        return True
+    try:
+        if block:
+            fence.wait()
+            return True
+        return bool(fence.done())
+    except Exception as e:  # noqa: BLE001 - a piece not sent costs overlap; one sent early, wrong tokens
+        logger.warning("kvlink: waiting for streamed KV on the device failed (%s); its piece is not sent", e)
+        return False
+
+
 class PieceSender:
     """Worker side: one thread sends each step's pieces once that step's KV is in place."""
 
@@ -356,7 +372,7 @@ class PieceSender:
         forward's layers long before the device has run them: what queued is not sent together (that would
         wait for the last layer), but the first waiting item once its fence is done, with every item after it
         whose fence is done too (one call, the newest piece of each transfer)."""
-        waiting: list = []  # queued, not sent, in order
+        waiting: collections.deque = collections.deque()  # queued, not sent, in order
         closing = False
         while True:
             if not waiting:
@@ -364,24 +380,30 @@ class PieceSender:
                 if item is None:
                     return
                 waiting.append(item)
-            while not closing:  # whatever else queued meanwhile
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    closing = True
-                else:
-                    waiting.append(nxt)
-            first = waiting.pop(0)
-            if first[1] is not None:
-                first[1].wait()  # the layer or forward (and copy) that wrote these blocks is done on the device
+            closing = self._drain(waiting, closing)
+            first = waiting.popleft()
+            if not _in_place(first[1], block=True):
+                continue  # its device work failed: never announced (the record covers it, or nothing does)
+            closing = self._drain(waiting, closing)  # what queued while we waited may be in place too
             ready = [first]
-            while waiting and (waiting[0][1] is None or waiting[0][1].done()):
-                ready.append(waiting.pop(0))
+            while waiting and _in_place(waiting[0][1], block=False):
+                ready.append(waiting.popleft())
             self._flush(ready)
             if closing and not waiting:
                 return
+
+    def _drain(self, waiting: collections.deque, closing: bool) -> bool:
+        """Move whatever queued meanwhile into ``waiting``; True once the close marker was seen."""
+        while not closing:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                closing = True
+            else:
+                waiting.append(nxt)
+        return closing
 
     def _flush(self, batch: list) -> None:
         newest: dict[str, Any] = {}  # pieces are cumulative: the newest of each transfer says it all

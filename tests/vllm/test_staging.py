@@ -12,8 +12,11 @@ import pytest
 from kvlink.vllm.layout import Geometry, block_layout, pool_geometry
 from kvlink.vllm.plan import LayerMap, build_plan
 from kvlink.vllm.staging import SlotPool, StagePlanner, pool_slots, staging_wanted
+from kvlink.vllm.stream import StagedCopies
+from tests.fakes import CudaLikeStager
 from tests.vllm.helpers import pull_outcome, submit_pull
 from tests.vllm.test_layouts import BS, LAYERS, NB, _block, _views
+from tests.vllm.test_stream import staged_spec
 
 torch = pytest.importorskip("torch")
 
@@ -338,3 +341,30 @@ def test_gpu_stager_bench_copies_every_block_both_ways_on_the_host():
                         "3", "--blocks", "8", "--reps", "1"], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every slot equals its block, and back" in r.stdout
+
+
+def test_on_cuda_a_request_streamed_whole_into_the_pool_is_staged_only_once_its_layer_copies_are_done():
+    """Nothing is left to copy when it finishes, but its last layers' copies may still be under way on the
+    stager's streams: the worker reports it staged (the scheduler publishes its slots, vLLM frees its
+    blocks) only once every copy queued before is done."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"), W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    stager = CudaLikeStager()
+    stager.slot_bytes = 64
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    copies = StagedCopies(names)
+    sp = staged_spec(1, [5, 6], [15, 16], whole=0)
+    copies.start(sp)
+    for n in names:
+        copies.layer_copied(sp, n)
+    assert copies.step_done([sp]) == {"r"}
+    w._stager, w._streamer = stager, SimpleNamespace(copies=copies)
+    w._stage([("r", (15, 16), (5, 6))])
+    assert stager.copies == [((), (), None)]  # nothing left to copy: the marker of what was queued
+    assert w._staged_done() == set()
+    stager.markers[-1].set()
+    assert w._staged_done() == {"r"}

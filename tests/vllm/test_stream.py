@@ -152,6 +152,40 @@ def test_the_sender_sends_each_layer_once_its_fence_is_done_not_after_the_last_q
     assert not sender._thread.is_alive()
 
 
+def test_the_sender_batches_what_queued_and_is_done_while_it_waited_and_drops_a_failed_fence():
+    sent = []
+    sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
+    a = spec_of(1, [1, 2], 0)
+    first, later = HandFence(), HandFence()
+    sender.submit(layer_pieces([a], 1), first)
+    time.sleep(0.1)  # the sender is waiting for layer 1
+    later.set()
+    sender.submit(layer_pieces([a], 2), later)
+    sender.submit(layer_pieces([a], 3), None)
+    first.set()
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert sent == [[LAYER_SLOTS + 3]]  # one call: layers 2 and 3 were in place when layer 1 was
+
+    class Broken:
+        def done(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+        def wait(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    sender.submit(layer_pieces([a], 4), Broken())  # its device work failed: never announced
+    sender.submit(layer_pieces([spec_of(2, [1, 2], 0)], 1), None)
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent[1:] == [[2 * LAYER_SLOTS + 1]] and sender._thread.is_alive()
+    sender.close()
+    sender._thread.join(5)
+
+
 def test_the_sender_sends_what_queued_before_close_once_its_fence_is_done():
     sent = []
     sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
@@ -267,34 +301,7 @@ def test_on_cuda_the_step_end_piece_waits_for_the_layer_copies_into_the_pool():
     ps = PrefillStream(True, {n: i for i, n in enumerate(names)}, names, True, sender, stager)
     for n in names:
         ps.layer_done([s1], n)
-    assert sender.fences[:2] == stager.pending[:2]  # each layer piece: its own layer's copy
-
-
-def test_on_cuda_a_request_streamed_whole_into_the_pool_is_staged_only_once_its_layer_copies_are_done():
-    """Nothing is left to copy when it finishes, but its last layers' copies may still be under way on the
-    stager's streams: the worker reports it staged (the scheduler publishes its slots, vLLM frees its
-    blocks) only once every copy queued before is done."""
-    from types import SimpleNamespace
-
-    from kvlink.vllm import worker as W
-    from kvlink.vllm.config import ConnectorConfig
-
-    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"), W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
-    stager = CudaLikeStager()
-    stager.slot_bytes = 64
-    names = ["model.layers.0.attn", "model.layers.1.attn"]
-    copies = StagedCopies(names)
-    sp = staged_spec(1, [5, 6], [15, 16], whole=0)
-    copies.start(sp)
-    for n in names:
-        copies.layer_copied(sp, n)
-    assert copies.step_done([sp]) == {"r"}
-    w._stager, w._streamer = stager, SimpleNamespace(copies=copies)
-    w._stage([("r", (15, 16), (5, 6))])
-    assert stager.copies == [((), (), None)]  # nothing left to copy: the marker of what was queued
-    assert w._staged_done() == set()
-    stager.markers[-1].set()
-    assert w._staged_done() == {"r"}
+    assert len(stager.pending) == 2 and sender.fences == stager.pending  # each layer piece: its own copy
 
 
 def test_an_engine_without_layer_names_sends_step_pieces_only():
