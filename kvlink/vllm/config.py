@@ -70,11 +70,11 @@ class ConnectorConfig:
     # release instead (a release ends the wait at once), so the idle engine stops competing with decode
     # for CPU. A new request arriving meanwhile starts up to this much later. 0: no wait.
     idle_step_wait_ms: float = 10.0
-    # Decode: while its engine has nothing to run but requests waiting for prefill to publish their KV
-    # (concurrent pairing waits through the whole of prefill's compute), vLLM steps it back to back so
-    # the connector can report finished pulls; on a shared host that loop takes CPU from prefill's
-    # forward. Each such step sleeps this long first: a finished pull is seen up to this much later.
-    # Pulls of published blocks (sequential pairing) are never delayed. 0: no wait.
+    # Decode: while its engine has nothing to run but requests waiting for their KV (concurrent pairing
+    # waits through the whole of prefill's compute), vLLM steps it back to back so the connector can
+    # report finished pulls; that loop takes CPU from prefill's forward on a shared host, and the GIL
+    # from the worker's threads in the engine's process. Each such step waits this long first; the
+    # worker's nudge (nudge.py) ends the wait when a pull ends. 0: no wait.
     pull_step_wait_ms: float = 5.0
     # Host staging of KV that lives on a GPU (staging.py). "auto": stage when the KV is on a device the
     # transport cannot address (kvlink's TCP and same-host transports, a non-CUDA Mooncake build), move it

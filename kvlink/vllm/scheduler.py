@@ -648,15 +648,16 @@ class KVLinkScheduler:
         return self.cfg.idle_step_wait_ms / 1e3
 
     def _pull_wait(self, scheduler_output: Any) -> None:
-        """Decode: a step with nothing to run while pulls wait for prefill to publish (concurrent pairing:
-        through the whole of prefill's compute) waits up to ``pull_step_wait_ms`` first, so waiting for KV
-        does not spin the engine (and its worker) at ~1 kHz beside prefill. A worker whose pull ends
-        nudges the wait short (nudge.py): the step goes on and hands the pull to vLLM. A pull of published
-        blocks (sequential pairing) takes a transfer's time: while one runs, steps are not delayed."""
+        """Decode: a step with nothing to run while pulls are under way waits up to ``pull_step_wait_ms``
+        first, so waiting for KV does not spin the engine at ~1 kHz: beside prefill (concurrent pairing:
+        the whole of prefill's compute), and beside the worker's own threads, which resolve, renew leases
+        and land the READs. A worker in the engine's process shares its GIL, and an engine stepping back to
+        back starved them: a sequential pull of 64 KiB took seconds (in-process engines, test_hybrid.py).
+        A worker whose pull ends nudges the wait short (nudge.py): the step goes on and hands the pull to
+        vLLM at once. Without a nudge listener steps are not delayed."""
         if (self._nudges is not None and self._pulls and not self._new_pulls and not self._new_cancels
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-                and not getattr(scheduler_output, "finished_req_ids", None)
-                and all(src.block_ids is None for src in self._pulls.values())):
+                and not getattr(scheduler_output, "finished_req_ids", None)):
             if self._nudges.wait(self.cfg.pull_step_wait_ms / 1e3):
                 self._count("pull_waits_nudged")
 

@@ -73,6 +73,8 @@ def test_each_group_moves_its_own_blocks_and_outputs_equal_a_single_engine(engin
     want = outputs(engines, "base", prompts)
     params = prefill(engines, prompts)
     agent = engines.agents["dec"]
+    sched = engines.llms["dec"].llm_engine.engine_core.engine_core.scheduler.connector
+    nudged0 = sched.recorded_now().get("pull_waits_nudged", 0)
     problems = []
     for p, w, kp in zip(prompts, want, params):
         assert isinstance(kp["remote_block_ids"][0], list) and len(kp["remote_block_ids"]) == 2  # one per group
@@ -95,6 +97,9 @@ def test_each_group_moves_its_own_blocks_and_outputs_equal_a_single_engine(engin
         if len(p) > 200:
             assert sum(1 for b in swa[:end] if b) < sum(1 for b in full[:end] if b)  # the window is smaller
     assert not problems, "\n".join(problems)
+    # Sequential pulls too: decode's empty steps waited and the worker's nudge ended the waits (stepping back
+    # to back, the engine took the GIL from the worker's threads in this one process: leases expired).
+    assert sched.recorded_now().get("pull_waits_nudged", 0) > nudged0
 
 
 def test_chunked_prefill_then_pull(engines):

@@ -131,9 +131,10 @@ def test_step_waits_are_validated(key):
 
 
 def test_decode_step_with_nothing_to_run_but_pulls_sleeps_first():
-    """Decode: while requests only wait for prefill to publish their KV (concurrent pairing), each engine
-    step sleeps pull_step_wait_ms (vLLM would otherwise step back to back beside prefill); a step with
-    work, new pulls or cancels, no pull under way, or a pull of published blocks, does not."""
+    """Decode: while requests only wait for their KV (concurrent pairing: for prefill to publish; or a pull
+    of published blocks), each engine step sleeps pull_step_wait_ms (vLLM would otherwise step back to
+    back beside prefill, and beside the worker's threads); a step with work, new pulls or cancels, or no
+    pull under way, does not. (A worker's nudge ends the wait early: test_nudge.py.)"""
     import dataclasses
 
     from kvlink.vllm.config import ConnectorConfig
@@ -148,7 +149,9 @@ def test_decode_step_with_nothing_to_run_but_pulls_sleeps_first():
         assert _idle_step(sched, scheduled_tokens=1)[1] < 0.15  # other requests run: never wait
         sched._pulls["d2"] = RemoteSource(bootstrap_url="http://127.0.0.1:9", engine_id="pre", request_id="r2",
                                           block_ids=((1, 2),))
-        assert _idle_step(sched)[1] < 0.15  # a pull of published blocks (sequential) is not slowed down
+        del sched._pulls["d1"]
+        assert _idle_step(sched)[1] >= 0.19  # a pull of published blocks (sequential) alone waits too
+        sched._pulls["d1"] = RemoteSource(bootstrap_url="http://127.0.0.1:9", transfer_id="t1")
         del sched._pulls["d2"]
         sched._new_cancels.append("d1")
         assert _idle_step(sched)[1] < 0.15  # a cancel goes to the worker at once
