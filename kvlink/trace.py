@@ -7,10 +7,13 @@ on one host merge into one timeline (``sort -n`` on "t"); across hosts only dura
 compare. Each line is one ``write`` to an O_APPEND file, so processes do not interleave inside a line.
 
 Events (see the call sites): proxy ``proxy_request``, ``proxy_prefill_answer``, ``proxy_decode_answer``;
-prefill ``layer`` (a streaming step's attention layer saved its KV), ``piece_send`` / ``piece_sent`` (the
-sender thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the scheduler took the
+both engines ``engine_new`` (the scheduler got the request) and ``finished`` (vLLM finished it); prefill
+``layer`` (a streaming step's attention layer saved its KV), ``piece_send`` / ``piece_sent`` (the sender
+thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the scheduler took the
 request's external tokens), ``pull_start``, ``resolve``, ``answer`` (a long poll answered: pieces or the
-record), ``read_post`` / ``read_end`` (a batch of READs), ``pull_done`` (the outcome handed to vLLM).
+record), ``read_post`` / ``read_end`` (a batch of READs), ``pull_done`` (the worker has the outcome),
+``recv_collected`` (vLLM's scheduler took it from a step's output), ``step`` (each scheduler step, with
+its scheduled token count: the request's first forward is the first step with tokens after it).
 Off, ``event`` is one global test; call sites that would build a field first ask ``enabled()``.
 """
 

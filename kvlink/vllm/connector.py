@@ -296,14 +296,17 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        trace.event("finished", rid=request.request_id)
         return self._sched.request_finished(request, block_ids)
 
     def on_new_request(self, request: "Request") -> None:
+        trace.event("engine_new", rid=request.request_id)
         if self._sched is not None:
             self._sched.on_new_request(request)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        trace.event("finished", rid=request.request_id)
         return self._sched.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:

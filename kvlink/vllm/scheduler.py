@@ -522,6 +522,8 @@ class KVLinkScheduler:
             for rid in output.finished_sending or ():
                 self._staged(rid)  # a staging job the worker finished (other sends are frees)
         failed = set(output.failed_recving or ())
+        if output.finished_recving and trace.enabled():
+            trace.event("recv_collected", rids=sorted(output.finished_recving))
         for rid in output.finished_recving or ():
             src = self._pulls.pop(rid, None)
             if src is None:
@@ -608,6 +610,8 @@ class KVLinkScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KVLinkMetadata:
         frees = self._take_frees(self._idle_wait(scheduler_output)) if self.is_producer else []
         self._pull_wait(scheduler_output)
+        if trace.enabled() and not self.is_producer:
+            trace.event("step", tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None))
         stages = self._stage_jobs(frees) if self._planner is not None else []
         streams = self._stream_pieces(scheduler_output) if self._stream is not None else []
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,

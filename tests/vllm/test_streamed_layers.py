@@ -160,6 +160,15 @@ def test_the_timeline_shows_decode_reading_while_prefill_computes(lw):
     (done,) = [e for e in evs if e["ev"] == "pull_done" and e["rid"] == rid]
     (record,) = [a for a in answers if not a["partial"]]  # (logged by prefill after its publish call returned)
     assert max(a["t"] for a in answers if a["partial"]) <= record["t"] <= done["t"] and not done["failed"]
+    # Prefill's engine: the request arrives, computes its layers, finishes, then the record is published.
+    (new,) = [e for e in evs if e["ev"] == "engine_new" and e["rid"] == pub["rid"]]
+    (fin,) = [e for e in evs if e["ev"] == "finished" and e["rid"] == pub["rid"]]
+    layers = [e["t"] for e in evs if e["ev"] == "layer"]
+    assert new["t"] < min(layers) and max(layers) < fin["t"] <= pub["t"]
+    # Decode's engine: vLLM collects the pull after it is done, and a later step schedules the request.
+    (coll,) = [e for e in evs if e["ev"] == "recv_collected" and rid in e["rids"]]
+    assert done["t"] <= coll["t"] and coll["pid"] != done["pid"]  # the EngineCore, not the worker
+    assert [e for e in evs if e["ev"] == "step" and e["pid"] == coll["pid"] and e["tokens"] and e["t"] > coll["t"]]
 
 
 def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):
