@@ -4,7 +4,8 @@ Sequential mode: the prefill server computes the prompt (max_tokens=1) and retur
 ``kv_transfer_params`` that the proxy checks and hands to the decode request (malformed ones are a 502
 naming the field). What goes into each request's ``kv_transfer_params`` is built by kvlink.vllm.params.
 Concurrent mode: both requests leave at once, paired by a fresh transfer id; the decode side finds
-the prefill's KV through the prefill's bootstrap server.
+the prefill's KV through the prefill's bootstrap server. Prefill's is written first: its compute is the
+critical path, and decode only needs its request before prefill's first layer is done.
 
 Every backend failure becomes a JSON error naming the stage, the backend and the reason
 (502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout. A client
@@ -14,7 +15,6 @@ that goes away takes its backend requests with it.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import json
 import logging
@@ -69,12 +69,39 @@ class _State:
     failed: int = 0
 
 
+# How long decode's request may wait for prefill's to be on the wire (a prefill that cannot even be
+# connected to must not hold decode's request up for the connect timeout).
+PREFILL_FIRST_S = 0.05
+
+
 def _timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s)
 
 
+@dataclass
+class _Sending:
+    """A backend request's ``trace_request_ctx``: ``sent`` is set when its body is written."""
+    stage: str
+    sent: asyncio.Event | None = None
+
+
+async def _on_chunk_sent(session, ctx, params) -> None:
+    """aiohttp calls this as it writes each chunk of a request (a JSON body is one chunk)."""
+    sending = ctx.trace_request_ctx
+    if isinstance(sending, _Sending):
+        trace.event(f"proxy_{sending.stage}_sent")
+        if sending.sent is not None:
+            sending.sent.set()
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    tc = aiohttp.TraceConfig()
+    tc.on_request_chunk_sent.append(_on_chunk_sent)
+    return tc
+
+
 def _prefill_body(body: dict, kv_params: dict) -> dict:
-    pre = copy.deepcopy(body)
+    pre = dict(body)  # top-level keys change; the prompt and messages are shared, never written
     pre["kv_transfer_params"] = kv_params
     pre["stream"] = False
     pre.pop("stream_options", None)
@@ -94,10 +121,13 @@ def _failure(stage: str, url: str, cfg: ProxyConfig, e: BaseException) -> Backen
     return BackendError(stage, url, f"unreachable: {type(e).__name__}: {e}")
 
 
-async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: str, body: dict) -> dict:
-    """POST and return the decoded JSON answer, or raise BackendError."""
+async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: str, body: dict,
+                     sent: asyncio.Event | None = None) -> dict:
+    """POST and return the decoded JSON answer, or raise BackendError. ``sent`` is set once the body
+    is written."""
     try:
-        async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+        async with st.session.post(url + path, json=body, timeout=_timeout(cfg),
+                                   trace_request_ctx=_Sending(stage, sent)) as resp:
             trace.event("proxy_prefill_answer")
             text = await resp.text()
             if resp.status != 200:
@@ -115,7 +145,8 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                  body: dict) -> web.StreamResponse:
     """Send the decode request and pass its answer (JSON or SSE stream) through to the client."""
     try:
-        async with st.session.post(url + path, json=body, timeout=_timeout(cfg)) as resp:
+        async with st.session.post(url + path, json=body, timeout=_timeout(cfg),
+                                   trace_request_ctx=_Sending("decode")) as resp:
             trace.event("proxy_decode_answer")
             ctype = resp.headers.get("Content-Type", "application/json")
             if resp.status != 200 or not ctype.startswith("text/event-stream"):
@@ -162,7 +193,7 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
     if not kept:
         logger.warning("prefill %s kept no KV for this request (%.300s); decode computes the prompt", prefill,
                        why or "no reason given")
-    dec = copy.deepcopy(body)
+    dec = dict(body)
     dec["kv_transfer_params"] = dec_params
     return await _relay(request, st, cfg, decode, path, dec)
 
@@ -172,14 +203,16 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     i = cfg.prefill.index(prefill := next(st.prefill_rr))
     decode = next(st.decode_rr)
     transfer_id = uuid.uuid4().hex
+    sent = asyncio.Event()
     pre_task = asyncio.create_task(_post_json(
-        st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params())))
-    source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
-                          transfer_id=transfer_id)
-    dec = copy.deepcopy(body)
-    dec["kv_transfer_params"] = source.to_params()
+        st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params()), sent))
     delivered = False
     try:
+        await _first_on_the_wire(sent, pre_task)
+        source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
+                              transfer_id=transfer_id)
+        dec = dict(body)
+        dec["kv_transfer_params"] = source.to_params()
         out = await _relay(request, st, cfg, decode, path, dec)
         delivered = True
         return out
@@ -189,6 +222,15 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
             # closes its connection, so prefill aborts the request and keeps no blocks for it.
             pre_task.cancel()
         await _settle_prefill(pre_task, transfer_id, cfg)
+
+
+async def _first_on_the_wire(sent: asyncio.Event, task: asyncio.Task) -> None:
+    """Until prefill's body is written, its leg has ended, or PREFILL_FIRST_S has passed."""
+    waiter = asyncio.ensure_future(sent.wait())
+    try:
+        await asyncio.wait((waiter, task), timeout=PREFILL_FIRST_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 async def _settle_prefill(task: asyncio.Task, transfer_id: str, cfg: ProxyConfig) -> None:
@@ -260,7 +302,7 @@ def build_app(cfg: ProxyConfig) -> web.Application:
 
     async def on_startup(app: web.Application) -> None:
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
-        app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn),
+        app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn, trace_configs=[_trace_config()]),
                                 itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode))
 
     async def on_cleanup(app: web.Application) -> None:

@@ -312,4 +312,7 @@ def test_the_proxy_traces_both_legs_of_a_concurrent_request(traced, backends, pr
         assert r.status == 200
     evs = [e["ev"] for e in trace_lines(traced)]
     assert evs[0] == "proxy_request"
-    assert sorted(evs[1:]) == ["proxy_decode_answer", "proxy_prefill_answer"]
+    assert sorted(evs[1:]) == ["proxy_decode_answer", "proxy_decode_sent", "proxy_prefill_answer",
+                               "proxy_prefill_sent"]
+    # Prefill's compute is the critical path: its request is on the wire before decode's is written.
+    assert evs.index("proxy_prefill_sent") < evs.index("proxy_decode_sent"), evs
