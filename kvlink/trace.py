@@ -6,7 +6,8 @@ process appends one JSON line per event: ``{"t": <CLOCK_MONOTONIC seconds>, "pid
 on one host merge into one timeline (``sort -n`` on "t"); across hosts only durations within a process
 compare. Each line is one ``write`` to an O_APPEND file, so processes do not interleave inside a line.
 
-Events (see the call sites): proxy ``proxy_request``, ``proxy_prefill_answer``, ``proxy_decode_answer``;
+Events (see the call sites): proxy ``proxy_request``, ``proxy_prefill_sent`` / ``proxy_decode_sent`` (a
+backend request's body is written), ``proxy_prefill_answer``, ``proxy_decode_answer``;
 both engines ``engine_new`` (the scheduler got the request) and ``finished`` (vLLM finished it); prefill
 ``layer`` (a streaming step's attention layer saved its KV), ``piece_send`` / ``piece_sent`` (the sender
 thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the scheduler took the
