@@ -155,7 +155,8 @@ def test_an_incompatible_engine_is_refused_naming_both_sides_values_and_counted_
     decode's values (logged once per engine), fails every pull and is counted by its reason."""
     torch = pytest.importorskip("torch")
     from kvlink.bootstrap import EngineRegistration
-    from kvlink.vllm.worker import KVLinkWorker, PullFailed, RankInfo
+    from kvlink.vllm.contact import PullFailed
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
     w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:

@@ -310,7 +310,7 @@ def test_multi_part_batch_failing_in_one_part_stops_the_others_before_it_fails()
     """kv_both and non-contiguous caches READ each layer as its own transport batch: one part's error
     must not be reported (vLLM reusing the blocks) while another part still writes."""
     from kvlink.errors import NotSettled, PeerClosed
-    from kvlink.vllm.worker import _Batches
+    from kvlink.vllm.puller import _Batches
 
     class Part:
         def __init__(self, error=None, cancel_error=None):

@@ -1,0 +1,529 @@
+"""Decode's pulls carried out: the pull table's actions (resolve, post a READ, wait, cancel, renew) on the
+worker's threads, and what happened fed back to the table as events.
+
+The table (pulls.py) is pure logic: events in, actions out. ``Puller`` owns the one lock around it, carries
+out its actions outside that lock (a bootstrap long poll, first contact with a prefill engine, a READ
+through the transport, a cancel that may block), and feeds each outcome back as an event. It is the decode
+half of KVLinkWorker (worker.py), which supplies the state it works on: the configuration and rank, the
+transport engine and the KV cache's regions and layouts (register_kv_caches), the thread pools, the
+staging pool's stager and landing slots, and the nudger. Which thread runs what is in worker.py's
+docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvlink import trace
+from kvlink.bootstrap.errors import BootstrapUnavailable
+from kvlink.errors import Canceled, NotSettled
+from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
+from kvlink.vllm.metadata import PullSpec
+from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs, step_pairs
+from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve
+from kvlink.vllm.stager import Pending, Stager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Leg:
+    """One prefill rank a pull reads from: our peer handle and the layers (or head ranges) it serves."""
+
+    peer: Any
+    layers: list[LayerMap]
+    tp_rank: int
+    pp_rank: int
+
+
+@dataclass(eq=False)
+class _Remote:
+    """A prefill engine we pull from: one leg per prefill rank we read (shard.py; one with equal TP and no
+    PP). Hashed by identity: the table groups READY pulls by it, and a batch is one READ per leg."""
+
+    key: tuple[str, str]  # (bootstrap url, engine id)
+    legs: list[_Leg]
+
+
+class _Batches:
+    """Several transport batches (one READ per layer when the destination is not one region) as one.
+
+    It fails only once every part has stopped: a part's error cancels the others first, so nothing
+    reports the pulls failed (and vLLM reuses their blocks) while another part still writes into them.
+    """
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    def poll(self) -> bool:
+        """Non-blocking (vLLM's thread polls it): a failed part is reported as NotSettled, so the others are
+        stopped by the kvlink-cancel thread (a backend's cancel may block) before the pulls fail."""
+        done, error = True, None
+        for b in self.parts:
+            try:
+                done = b.poll() and done
+            except Exception as e:  # noqa: BLE001 - poll every part, then report
+                error = error or e
+        if error is not None:
+            raise NotSettled(f"one READ of a batch failed ({type(error).__name__}: {error}); stopping the others")
+        return done
+
+    def wait(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for b in self.parts:
+            try:
+                b.wait(max(0.0, end - time.monotonic()))
+            except Exception as e:  # noqa: BLE001
+                self._stop_all(e)
+
+    def _stop_all(self, error: BaseException) -> None:
+        self.cancel()  # NotSettled from here: the table keeps the pulls until a later cancel settles
+        raise error
+
+    def cancel(self) -> bool:
+        stopped, unsettled = False, None
+        for b in self.parts:
+            try:
+                stopped = bool(b.cancel()) or stopped
+            except NotSettled as e:
+                unsettled = unsettled or e
+            except Exception:  # noqa: BLE001 - a part that failed by itself has stopped writing
+                pass
+        if unsettled is not None:
+            raise unsettled
+        return stopped
+
+
+class _Landing:
+    """Decode with host staging: a READ into landing slots, then the copy of those slots into the pulls'
+    blocks, as one batch. It ends (``poll``/``wait``) only once the blocks hold the KV; ``cancel`` returns
+    only once nothing writes into them: a copy under way is waited for (and the batch counts as finished),
+    one not begun never begins."""
+
+    def __init__(self, read: Any, stager: Stager, moves: list[tuple[int, int, tuple[int, ...] | None]], fence: Any):
+        self.read, self.stager, self.moves, self.fence = read, stager, moves, fence
+        self._lock = threading.Lock()
+        self._copy: Pending | None = None
+        self._copied = False
+        self._stopped = False
+        self.copy_s = 0.0
+
+    def poll(self) -> bool:
+        self.read.poll()  # raises the READ's error
+        return self._copied
+
+    def wait(self, timeout_s: float) -> None:
+        self.read.wait(timeout_s)
+        with self._lock:
+            if self._stopped:
+                raise Canceled("kvlink: batch cancelled before its copy into the KV cache")
+            t0 = time.monotonic()
+            # (slot, block, layers): None is every layer; a layer-wise streamed read moved only some
+            for layers in dict.fromkeys(m[2] for m in self.moves):
+                mine = [m for m in self.moves if m[2] == layers]  # (in order: CUDA's last copy ends last)
+                self._copy = self.stager.from_pool([m[0] for m in mine], [m[1] for m in mine], self.fence,
+                                                   None if layers is None else list(layers))
+        self._copy.wait()
+        self.copy_s = time.monotonic() - t0
+        self._copied = True
+
+    def cancel(self) -> bool:
+        with self._lock:
+            copy, self._stopped = self._copy, self._copy is None
+        if copy is not None:
+            copy.wait()  # under way: it finishes, and the batch with it
+            self._copied = True
+            return False
+        self.read.cancel()  # NotSettled propagates: the landing slots stay claimed until it settles
+        return True
+
+
+def _not_settled(e: BaseException) -> bool:
+    """The backend's way of saying "cancel asked, but the batch may still write" (Mooncake)."""
+    return isinstance(e, NotSettled)
+
+
+
+class Puller:
+    """Decode's pulls on the worker's threads (the decode half of KVLinkWorker: see the module docstring)."""
+
+    def _apply(self, event: Callable[[PullTable, float], list | None]) -> None:
+        """Feed one event to the table under the lock, then carry out what it asks, outside the lock."""
+        with self._lock:
+            if self._closed:
+                return
+            now = time.monotonic()
+            actions = event(self._table, now) or []
+            if self._landing_slots:
+                actions += self._give_back_landing(now)
+            messages = self._table.take_messages()
+            nudge = self._nudger is not None and not self._nudged and self._table.has_results()
+            self._nudged = self._nudged or nudge
+        if nudge:
+            self._nudger.nudge()
+        for m in messages:
+            logger.warning("%s", m)
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list) -> None:
+        # Posts first: a READ on the wire is what a request waits for; renewals run beside it.
+        for a in sorted(actions, key=lambda a: not isinstance(a, Post)):
+            try:
+                self._execute(a)
+            except Exception as e:  # noqa: BLE001 - the table hears of it, so no pull is left waiting
+                logger.exception("kvlink: carrying out %s failed", type(a).__name__)
+                if isinstance(a, Resolve):
+                    self._apply(lambda t, now, rid=a.pull.rid, e=e: t.resolve_failed(rid, _why(e), now))
+                elif isinstance(a, Renew):
+                    self._apply(lambda t, now, a=a: t.renew_failed(a.group, a.rids, now))
+                # A Post reports its own failures (_post); a CancelBatch is asked again by the ticker.
+
+    def _execute(self, a) -> None:
+        if isinstance(a, Post):
+            self._post(a)
+        elif isinstance(a, CancelBatch):
+            self._canceller.submit(self._cancel_batch, a)
+        elif isinstance(a, Renew):
+            self._leases.run(a)
+        elif isinstance(a, Resolve):
+            self._resolver.submit(self._resolve, a.pull.spec)
+
+    def _submit(self, spec: PullSpec) -> None:
+        src = spec.source
+        trace.event("pull_start", rid=spec.request_id)
+        with self._lock:
+            known = (src.block_ids is not None and src.engine_id is not None and src.request_id is not None
+                     and (src.bootstrap_url, src.engine_id) in self._remotes)
+            actions = self._table.submit(spec, time.monotonic())
+        if actions and known:
+            # Sequential pairing with a peer we already talk to: nothing to ask the network, so post the
+            # READ now, on vLLM's thread, instead of waking a resolver (a GIL hand-off costs up to the
+            # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request).
+            self._resolve(spec)
+        else:
+            self._carry_out(actions)
+
+    def _resolve(self, spec: PullSpec, attempt: int = 0) -> None:
+        """Find the remote record and engine, check compatibility, connect, pair; then post. On a resolver
+        thread, or inline from _submit when everything is known already (no network). A bootstrap server
+        that did not answer (a stall, a dropped connection) is asked again, up to twice, on a resolver
+        thread while the pull's deadline allows: one slow answer does not cost decode a recompute."""
+        src, rid = spec.source, spec.request_id
+        trace.event("resolve", rid=rid, attempt=attempt)
+        try:
+            cli = self._clients_for(src.bootstrap_url)
+            engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
+            lease_s = src.lease_s or self.cfg.lease_s
+            now = time.monotonic()
+            held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
+            epoch = 0
+            if src.transfer_id is not None and (blocks is None or engine_id is None):
+                found = self._await_record(cli, spec, engine_id)
+                if found is None:
+                    return  # cancelled meanwhile
+                rec, now = found
+                epoch = rec.epoch
+                engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(map(tuple, rec.block_ids))
+                if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
+                    raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
+                                       f"{spec.num_tokens}: a Mamba state continues only from the tokens it saw")
+                held_until = now + rec.lease_remaining_s
+                renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
+            remote = self._remote(cli, src.bootstrap_url, engine_id)
+            pairs = group_pairs(rid, spec.tables, blocks)
+        except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
+            if isinstance(e, BootstrapUnavailable) and attempt < 2 and self._may_retry(rid):
+                logger.info("kvlink: pull for request %s: %s; asking again", rid, _why(e))
+                self._resolver.submit(self._resolve, spec, attempt + 1)
+                return
+            if isinstance(e, PullFailed) and e.reason:
+                with self._lock:
+                    self._stats.add(f"compat_refused.{e.reason}")
+            # fail, not resolve_failed: a streamed piece's READ may be on the wire (it is stopped first)
+            self._apply(lambda t, now: t.fail(rid, _why(e), now))
+            return
+        lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
+        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
+
+    def _may_retry(self, rid: str) -> bool:
+        """The pull still runs and its deadline leaves room for one more bootstrap call."""
+        with self._lock:
+            pull = self._table.get(rid)
+            return (pull is not None and not self._closed
+                    and pull.deadline - time.monotonic() > self.cfg.bootstrap_timeout_s + 1.0)
+
+    def _await_record(self, cli, spec: PullSpec, engine_id: str | None):
+        """Concurrent pairing: long-poll the bootstrap server until prefill publishes the request, and
+        meanwhile read the blocks it reports finished (streamed KV: pulls.py, ``piece``). Returns (the
+        published record, when it was asked for), or None when the pull ended meanwhile."""
+        rid, src = spec.request_id, spec.source
+        after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
+        layers = self._layer_ids is not None
+        while True:
+            with self._lock:
+                pull = self._table.get(rid)
+                asked = time.monotonic()
+                wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - asked)) if pull else 0.0
+            if pull is None:
+                return None
+            rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after,
+                                      layers=layers)
+            trace.event("answer", rid=rid, transfer_id=src.transfer_id, partial=rec.partial, layers=rec.layers,
+                        version=rec.version, asked=round(asked, 6))
+            if not rec.partial:
+                return rec, asked
+            after = rec.version
+            remote = self._remote(cli, src.bootstrap_url, rec.engine_id)
+            whole = tuple(map(tuple, rec.block_ids))
+            pairs: list[tuple[int, ...]] = ready_pairs(rid, spec.tables, whole)
+            # layer-wise: the running step's blocks, in this rank's layers below rec.layers (all: whole)
+            have = sum(1 for i in (self._layer_ids or {}).values() if i < rec.layers) if rec.step_block_ids else 0
+            if have:
+                hi = ALL_LAYERS if have == len(self._layer_rank) else have
+                pairs += [(*pr, hi) for pr in step_pairs(rid, spec.tables, whole, tuple(map(tuple,
+                                                                                          rec.step_block_ids)))]
+            self._apply(lambda t, now, rec=rec, pairs=pairs: t.piece(rid, remote, pairs, rec.epoch, now))
+
+    def _remote(self, cli, url: str, engine_id: str) -> _Remote:
+        """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which)."""
+        key = (url, engine_id)
+        with self._lock:
+            remote = self._remotes.get(key)
+        if remote is not None:
+            return remote
+        regs = cli.engine_ranks(engine_id)
+        try:
+            legs = legs_for(engine_id, regs, LocalKV(
+                self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
+                self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash,
+                groups={n: self._layer_group.get(n, 0) for n in self.layer_names}, layouts=self.layouts))
+        except PullFailed as e:
+            if e.detail and key not in self._mismatch_logged:
+                self._mismatch_logged.add(key)
+                logger.error("%s", e.detail)
+            raise
+        remote = _Remote(key, [_Leg(self.engine.connect(reg.transport_addr), layers, reg.tp_rank, reg.pp_rank)
+                               for reg, layers in legs])
+        with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
+            remote = self._remotes.setdefault(key, remote)
+        logger.info("kvlink: connected to prefill engine %s (TP=%d, PP=%d) from tp%d pp%d: %s", engine_id,
+                    regs[0].tp_size, regs[0].pp_size, self.rank.tp_rank, self.rank.pp_rank,
+                    ", ".join(f"tp{reg.tp_rank} pp{reg.pp_rank} at {reg.transport_addr} ({len(layers)} layers)"
+                              for reg, layers in legs))
+        return remote
+
+    @property
+    def _total_heads(self) -> int:
+        """The model's KV heads over all TP ranks (0: MLA's latent)."""
+        if not self.layout.heads:
+            return 0
+        return self.rank.kv_heads or self.layout.heads * self.rank.tp_size
+
+    def _post(self, a: Post) -> None:
+        """One READ of every pull in ``a`` from its remote engine (one per layer if the destination is
+        not one region); then the table hears it was posted, and a waiter thread blocks on it. With host
+        staging the READ lands in slots of the staging pool and the batch copies them into the pulls'
+        blocks before it ends (_Landing)."""
+        remote: _Remote = a.remote
+        pulls, landing = list(a.pulls), None
+        if self._landing is not None:
+            pulls, landing = self._claim_landing(a)
+            if not pulls:
+                return
+        # (group, local block, remote block) per pull; with staging the local block is a landing slot
+        pairs = {p.rid: [(0, slot, rb, lo, hi) for slot, rb, _, lo, hi in landing[p.rid]] if landing
+                 else list(p.pairs) for p in pulls}
+        # layer-blocks written: a group with no layers on this PP stage moves nothing here
+        nblocks = sum(min(self._group_layers.get(g, 0), hi) - min(self._group_layers.get(g, 0), lo)
+                      for p in pulls for g, _, _, lo, hi in pairs[p.rid])
+        parts, nbytes, ndesc = [], 0, 0
+        try:
+            dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
+                if self._local_region is not None else [
+                (leg.peer, self._layer_dest[lm.name], [lm]) for leg in remote.legs for lm in leg.layers]
+            for peer, region, layers in dests:  # one READ per prefill rank (and per layer without one region)
+                plan = ReadPlan.concat([self._plan(layers, pairs[p.rid]) for p in pulls])
+                if not len(plan):
+                    continue  # a layer range none of this prefill rank's layers are in (PP)
+                parts.append(self.engine.read(peer, region, plan.local_offsets, plan.remote_region_ids,
+                                              plan.remote_offsets, plan.lengths,
+                                              timeout_s=self.cfg.transfer_timeout_s))
+                nbytes, ndesc = nbytes + plan.nbytes, ndesc + len(plan)
+        except Exception as e:  # noqa: BLE001
+            self._drop_remote(remote)
+            if not parts:
+                self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
+                return
+            # Parts already on the wire may write until they are stopped: the pulls fail once they settle.
+            handle = _Batches(parts)
+            self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, 0, ndesc, now))
+            self._apply(lambda t, now: t.batch_unsettled(a.batch, _why(e), now))
+            return
+        if not parts:  # nothing of these ranges is on any rank this one reads (cannot happen: every layer is)
+            self._apply(lambda t, now: t.posted(a.batch, None, 0, 0, 0, now))
+            self._apply(lambda t, now: t.batch_ended(a.batch, None, now))
+            return
+        handle = parts[0] if len(parts) == 1 else _Batches(parts)
+        if landing:
+            moves = [(slot, lb, self._layer_span(lo, hi)) for p in pulls for slot, _, lb, lo, hi in landing[p.rid]]
+            handle = _Landing(handle, self._stager, moves, self._fence)
+        self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, nblocks, ndesc, now))
+        if trace.enabled():
+            trace.event("read_post", batch=a.batch, rids=[p.rid for p in pulls], blocks=nblocks, bytes=nbytes)
+        self._waiter.submit(self._await, a.batch, handle, remote)
+
+    def _plan(self, layers: list[LayerMap], pairs: list[tuple[int, int, int, int, int]]) -> ReadPlan:
+        """Descriptors of one pull's (group, local, remote, first layer, end layer) pairs over ``layers``:
+        each group's blocks in that group's layers only (hybrid models: vLLM's block ids are per group),
+        and a layer-wise streamed range in the layers of that range (by place among this rank's layers)."""
+        parts = []
+        for g, lo, hi in sorted({(g, lo, hi) for g, _, _, lo, hi in pairs}):
+            mine = [m for m in layers if self._layer_group.get(m.name, 0) == g] if self._layer_group else layers
+            if (lo, hi) != (0, ALL_LAYERS):
+                mine = [m for m in mine if lo <= self._layer_rank.get(m.name, -1) < hi]
+            parts.append(build_plan(mine, [(lb, rb) for gg, lb, rb, a, b in pairs if (gg, a, b) == (g, lo, hi)]))
+        return parts[0] if len(parts) == 1 else ReadPlan.concat(parts) if parts else build_plan([], [])
+
+    def _layer_span(self, lo: int, hi: int) -> tuple[int, ...] | None:
+        """The stager's positions of this rank's layers in place range [lo, hi) (pulls.py); None: all."""
+        if (lo, hi) == (0, ALL_LAYERS):
+            return None
+        return tuple(i for i, n in enumerate(self.kv_caches) if lo <= self._layer_rank.get(n, -1) < hi)
+
+    def _claim_landing(self, a: Post) -> tuple[list, dict[str, list[tuple[int, int, int]]]]:
+        """Landing slots for the pulls of ``a`` that fit in the staging pool now: (those pulls, rid ->
+        [(slot, remote block, local block)]). The others wait (READY again) until a batch gives slots back;
+        a pull larger than the whole pool fails. One event, so a batch that gives its slots back meanwhile
+        finds the waiting pulls READY and posts them."""
+        fit, landing = [], {}
+
+        def claim(t: PullTable, now: float) -> list:
+            deferred, refused, claimed = [], {}, []
+            for p in a.pulls:
+                n = len(p.pairs)
+                if n > self._landing.capacity:
+                    refused[p.rid] = (f"it needs {n} blocks of the staging pool, which holds "
+                                      f"{self._landing.capacity} (raise staging_pool_mb)")
+                    continue
+                slots = self._landing.allocate(n)
+                if slots is None:
+                    deferred.append(p.rid)
+                    continue
+                fit.append(p)
+                claimed += slots
+                landing[p.rid] = [(s, rb, lb, lo, hi) for s, (_, lb, rb, lo, hi) in zip(slots, p.pairs)]
+            if claimed:
+                self._landing_slots[a.batch] = tuple(claimed)
+            if deferred or refused:
+                t.post_split(a.batch, deferred, refused, now)
+            return []
+
+        self._apply(claim)
+        return fit, landing
+
+    def _give_back_landing(self, now: float) -> list:
+        """Under _lock: landing slots of batches the table let go (ended, settled) return to the pool, and
+        pulls waiting for room are posted."""
+        gone = [b for b in self._landing_slots if self._table.batch(b) is None]
+        for b in gone:
+            self._landing.free(self._landing_slots.pop(b))
+        return self._table.take_posts(now) if gone else []
+
+    def _await(self, batch: int, handle: Any, remote: _Remote) -> None:
+        """Waiter thread: block on one batch (the GIL is released meanwhile), then report how it ended.
+
+        A batch that outlives transfer_timeout_s is cancelled by wait() itself; a dropped connection
+        (prefill died) fails it at once; one we cancelled ends here with an error the table ignores.
+        """
+        try:
+            handle.wait(self.cfg.transfer_timeout_s + 1.0)
+        except Exception as e:  # noqa: BLE001
+            self._ended(batch, e, remote)
+        else:
+            trace.event("read_end", batch=batch)
+            if isinstance(handle, _Landing):
+                with self._lock:
+                    self._stats.add("bytes_landed", sum(self._stager.slot_bytes if m[2] is None else
+                                                        len(m[2]) * self.block_bytes for m in handle.moves))
+                    self._stats.sample("landing_s", handle.copy_s)
+            self._apply(lambda t, now: t.batch_ended(batch, None, now))
+
+    def _settle_finished(self) -> None:
+        """vLLM's thread, once a step: report batches that are already done (a non-blocking check), so
+        the result goes out in this step even when the waiter thread has not got the GIL back yet."""
+        with self._lock:
+            posted = [(b.id, b.handle, b.remote) for b in self._table.batches()
+                      if b.handle is not None and not b.cancel_wanted]
+        for batch, handle, remote in posted:
+            try:
+                done = handle.poll()
+            except Exception as e:  # noqa: BLE001
+                self._ended(batch, e, remote)
+                continue
+            if done:
+                self._apply(lambda t, now, batch=batch: t.batch_ended(batch, None, now))
+
+    def _ended(self, batch: int, e: BaseException, remote: _Remote) -> None:
+        if _not_settled(e):
+            self._apply(lambda t, now: t.batch_unsettled(batch, _why(e), now))
+            return
+        with self._lock:
+            b = self._table.batch(batch)
+            ours = b is None or b.cancel_wanted  # the error of a cancel we asked for: the peer is fine
+        if not ours:
+            self._drop_remote(remote)  # reconnect next time
+        self._apply(lambda t, now: t.batch_ended(batch, _why(e), now))
+
+    def _cancel_batch(self, a: CancelBatch) -> None:
+        """kvlink-cancel thread: ask the backend to stop a batch. Settled once cancel returns (nothing writes
+        into its memory afterwards); a backend that cannot stop it says NotSettled, and the ticker asks
+        again. A batch that had already finished (cancel returns False) keeps its outcome: its bytes are
+        in place, so the other pulls it carried need no second READ."""
+        try:
+            stopped = a.handle.cancel()
+        except NotSettled:
+            return
+        except Exception as e:  # noqa: BLE001 - it failed by itself: it writes nothing any more
+            logger.debug("kvlink: cancel of batch %d: %s", a.batch, _why(e))
+            stopped = True
+        if stopped is False:
+            try:
+                finished_ok = a.handle.poll()
+            except Exception:  # noqa: BLE001 - it had failed: settled, nothing to keep
+                finished_ok = False
+            if finished_ok:
+                self._apply(lambda t, now: t.batch_ended(a.batch, None, now))
+                return
+        self._apply(lambda t, now: t.cancel_settled(a.batch, now))
+
+    def _drop_remote(self, remote: _Remote) -> None:
+        with self._lock:
+            if self._remotes.get(remote.key) is remote:
+                del self._remotes[remote.key]
+
+    def _run(self) -> None:
+        """kvlink-pulls thread: deadlines, unsettled cancels, renewals due; sleeps until the next one."""
+        self._place_thread()
+        while True:
+            try:
+                with self._wake:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    cap = 0.1 if self._table.running() else 0.5
+                    self._wake.wait(max(0.0, min(self._table.next_wakeup(now) - now, cap)))
+                    if self._closed:
+                        return
+                self._apply(lambda t, now: t.tick(now))
+            except Exception:  # noqa: BLE001 - a dead ticker would leave pulls without deadlines
+                logger.exception("kvlink: pull ticker round failed")
+
+
+def _why(e: BaseException) -> str:
+    name = getattr(e, "name", None) or type(e).__name__
+    return f"{name}: {e}"
