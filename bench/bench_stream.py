@@ -250,12 +250,16 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
                     os.sched_setaffinity(int(t), range(os.cpu_count()))
 
 
-def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tuple[str, ...] = ()) -> dict:
+def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tuple[str, ...] = (),
+                gap_s: float = 0.0) -> dict:
     """``--interleave``: the single server and both PD stacks (non-streamed, streamed) alive at once, one
     request to each in turn, ``reps`` rounds per size (concurrency 1): a slow spell of this VM falls on
     every mode alike instead of on whichever ran then. With ``--device-core`` CPU 0 runs whichever forward
     is on (one at a time), everything else CPU 1. Without ``--link-mbps`` the link is set from the single
-    server's first 2k request, as in the default run. ``more``: further PD modes beside pd and pd-stream."""
+    server's first 2k request, as in the default run. ``more``: further PD modes beside pd and pd-stream.
+    ``gap_s``: a pause before each measured request. vLLM's queue pollers stay awake for a second after each
+    message (napping 0.5 ms between polls under tools/nospin); back to back, the last request's servers
+    (another stack's) still poll on both CPUs while the next one computes, which no separate host sees."""
     modes = ("pd", "pd-stream", *more)
     out: dict[str, dict] = {m: {} for m in ("single", *(f"{m}/emulated" for m in modes))}
     with Stack() as stack:
@@ -286,6 +290,7 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tup
                 for r in range(reps):
                     for mode, url in urls.items():
                         c0 = server_ttft_s(computes[mode])
+                        time.sleep(gap_s)
                         cells_[mode]["ttft_ms"].append(1e3 * ttft(url, prompts(1, size, 1000 * r + size)[0]))
                         cells_[mode]["compute_ms"].append(1e3 * (server_ttft_s(computes[mode]) - c0))
                 time.sleep(0.5)
@@ -344,6 +349,9 @@ def main() -> int:
                     "GPU host (class DeviceCore)")
     ap.add_argument("--interleave", action="store_true", help="every mode's servers at once, one request to "
                     "each in turn (concurrency 1, emulated link only; function interleaved)")
+    ap.add_argument("--gap-s", type=float, default=1.5, help="--interleave: pause before each measured request "
+                    "so the other stacks' vLLM queue pollers (awake 1 s after each message) sleep; 0: back to back, "
+                    "as in sessions 13-18")
     ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
@@ -363,7 +371,7 @@ def main() -> int:
     if args.interleave:
         CONCURRENCY = (1,)
         results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None,
-                              ("pd-stream-exit",) if args.entry_ab else ())
+                              ("pd-stream-exit",) if args.entry_ab else (), gap_s=args.gap_s)
         rate, links = results.pop("rate"), (("emulated", None),)
     else:
         print("single server:", flush=True)
@@ -386,8 +394,8 @@ def main() -> int:
     if args.pacing_ab:
         print("pd-stream over emulated, pull_step_wait_ms 0:", flush=True)
         results["pd-stream-nopace/emulated"] = run("pd-stream-nopace", model, logs, args.reps, 100, rate)
-    print(f"\n| link | size | conc | single TTFT ms | PD TTFT ms (x single) | PD streamed TTFT ms (x single) | "
-          f"transfer ms (non-streamed tail) | exposed ms (streamed tail) | exposed / transfer | achieved MB/s |")
+    print("\n| link | size | conc | single TTFT ms | PD TTFT ms (x single) | PD streamed TTFT ms (x single) | "
+          "transfer ms (non-streamed tail) | exposed ms (streamed tail) | exposed / transfer | achieved MB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for link, _ in links:
         for size in SIZES:

@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="1024,2048", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="rounds per size")
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s")
+    ap.add_argument("--gap-s", type=float, default=0.0, help="pause before each measured request, so every "
+                    "server's vLLM queue pollers (awake for 1 s after each message) are asleep when it starts")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="kvlink-stream-timeline-"))
@@ -105,7 +107,9 @@ def main() -> int:
                 ttft(single.url, bs.prompts(1, size, 3 + size)[0])  # a new length runs slower once
                 ttft(proxy.url, bs.prompts(1, size, 4 + size)[0])
                 for r in range(args.reps):
+                    time.sleep(args.gap_s)
                     s = ttft(single.url, bs.prompts(1, size, 1000 * r + size)[0])
+                    time.sleep(args.gap_s)
                     t0 = time.monotonic()
                     d = ttft(proxy.url, bs.prompts(1, size, 5000 * r + size + 1)[0])
                     rows[size].append((t0, d, {"single_ms": 1e3 * s}))

@@ -43,6 +43,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,12 +418,13 @@ class PieceSender:
             return
         if trace.enabled():
             trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers) for p in pieces])
+        cpu = time.thread_time()
         try:
             ended = self._send(pieces)
         except Exception as e:  # noqa: BLE001 - a lost piece costs overlap, never correctness
             logger.debug("kvlink: sending %d streamed pieces failed: %s", len(pieces), e)
             return
-        trace.event("piece_sent", n=len(pieces), ended=len(ended or ()))
+        trace.event("piece_sent", n=len(pieces), ended=len(ended or ()), cpu_ms=1e3 * (time.thread_time() - cpu))
         self._count("pieces_sent", len(pieces))
         if ended:
             self._count("pieces_ended", len(ended))
