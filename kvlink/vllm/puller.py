@@ -360,9 +360,11 @@ class Puller:
                 self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
                 return
             # Parts already on the wire may write until they are stopped: the pulls fail once they settle.
-            handle = _Batches(parts)
-            self._apply(lambda t, now: t.posted(a.batch, handle, nbytes, 0, ndesc, now))
-            self._apply(lambda t, now: t.batch_unsettled(a.batch, _why(e), now))
+            # One event: between two, vLLM's thread could see the posted parts end (_settle_finished) and
+            # trust the batch with the missing parts' layers never written.
+            handle, why = _Batches(parts), _why(e)
+            self._apply(lambda t, now: [*t.posted(a.batch, handle, nbytes, 0, ndesc, now),
+                                        *t.batch_unsettled(a.batch, why, now)])
             return
         if not parts:  # nothing of these ranges is on any rank this one reads (cannot happen: every layer is)
             self._apply(lambda t, now: t.posted(a.batch, None, 0, 0, 0, now))

@@ -250,7 +250,9 @@ class PullTable:
         if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
             return []  # cancelled or failed meanwhile (already reported)
         if pull.remote is not None and pull.remote != remote:
-            pull.got.clear()  # streamed from another engine object (reconnected): read it all again
+            # streamed from another engine object (reconnected): read it all again, what is on the wire too
+            pull.got.clear()
+            pull.inflight_epoch = -1
         pull.remote, pull.lease, pull.final, pull.final_at = remote, lease, True, now
         pull.held_until, pull.next_renew = max(pull.held_until, held_until), renew_at
         self._want(pull, pairs, epoch)

@@ -486,3 +486,20 @@ def test_layer_ranges_of_a_batch_that_did_not_carry_them_are_read_again_with_wha
     t.post_split(post.batch, ["a"], {}, 0.2)
     (again,) = posts(t.take_posts(0.2))
     assert ranges_of(again) == [(0, 1, 11, 0, 5), (0, 2, 12, 0, 5)]
+
+
+def test_a_record_from_another_engine_object_does_not_trust_the_read_on_the_wire():
+    """Streamed from one engine object, the record through another (a reconnect): everything is read again,
+    including the layers a batch still on the wire from the first one brings in after the record."""
+    t = PullTable(60.0)
+    t.submit(spec("a", (1,)), 0.0)
+    (post,) = posts(t.piece("a", REMOTE, [(0, 1, 11, 5)], 0, 0.1))
+    (post2,) = posts(t.piece("a", REMOTE, [(0, 1, 11, 8)], 0, 0.15) + end_batch(t, post, 0.2))
+    assert ranges_of(post2) == [(0, 1, 11, 5, 8)]
+    t.posted(post2.batch, "h", 1, 1, 1, 0.2)
+    assert posts(t.resolved("a", "remote-B", [(0, 1, 11)], lease("a"), 30.3, 99.0, 0.3)) == []  # one batch
+    (again,) = posts(t.batch_ended(post2.batch, None, 0.4))
+    assert again.remote == "remote-B" and ranges_of(again) == [(0, 1, 11, 0, ALL_LAYERS)]
+    assert t.take_results(0.5).done == set()
+    end_batch(t, again, 0.6)
+    assert t.take_results(1.0).done == {"a"}

@@ -360,3 +360,55 @@ def test_a_pull_that_ends_nudges_the_scheduler_once_per_handover(pair):
         assert not listener.wait(0.05)
     finally:
         listener.close()
+
+
+def test_a_batch_posted_only_in_part_is_never_trusted(monkeypatch):
+    """Layers in regions of their own are READ one transport batch each. When the second cannot be posted
+    (its peer died), the first may already have ended: vLLM's thread, checking batches between the
+    worker's events, must not report the pull done with the second layer never written."""
+    from kvlink.backends import register_backend, unregister_backend
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.errors import PeerClosed
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    register_backend("fake", fakes_transport.Engine)
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0, transport_backend="fake")
+    pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        pre.register_kv_caches(_cache(1.0))
+        # two allocations: no single region holds both layers, so each layer is a READ of its own
+        dec.register_kv_caches({name: t.clone() for name, t in _cache(0.0).items()})
+        pre._ensure_registered(srv.url)
+        assert dec._local_region is None
+        real_read, reads = fakes_transport.Engine.read, []
+
+        def second_fails(self, *a, **kw):
+            reads.append(1)
+            if len(reads) == 2:
+                raise PeerClosed("peer closed the connection")
+            return real_read(self, *a, **kw)
+
+        real_apply, inside = dec._apply, []
+
+        def apply_then_check(event):  # vLLM's thread runs _settle_finished after each event of the worker
+            real_apply(event)
+            if not inside:
+                inside.append(1)
+                try:
+                    dec._settle_finished()
+                finally:
+                    inside.clear()
+
+        monkeypatch.setattr(fakes_transport.Engine, "read", second_fails)
+        monkeypatch.setattr(dec, "_apply", apply_then_check)
+        _pull(dec, srv.url, "half", [(1, 1), (2, 2)])
+        assert pull_outcome(dec, "half") == "failed"
+        assert len(reads) == 2 and dec.take_load_error_blocks() == {1, 2}
+    finally:
+        dec.shutdown()
+        pre.shutdown()
+        srv.stop()
+        unregister_backend("fake")
