@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -67,11 +67,25 @@ class _State:
     decode_rr: itertools.cycle
     served: int = 0
     failed: int = 0
+    client_gone: int = 0
+    settling: set = field(default_factory=set)  # concurrent prefills still out after decode answered
+
+
+class ClientGone(Exception):
+    """The client hung up while its answer was being streamed to it: nobody's failure. ``out`` is the
+    response already started, which the handler must return."""
+
+    def __init__(self, out: web.StreamResponse, why: str):
+        super().__init__(why)
+        self.out = out
 
 
 # How long decode's request may wait for prefill's to be on the wire (a prefill that cannot even be
 # connected to must not hold decode's request up for the connect timeout).
 PREFILL_FIRST_S = 0.05
+# How long a concurrent prefill may still run once decode has answered (then decode did not use it:
+# it recomputed the prompt) before the proxy cancels it, so prefill stops computing for nobody.
+PREFILL_AFTER_DECODE_S = 1.0
 
 
 def _timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
@@ -108,6 +122,7 @@ def _prefill_body(body: dict, kv_params: dict) -> dict:
     pre["max_tokens"] = 1
     if "max_completion_tokens" in pre:
         pre["max_completion_tokens"] = 1
+    pre.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
     pre["n"] = 1
     return pre
 
@@ -158,21 +173,35 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": ctype, "Cache-Control": "no-cache", "X-KVLink-Decode": url})
             await out.prepare(request)
-            try:
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-                # Headers are gone already: tell the client inside the stream, then end it.
-                reason = (f"no answer within {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
-                          else f"stream broke: {type(e).__name__}: {e}")
-                err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
-                                 "message": reason}}
-                await out.write(f"data: {json.dumps(err)}\n\n".encode())
-                st.failed += 1
-            await out.write_eof()
+            chunks = resp.content.iter_any()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+                    # Headers are gone already: tell the client inside the stream, then end it.
+                    reason = (f"no answer within {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
+                              else f"stream broke: {type(e).__name__}: {e}")
+                    err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
+                                     "message": reason}}
+                    st.failed += 1
+                    await _to_client(out, f"data: {json.dumps(err)}\n\n".encode())
+                    break
+                await _to_client(out, chunk)
+            await _to_client(out, None)
             return out
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure("decode", url, cfg, e) from None
+
+
+async def _to_client(out: web.StreamResponse, chunk: bytes | None) -> None:
+    """Write ``chunk`` to the client (None: end the stream); a client that hung up is ClientGone, so
+    leaving the ``async with`` of decode's request closes it and decode aborts the request."""
+    try:
+        await (out.write(chunk) if chunk is not None else out.write_eof())
+    except ConnectionError as e:  # aiohttp's ClientConnectionResetError is one
+        raise ClientGone(out, str(e) or type(e).__name__) from None
 
 
 async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
@@ -221,7 +250,15 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
             # The client went away or decode failed: prefill's work is for nobody. Cancelling it
             # closes its connection, so prefill aborts the request and keeps no blocks for it.
             pre_task.cancel()
-        await _settle_prefill(pre_task, transfer_id, cfg)
+            await _settle_prefill(pre_task, transfer_id, cfg.timeout_s)
+        elif not pre_task.done():
+            # Decode answered without waiting for it (it recomputed the prompt): the client does not wait
+            # for prefill either; prefill gets a moment to end by itself, then is cancelled.
+            settle = asyncio.create_task(_settle_prefill(pre_task, transfer_id, PREFILL_AFTER_DECODE_S))
+            st.settling.add(settle)
+            settle.add_done_callback(st.settling.discard)
+        else:
+            await _settle_prefill(pre_task, transfer_id, 0.0)
 
 
 async def _first_on_the_wire(sent: asyncio.Event, task: asyncio.Task) -> None:
@@ -233,15 +270,22 @@ async def _first_on_the_wire(sent: asyncio.Event, task: asyncio.Task) -> None:
         waiter.cancel()
 
 
-async def _settle_prefill(task: asyncio.Task, transfer_id: str, cfg: ProxyConfig) -> None:
-    """Wait (bounded) for a concurrent prefill so its failure is logged. The decode answer is what
-    the client gets: a prefill failure only costs decode a bounded wait and a local recompute."""
+async def _settle_prefill(task: asyncio.Task, transfer_id: str, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for a concurrent prefill so its failure is logged, then cancel it if it is
+    still running. The decode answer is what the client gets: a prefill failure only costs decode a
+    bounded wait and a local recompute."""
     try:
-        await asyncio.wait_for(asyncio.shield(task), timeout=cfg.timeout_s)
-    except BackendError as e:
-        logger.warning("concurrent transfer %s: %s", transfer_id, e)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
+        if not task.done():
+            await asyncio.wait((task,), timeout=wait_s)
+    except asyncio.CancelledError:
         task.cancel()
+        raise
+    if not task.done():
+        logger.info("concurrent transfer %s: prefill still running %g s after decode answered; cancelled",
+                    transfer_id, wait_s)
+        task.cancel()
+    elif not task.cancelled() and task.exception() is not None:
+        logger.warning("concurrent transfer %s: %s", transfer_id, task.exception())
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -263,6 +307,11 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         logger.warning("%s %s failed after %.2f s: %s", request.method, request.path,
                        time.monotonic() - t0, e)
         return e.response()
+    except ClientGone as e:
+        st.client_gone += 1
+        logger.info("%s %s: the client hung up mid-answer after %.2f s (%s)", request.method, request.path,
+                    time.monotonic() - t0, e)
+        return e.out
     st.served += 1
     return resp
 
@@ -282,7 +331,7 @@ async def handle_health(request: web.Request) -> web.Response:
     results = await asyncio.gather(*(probe(u) for u in urls))
     bad = {u: r for u, r in zip(urls, results) if r is not None}
     body = {"status": "ok" if not bad else "degraded", "mode": cfg.mode, "unhealthy": bad,
-            "served": st.served, "failed": st.failed}
+            "served": st.served, "failed": st.failed, "client_gone": st.client_gone}
     return web.json_response(body, status=200 if not bad else 503)
 
 
@@ -306,6 +355,8 @@ def build_app(cfg: ProxyConfig) -> web.Application:
                                 itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode))
 
     async def on_cleanup(app: web.Application) -> None:
+        for task in list(app[STATE_KEY].settling):
+            task.cancel()
         await app[STATE_KEY].session.close()
 
     app.on_startup.append(on_startup)

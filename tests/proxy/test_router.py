@@ -316,3 +316,68 @@ def test_the_proxy_traces_both_legs_of_a_concurrent_request(traced, backends, pr
                                "proxy_prefill_sent"]
     # Prefill's compute is the critical path: its request is on the wire before decode's is written.
     assert evs.index("proxy_prefill_sent") < evs.index("proxy_decode_sent"), evs
+
+
+def health(url):
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+
+
+def test_decode_answer_does_not_wait_for_a_stuck_concurrent_prefill(backends, proxy):
+    """Decode answered without prefill's KV (it recomputed the prompt after its wait): the client gets the
+    answer at once, not when prefill ends, and prefill's request is cancelled soon after, so an overloaded
+    prefill stops computing for nobody."""
+    p, d = backends("p0", "hang"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent", timeout_s=30.0,
+                prefill_bootstrap=("http://127.0.0.1:1",))
+    t0 = time.monotonic()
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status == 200 and json.loads(raw)["from"] == "d0"
+    assert time.monotonic() - t0 < 5, "the answer waited for prefill"
+    assert wait_for(lambda: p.cancelled == 1), "prefill still running after decode answered"
+    assert health(url)["failed"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_min_tokens_stays_with_decode(backends, proxy, mode):
+    """Prefill computes one token: vLLM refuses min_tokens above max_tokens, so prefill's copy drops it and
+    decode's keeps it."""
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode=mode,
+                prefill_bootstrap=("http://127.0.0.1:1",) if mode == "concurrent" else ())
+    assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 8, "min_tokens": 4})[0] == 200
+    (_, pre), (_, dec) = p.bodies[0], d.bodies[0]
+    assert pre["max_tokens"] == 1 and "min_tokens" not in pre
+    assert dec["max_tokens"] == 8 and dec["min_tokens"] == 4
+
+
+def test_client_gone_mid_stream_is_not_a_decode_failure(backends, proxy, monkeypatch):
+    """Writing to a client that hung up fails in aiohttp with a ClientError, like a broken decode stream; it
+    must be told apart: no error event, no failure counted against decode."""
+    import aiohttp
+    from aiohttp import web
+
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    real_write = web.StreamResponse.write
+    writes = []
+
+    async def write(self, data):
+        if "X-KVLink-Decode" in self.headers:  # the proxy's answer, not the fake decode's
+            writes.append(data)
+            if len(writes) == 1:
+                raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    try:
+        post(url + "/v1/completions", {"prompt": "x", "stream": True}, timeout=5)
+    except OSError:
+        pass  # the response may end abruptly
+    assert wait_for(lambda: health(url)["client_gone"] == 1), (health(url), writes)
+    h = health(url)
+    assert h["failed"] == 0 and h["served"] == 0
+    assert not any(b"error" in w for w in writes), writes
