@@ -335,14 +335,14 @@ class Puller:
             pulls, landing = self._claim_landing(a)
             if not pulls:
                 return
-        # (group, local block, remote block) per pull; with staging the local block is a landing slot
-        pairs = {p.rid: [(0, slot, rb, lo, hi) for slot, rb, _, lo, hi in landing[p.rid]] if landing
-                 else list(p.pairs) for p in pulls}
-        # layer-blocks written: a group with no layers on this PP stage moves nothing here
-        nblocks = sum(min(self._group_layers.get(g, 0), hi) - min(self._group_layers.get(g, 0), lo)
-                      for p in pulls for g, _, _, lo, hi in pairs[p.rid])
-        parts, nbytes, ndesc = [], 0, 0
-        try:
+        parts, nbytes, ndesc, nblocks = [], 0, 0, 0
+        try:  # whatever raises before a part is on the wire fails the pulls (post_failed), never strands them
+            # (group, local block, remote block) per pull; with staging the local block is a landing slot
+            pairs = {p.rid: [(0, slot, rb, lo, hi) for slot, rb, _, lo, hi in landing[p.rid]] if landing
+                     else list(p.pairs) for p in pulls}
+            # layer-blocks written: a group with no layers on this PP stage moves nothing here
+            nblocks = sum(min(self._group_layers.get(g, 0), hi) - min(self._group_layers.get(g, 0), lo)
+                          for p in pulls for g, _, _, lo, hi in pairs[p.rid])
             dests = [(leg.peer, self._local_region, leg.layers) for leg in remote.legs] \
                 if self._local_region is not None else [
                 (leg.peer, self._layer_dest[lm.name], [lm]) for leg in remote.legs for lm in leg.layers]

@@ -412,3 +412,19 @@ def test_a_batch_posted_only_in_part_is_never_trusted(monkeypatch):
         pre.shutdown()
         srv.stop()
         unregister_backend("fake")
+
+
+def test_a_post_that_raises_before_any_read_fails_its_pull_instead_of_stranding_it(pair, monkeypatch):
+    pre, dec, url = pair
+
+    class Broken(dict):
+        def get(self, *a):
+            raise RuntimeError("layer map broken")
+
+    good = dec._group_layers
+    monkeypatch.setattr(dec, "_group_layers", Broken())
+    _pull(dec, url, "x1", [(1, 1)])
+    assert pull_outcome(dec, "x1") == "failed" and dec.take_load_error_blocks() == {1}
+    monkeypatch.setattr(dec, "_group_layers", good)
+    _pull(dec, url, "x2", [(2, 2)])
+    assert pull_outcome(dec, "x2") == "ok"
