@@ -168,6 +168,7 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                 data = await resp.read()
                 if resp.status >= 500:
                     raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}")
+                st.served += 1
                 return web.Response(body=data, status=resp.status, content_type=ctype.split(";")[0],
                                     headers={"X-KVLink-Decode": url})
             out = web.StreamResponse(status=200, headers={
@@ -187,9 +188,11 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                                      "message": reason}}
                     st.failed += 1
                     await _to_client(out, f"data: {json.dumps(err)}\n\n".encode())
-                    break
+                    await _to_client(out, None)
+                    return out
                 await _to_client(out, chunk)
             await _to_client(out, None)
+            st.served += 1
             return out
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure("decode", url, cfg, e) from None
@@ -238,10 +241,16 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     delivered = False
     try:
         await _first_on_the_wire(sent, pre_task)
-        source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
-                              transfer_id=transfer_id)
         dec = dict(body)
-        dec["kv_transfer_params"] = source.to_params()
+        if pre_task.done() and (pre_task.cancelled() or pre_task.exception() is not None):
+            # Prefill failed already (refused the connection, answered an error): decode computes the
+            # prompt itself at once instead of waiting for a transfer nobody will publish.
+            logger.warning("concurrent transfer %s: %s; decode computes the prompt", transfer_id,
+                           "prefill cancelled" if pre_task.cancelled() else pre_task.exception())
+        else:
+            source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
+                                  transfer_id=transfer_id)
+            dec["kv_transfer_params"] = source.to_params()
         out = await _relay(request, st, cfg, decode, path, dec)
         delivered = True
         return out
@@ -312,8 +321,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         logger.info("%s %s: the client hung up mid-answer after %.2f s (%s)", request.method, request.path,
                     time.monotonic() - t0, e)
         return e.out
-    st.served += 1
-    return resp
+    return resp  # served (or failed mid-stream) is counted in _relay
 
 
 async def handle_health(request: web.Request) -> web.Response:

@@ -256,6 +256,8 @@ def test_stream_broken_midway_ends_with_error_event(backends, proxy):
     assert status == 200
     last = raw.decode().strip().split("\n\n")[-1]
     assert last.startswith("data: ") and "error" in json.loads(last[6:])
+    h = health(url)
+    assert (h["served"], h["failed"]) == (0, 1)
 
 
 def test_health_and_bad_json(backends, proxy):
@@ -381,3 +383,17 @@ def test_client_gone_mid_stream_is_not_a_decode_failure(backends, proxy, monkeyp
     h = health(url)
     assert h["failed"] == 0 and h["served"] == 0
     assert not any(b"error" in w for w in writes), writes
+
+
+def test_a_concurrent_prefill_that_fails_at_once_lets_decode_compute_without_waiting(backends, proxy):
+    """Prefill refuses the connection before decode's request is written: decode gets the request without a
+    remote source (it computes the prompt) instead of waiting for a transfer nobody will publish."""
+    from tests.proxy.conftest import free_port
+
+    d = backends("d0")
+    url = proxy(prefill=(f"http://127.0.0.1:{free_port()}",), decode=(d.url,), mode="concurrent",
+                prefill_bootstrap=("http://127.0.0.1:1",))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status == 200 and json.loads(raw)["from"] == "d0"
+    (_, dec), = d.bodies
+    assert "kv_transfer_params" not in dec and dec["max_tokens"] == 4
