@@ -47,7 +47,8 @@ class AppThread:
 
 class FakeVLLMServer:
     """A fake vLLM OpenAI server (aiohttp). ``behavior``: ok, no_params, bad_params (prefill answers a malformed
-    remote_block_ids), refuse (prefill kept no KV), error500, bad_request, hang, stream_break, unhealthy.
+    remote_block_ids), refuse (prefill kept no KV), error500, bad_request, hang, stream_break, slow_stream (six
+    events 0.3 s apart), unhealthy.
     ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
 
     def __init__(self, name: str, behavior: str = "ok"):
@@ -92,7 +93,9 @@ class FakeVLLMServer:
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for i in range(3):
+            for i in range(6 if self.behavior == "slow_stream" else 3):
+                if self.behavior == "slow_stream":
+                    await asyncio.sleep(0.3)
                 await resp.write(f"data: {json.dumps({'i': i, 'from': self.name})}\n\n".encode())
                 if self.behavior == "stream_break" and i == 1:
                     request.transport.close()

@@ -27,7 +27,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="sequential",
                    help="sequential: prefill first, its kv_transfer_params go to decode; "
                    "concurrent: both at once, paired by a transfer id through the bootstrap server")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request limit in seconds")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds prefill's request may take, and "
+                   "decode's answer may stay silent (a stream lasts as long as its tokens keep coming)")
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--prefill-bootstrap", nargs="+", default=[], metavar="URL",
                    help="concurrent mode: bootstrap URL of each prefill (one per --prefill, or one)")

@@ -8,8 +8,11 @@ the prefill's KV through the prefill's bootstrap server. Prefill's is written fi
 critical path, and decode only needs its request before prefill's first layer is done.
 
 Every backend failure becomes a JSON error naming the stage, the backend and the reason
-(502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout. A client
-that goes away takes its backend requests with it.
+(502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout for prefill's
+answer, nor for decode's next bytes (a stream lasts as long as its tokens keep coming). A client that goes
+away takes its backend requests with it; one that hangs up mid-stream is not counted as decode's failure.
+Once decode has answered, a concurrent prefill still running (decode recomputed the prompt) does not hold
+the answer up: it is cancelled a second later.
 """
 
 from __future__ import annotations
@@ -89,7 +92,15 @@ PREFILL_AFTER_DECODE_S = 1.0
 
 
 def _timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
+    """Prefill's request (one token) must end within ``timeout_s``."""
     return aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s)
+
+
+def _silence(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
+    """Decode's answer may be silent for at most ``timeout_s`` at a time: a stream lives as long as its
+    tokens keep coming (a long generation is not cut at ``timeout_s``), an answer that never starts or a
+    stream that stalls ends at ``timeout_s``."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.timeout_s)
 
 
 @dataclass
@@ -160,7 +171,7 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                  body: dict) -> web.StreamResponse:
     """Send the decode request and pass its answer (JSON or SSE stream) through to the client."""
     try:
-        async with st.session.post(url + path, json=body, timeout=_timeout(cfg),
+        async with st.session.post(url + path, json=body, timeout=_silence(cfg),
                                    trace_request_ctx=_Sending("decode")) as resp:
             trace.event("proxy_decode_answer")
             ctype = resp.headers.get("Content-Type", "application/json")
@@ -182,7 +193,7 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                     break
                 except (asyncio.TimeoutError, aiohttp.ClientError) as e:
                     # Headers are gone already: tell the client inside the stream, then end it.
-                    reason = (f"no answer within {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
+                    reason = (f"nothing for {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
                               else f"stream broke: {type(e).__name__}: {e}")
                     err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
                                      "message": reason}}

@@ -397,3 +397,15 @@ def test_a_concurrent_prefill_that_fails_at_once_lets_decode_compute_without_wai
     assert status == 200 and json.loads(raw)["from"] == "d0"
     (_, dec), = d.bodies
     assert "kv_transfer_params" not in dec and dec["max_tokens"] == 4
+
+
+def test_a_stream_longer_than_the_timeout_lives_while_its_tokens_keep_coming(backends, proxy):
+    """--timeout bounds decode's silence, not the length of a generation: six events 0.3 s apart (1.8 s)
+    pass through a proxy with a 1 s timeout."""
+    p, d = backends("p0"), backends("d0", "slow_stream")
+    url = proxy(prefill=(p.url,), decode=(d.url,), timeout_s=1.0)
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
+    events = raw.decode().strip().split("\n\n")
+    assert status == 200 and events[-1] == "data: [DONE]", events[-2:]
+    assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(6))
+    assert health(url)["failed"] == 0
