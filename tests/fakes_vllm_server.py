@@ -51,8 +51,12 @@ class FakeVLLMServer:
     events 0.3 s apart), unhealthy.
     ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
 
-    def __init__(self, name: str, behavior: str = "ok"):
+    def __init__(self, name: str, behavior: str = "ok", bootstrap_url: str = "http://127.0.0.1:1",
+                 publish: bool = False, token: str | None = None):
+        """``bootstrap_url``: the bootstrap server its prefill answers name; ``publish``: as prefill, it also
+        publishes each request there, as engine ``name`` (register it first), under the transfer id if any."""
         self.name, self.behavior, self.bodies, self.cancelled = name, behavior, [], 0
+        self.bootstrap_url, self.publish, self.token, self.published = bootstrap_url, publish, token, []
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
@@ -84,7 +88,10 @@ class FakeVLLMServer:
         if params.get("do_remote_decode") and self.behavior == "refuse":
             out_params = refusal("publish failed: bootstrap unreachable")
         elif params.get("do_remote_decode") and self.behavior != "no_params":
-            out_params = RemoteSource(bootstrap_url="http://127.0.0.1:1", engine_id=self.name, request_id="req-1",
+            rid = f"req-{len(self.bodies)}"
+            if self.publish:
+                await asyncio.to_thread(self._publish, rid, params.get("transfer_id"))
+            out_params = RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.name, request_id=rid,
                                       block_ids=(1, 2), num_tokens=32, lease_s=30.0).to_params()
             if self.behavior == "bad_params":
                 out_params["remote_block_ids"] = [1, -2]
@@ -105,6 +112,13 @@ class FakeVLLMServer:
             return resp
         return web.json_response({"from": self.name, "choices": [{"text": "hi"}],
                                   "kv_transfer_params": out_params, "got": params})
+
+    def _publish(self, rid: str, transfer_id: str | None) -> None:
+        from kvlink.bootstrap import BootstrapClient
+
+        with BootstrapClient(self.bootstrap_url, token=self.token) as cli:
+            cli.publish(self.name, rid, [[1, 2]], num_tokens=32, lease_s=30.0, transfer_id=transfer_id)
+        self.published.append(rid)
 
     def stop(self):
         self.server.stop()

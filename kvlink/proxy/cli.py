@@ -35,16 +35,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-engine-id", nargs="+", default=[], metavar="ID",
                    help="concurrent mode, optional: engine id of each prefill; without it decode "
                    "learns it from the bootstrap server")
+    p.add_argument("--bootstrap-token-file", default=None, metavar="PATH",
+                   help="file holding the bootstrap servers' bearer token: the proxy reports a prefill request "
+                   "decode never took as abandoned, so prefill frees its blocks before their lease runs out")
     p.add_argument("--log-level", default="INFO")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    token = None
+    if args.bootstrap_token_file:
+        try:
+            with open(args.bootstrap_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--bootstrap-token-file: {e}") from None
     return ProxyConfig(prefill=tuple(u.rstrip("/") for u in args.prefill),
                        decode=tuple(u.rstrip("/") for u in args.decode),
                        host=args.host, port=args.port, mode=args.mode, timeout_s=args.timeout,
                        connect_timeout_s=args.connect_timeout,
                        prefill_bootstrap=tuple(args.prefill_bootstrap),
-                       prefill_engine_ids=tuple(args.prefill_engine_id))
+                       prefill_engine_ids=tuple(args.prefill_engine_id), bootstrap_token=token)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlink.vllm.params import BadParams, check
 
@@ -30,6 +30,8 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     prefill_bootstrap: tuple[str, ...] = ()
     prefill_engine_ids: tuple[str, ...] = ()
+    # the bootstrap servers' bearer token, for reporting prefill requests decode never took (release.py)
+    bootstrap_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -45,6 +47,8 @@ class ProxyConfig:
                                                                 self.prefill_engine_ids))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.bootstrap_token is not None and not self.bootstrap_token:
+            raise ValueError("the bootstrap token is empty")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         if not (0 <= self.port <= 65535):

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from kvlink import trace
 from kvlink.proxy.config import ProxyConfig
+from kvlink.proxy.release import Releaser
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, decode_params, flag, read
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class _State:
     session: aiohttp.ClientSession
     prefill_rr: itertools.cycle
     decode_rr: itertools.cycle
+    releaser: Releaser
     served: int = 0
     failed: int = 0
     client_gone: int = 0
@@ -238,7 +240,20 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
                        why or "no reason given")
     dec = dict(body)
     dec["kv_transfer_params"] = dec_params
-    return await _relay(request, st, cfg, decode, path, dec)
+    src = RemoteSource.from_params(dec_params) if kept else None
+    try:
+        out = await _relay(request, st, cfg, decode, path, dec)
+    except (BackendError, asyncio.CancelledError):
+        _not_taken(st, src)  # decode's request ended without decode reading prefill's KV
+        raise
+    if out.status >= 400:
+        _not_taken(st, src)
+    return out
+
+
+def _not_taken(st: _State, src: RemoteSource | None) -> None:
+    if src is not None and None not in (src.bootstrap_url, src.engine_id, src.request_id):
+        st.releaser.request(src.bootstrap_url, src.engine_id, src.request_id)
 
 
 async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
@@ -263,14 +278,16 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
                                   transfer_id=transfer_id)
             dec["kv_transfer_params"] = source.to_params()
         out = await _relay(request, st, cfg, decode, path, dec)
-        delivered = True
+        delivered = out.status < 400
         return out
     finally:
         if not delivered:
             # The client went away or decode failed: prefill's work is for nobody. Cancelling it
-            # closes its connection, so prefill aborts the request and keeps no blocks for it.
+            # closes its connection, so prefill aborts the request and keeps no blocks for it; one it
+            # had finished (published) is reported abandoned.
             pre_task.cancel()
             await _settle_prefill(pre_task, transfer_id, cfg.timeout_s)
+            st.releaser.transfer(cfg.bootstrap_for(i), transfer_id, cfg.engine_id_for(i))
         elif not pre_task.done():
             # Decode answered without waiting for it (it recomputed the prompt): the client does not wait
             # for prefill either; prefill gets a moment to end by itself, then is cancelled.
@@ -350,7 +367,8 @@ async def handle_health(request: web.Request) -> web.Response:
     results = await asyncio.gather(*(probe(u) for u in urls))
     bad = {u: r for u, r in zip(urls, results) if r is not None}
     body = {"status": "ok" if not bad else "degraded", "mode": cfg.mode, "unhealthy": bad,
-            "served": st.served, "failed": st.failed, "client_gone": st.client_gone}
+            "served": st.served, "failed": st.failed, "client_gone": st.client_gone,
+            "prefill_abandoned": st.releaser.reported}
     return web.json_response(body, status=200 if not bad else 503)
 
 
@@ -371,11 +389,13 @@ def build_app(cfg: ProxyConfig) -> web.Application:
     async def on_startup(app: web.Application) -> None:
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
         app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn, trace_configs=[_trace_config()]),
-                                itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode))
+                                itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode),
+                                Releaser(cfg.bootstrap_token, timeout_s=cfg.connect_timeout_s))
 
     async def on_cleanup(app: web.Application) -> None:
         for task in list(app[STATE_KEY].settling):
             task.cancel()
+        await app[STATE_KEY].releaser.close()
         await app[STATE_KEY].session.close()
 
     app.on_startup.append(on_startup)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import urllib.error
@@ -11,6 +12,7 @@ import pytest
 
 from kvlink.proxy.config import ProxyConfig
 from tests.conftest import trace_lines
+from tests.fakes_vllm_server import FakeVLLMServer
 
 
 def post(url, body, timeout=20):
@@ -82,6 +84,7 @@ def test_concurrent_pairs_by_transfer_id(backends, proxy):
                 prefill_bootstrap=("http://127.0.0.1:9999",), prefill_engine_ids=("eng-p0",))
     status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
     assert status == 200
+    assert wait_for(lambda: p.bodies)  # decode's answer does not wait for prefill's
     (_, pre), = p.bodies
     (_, dec), = d.bodies
     tid = pre["kv_transfer_params"]["transfer_id"]
@@ -312,6 +315,7 @@ def test_the_proxy_traces_both_legs_of_a_concurrent_request(traced, backends, pr
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=20) as r:
         assert r.status == 200
+    assert wait_for(lambda: len(trace_lines(traced)) >= 5)  # decode's answer does not wait for prefill's
     evs = [e["ev"] for e in trace_lines(traced)]
     assert evs[0] == "proxy_request"
     assert sorted(evs[1:]) == ["proxy_decode_answer", "proxy_decode_sent", "proxy_prefill_answer",
@@ -351,6 +355,7 @@ def test_min_tokens_stays_with_decode(backends, proxy, mode):
     url = proxy(prefill=(p.url,), decode=(d.url,), mode=mode,
                 prefill_bootstrap=("http://127.0.0.1:1",) if mode == "concurrent" else ())
     assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 8, "min_tokens": 4})[0] == 200
+    assert wait_for(lambda: p.bodies)
     (_, pre), (_, dec) = p.bodies[0], d.bodies[0]
     assert pre["max_tokens"] == 1 and "min_tokens" not in pre
     assert dec["max_tokens"] == 8 and dec["min_tokens"] == 4
@@ -409,3 +414,71 @@ def test_a_stream_longer_than_the_timeout_lives_while_its_tokens_keep_coming(bac
     assert status == 200 and events[-1] == "data: [DONE]", events[-2:]
     assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(6))
     assert health(url)["failed"] == 0
+
+
+@pytest.fixture
+def bootstrap():
+    """A real bootstrap server with prefill engine "p0" registered (token ``TOKEN``)."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from tests.bootstrap.conftest import TOKEN, registration
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, token=TOKEN)).start()
+    with BootstrapClient(srv.url, token=TOKEN) as cli:
+        cli.register_engine(registration("p0"), lease_s=60.0)
+    yield srv
+    srv.stop()
+
+
+def released(srv, engine_id, rid):
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.schema import RequestStatus
+    from tests.bootstrap.conftest import TOKEN
+
+    with BootstrapClient(srv.url, token=TOKEN) as cli:
+        return cli.lookup(engine_id, [rid])[rid] is RequestStatus.RELEASED
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_a_prefill_request_decode_never_took_is_reported_abandoned(backends, proxy, bootstrap, tmp_path, mode):
+    """Decode is down: prefill's finished request would hold its blocks until its lease ran out. The proxy
+    reports it abandoned at prefill's bootstrap server (with the token), so prefill frees them now."""
+    from kvlink.proxy.cli import _add_arguments, config_from_args
+    from tests.bootstrap.conftest import TOKEN
+    from tests.proxy.conftest import free_port
+    import argparse
+
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    try:
+        token = tmp_path / "token"
+        token.write_text(TOKEN + "\n")
+        ap = argparse.ArgumentParser()
+        _add_arguments(ap)
+        cfg = config_from_args(ap.parse_args([
+            "--prefill", p.url, "--decode", f"http://127.0.0.1:{free_port()}", "--mode", mode,
+            "--prefill-bootstrap", bootstrap.url, "--bootstrap-token-file", str(token)]))
+        assert TOKEN not in repr(cfg)
+        url = proxy(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+        status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        assert status == 502 and json.loads(raw)["error"]["stage"] == "decode"
+        assert wait_for(lambda: len(p.published) == 1)
+        assert wait_for(lambda: released(bootstrap, "p0", p.published[0])), "prefill's blocks still held"
+        assert health(url)["prefill_abandoned"] == 1
+    finally:
+        p.stop()
+
+
+def test_a_request_decode_answered_is_left_to_decode(backends, proxy, bootstrap):
+    """Decode took the request: only decode may report it (its READs are trusted on prefill holding the
+    blocks), so the proxy does not."""
+    from tests.bootstrap.conftest import TOKEN
+
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    try:
+        d = backends("d0")
+        url = proxy(prefill=(p.url,), decode=(d.url,))
+        assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})[0] == 200
+        time.sleep(0.5)
+        assert p.published and not released(bootstrap, "p0", p.published[0])
+        assert health(url)["prefill_abandoned"] == 0
+    finally:
+        p.stop()

@@ -1,0 +1,80 @@
+"""The proxy gives prefill's KV back when decode never takes the request.
+
+Prefill holds a finished request's blocks until decode reports it (pulled or abandoned) or its lease runs
+out. When the proxy's decode leg ends without decode using the KV (decode refused the connection, answered
+an error, timed out, or the client left first), nobody else may report it, and prefill's blocks would wait
+out their lease (30 s by default): under a decode outage prefill's KV pool fills up with requests nobody
+will read. So the proxy reports them ``abandoned`` itself, through the prefill's bootstrap server:
+
+- sequential pairing: the request named in prefill's ``kv_transfer_params``;
+- concurrent pairing: the request published under the transfer id, if prefill published it (a prefill
+  still computing is cancelled by the proxy instead, and its connector gives the id up itself).
+
+This is safe only because decode's request has ended (or never started) when it is called: a decode that
+might still read the blocks must be the one to release them (its READs are trusted on the strength of
+prefill holding them). A report that fails is logged and dropped: the lease frees the blocks anyway.
+The calls run on a thread (the bootstrap client is blocking) and never hold up the client's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, Unauthorized
+from kvlink.bootstrap.pool import ClientPool
+from kvlink.bootstrap.schema import Outcome
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_WAIT_S = 2.0  # how long a concurrent request's record is waited for (in the background)
+
+
+class Releaser:
+    """Reports prefill requests abandoned, in the background; ``close`` waits for what is under way."""
+
+    def __init__(self, token: str | None, timeout_s: float = 5.0):
+        self._pool = ClientPool(token, timeout_s, retries=1)
+        self._tasks: set[asyncio.Task] = set()
+        self.reported = 0  # requests reported abandoned (for /health)
+
+    def request(self, bootstrap_url: str, engine_id: str, request_id: str) -> None:
+        """Sequential pairing: prefill's ``remote_engine_id``/``remote_request_id`` at ``bootstrap_url``."""
+        self._spawn(bootstrap_url, lambda cli: cli.release(engine_id, request_id, Outcome.ABANDONED),
+                    f"request {request_id} of engine {engine_id}")
+
+    def transfer(self, bootstrap_url: str, transfer_id: str, engine_id: str | None) -> None:
+        """Concurrent pairing: whatever prefill published under ``transfer_id`` (nothing if it did not)."""
+        def work(cli):
+            # A prefill that finished as the proxy gave up on the request publishes a moment later; one that
+            # was stopped mid-compute gives the id up (410 at once) or never publishes (the wait ends).
+            rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id)
+            return cli.release(rec.engine_id, rec.request_id, Outcome.ABANDONED)
+
+        self._spawn(bootstrap_url, work, f"transfer {transfer_id}")
+
+    def _spawn(self, url: str, call, what: str) -> None:
+        async def run() -> None:
+            try:
+                already = await asyncio.to_thread(call, self._pool.get(url))
+            except (BootstrapUnavailable, Unauthorized) as e:  # the operator should hear of these
+                logger.info("proxy: could not report %s abandoned at %s: %s", what, url, e)
+                return
+            except BootstrapError as e:  # unknown (never published, or released by decode), expired, ...
+                logger.debug("proxy: %s not reported abandoned at %s: %s", what, url, e)
+                return
+            except Exception as e:  # noqa: BLE001 - its lease frees the blocks anyway
+                logger.info("proxy: could not report %s abandoned at %s: %s", what, url, e)
+                return
+            if not already:
+                self.reported += 1
+                logger.info("proxy: decode did not take %s; reported it abandoned at %s", what, url)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5.0)
+        self._pool.close()
