@@ -195,7 +195,10 @@ static kvl__part *claim(kvl__stream *s) {
 static void unclaim(kvl__stream *s) {
   pthread_mutex_lock(&s->mu);
   s->busy = 0;
-  if (s->head) pthread_cond_broadcast(&s->cv);
+  /* The worker waits for a queued part, or, closing, for the stream to be free
+   * (a waiter ran its own part: kvl__stream_steal); without this wake-up
+   * engine_destroy would join it forever. */
+  if (s->head || __atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE)) pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
 

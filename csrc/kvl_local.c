@@ -33,6 +33,11 @@ int kvl__local_serve_probe(kvl_engine *e, int fd, uint32_t seq) {
   uint8_t out[KVL__HDR_LEN + KVL__PROBE_BODY];
   uint8_t *b = out + KVL__HDR_LEN;
   kvl__hdr_encode(out, KVL__T_LPROBE_RESP, 0, seq, KVL__PROBE_BODY);
+  if (!e->cfg.same_host) { /* off: no pid, cookie or address leaves this engine; the requester uses TCP */
+    memset(b, 0, KVL__PROBE_BODY);
+    kvl__put_u32(b, (uint32_t)KVL_EACCESS);
+    return kvl__send_all(fd, out, sizeof out, kvl__now_ms() + e->cfg.op_timeout_ms, &e->closing);
+  }
   kvl__put_u32(b, 0);
   kvl__put_u32(b + 4, (uint32_t)getpid());
   memcpy(b + 8, e->boot_id, KVL__BOOT_ID_LEN);
@@ -48,6 +53,10 @@ int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_
   kvl__status st;
   memset(&st, 0, sizeof st);
   int rc = kvl__descs_check(body, h->body_len, &count, why, wcap);
+  if (rc == 0 && !e->cfg.same_host) {
+    rc = KVL_EACCESS;
+    snprintf(why, wcap, "same-host reads are off on this engine (same_host=off)");
+  }
   if (rc == 0) rc = kvl__regions_acquire(&e->regions, body, count, KVL_ACCESS_READ, &bad, why, wcap);
   if (rc) {
     st.status = rc;
@@ -110,6 +119,10 @@ int kvl__local_probe(kvl_engine *e, int fd, kvl__peer *p) {
   if (rc) {
     if (!p->local_why[0]) snprintf(p->local_why, sizeof p->local_why, "probe: %s", kvl_strerror(rc));
     return rc; /* the connection is unusable: the caller fails the connect */
+  }
+  if (kvl__get_u32(body) != 0) {
+    snprintf(p->local_why, sizeof p->local_why, "peer does not serve same-host reads (its same_host is off)");
+    return 0;
   }
   pid_t pid = (pid_t)kvl__get_u32(body + 4);
   const uint8_t *cookie = body + 8 + KVL__BOOT_ID_LEN;

@@ -66,11 +66,16 @@ int kvl__regions_remove(kvl__regions *t, uint32_t id, uint32_t timeout_ms) {
     pthread_mutex_unlock(&t->mu);
     return KVL_ENOREGION;
   }
+  uint16_t gen = r->gen;
   r->state = 2; /* from now on lookups refuse it */
   while (r->inflight > 0) {
-    if (pthread_cond_timedwait(&t->drained, &t->mu, &until) == ETIMEDOUT && r->inflight > 0) {
+    if (pthread_cond_timedwait(&t->drained, &t->mu, &until) == ETIMEDOUT && r->gen == gen && r->inflight > 0) {
       pthread_mutex_unlock(&t->mu);
       return KVL_EBUSY; /* still draining; the id stays refused */
+    }
+    if (r->gen != gen) { /* a concurrent remove of the same id drained and freed it (the slot may be reused) */
+      pthread_mutex_unlock(&t->mu);
+      return 0;
     }
   }
   r->state = 0;

@@ -30,7 +30,7 @@ def run_target(listen: str, token: bytes | None, buffer_mb: int, streams: int, c
     for sig in (signal.SIGTERM, signal.SIGINT):  # not SIGHUP: nohup's "ignore it" must stand
         signal.signal(sig, lambda *_: stop.set())
     with Engine(EngineConfig(listen=listen, token=token, name="bench-target", streams=streams, crc=crc,
-                             allow_insecure=allow_insecure)) as eng:
+                             allow_insecure=allow_insecure, same_host="auto")) as eng:  # serves kvlink-same-host
         region = eng.register(buf, Access.READ | Access.WRITE)
         info = {"address": eng.address, "region": region.id, "buffer_bytes": buf.nbytes, "seed": SEED}
         hosted = PeerTargets(peers, host, buf) if peers else None  # only when compared

@@ -59,7 +59,8 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     allow_insecure: bool = False
     max_conns: int = 256
-    same_host: str = "off"  # "off", "auto" or "require": copy same-host peers' memory directly
+    # "off", "auto" or "require": copy same-host peers' memory directly, and serve such copies ("off": neither)
+    same_host: str = "off"
 
     def __post_init__(self) -> None:
         if self.listen is not None:

@@ -175,3 +175,36 @@ def test_unregister_waits_for_reads_in_flight(pair):
     assert done
     with pytest.raises(UnknownRegion):
         p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 16).wait()
+
+
+def test_close_while_a_waiter_runs_its_own_small_read_returns(make_engine):
+    """A waiter that runs its one-part batch itself marks the stream busy; close waits for it, and must be
+    woken when that part ends (the queue is empty then), not hang in the stream's join."""
+    from tests.relay import Relay
+
+    target = make_engine(name="target")
+    src = np.full(64 * 1024, 3, dtype=np.uint8)
+    rsrc = target.register(src, Access.READ)
+    relay = Relay(target.address, rate=32_000)  # 64 KiB: 2 s
+    try:
+        init = make_engine(name="init", listen=None, streams=1)
+        dst = np.zeros_like(src)
+        rdst = init.register(dst)
+        peer = init.connect(relay.address)
+        closed, inline = threading.Event(), []
+
+        def close_soon():
+            time.sleep(0.5)
+            inline.append(init.stats()["parts_inline"])
+            init.close()
+            closed.set()
+
+        closer = threading.Thread(target=close_soon, daemon=True)
+        closer.start()
+        b = init.read(peer, rdst, [0], rsrc.id, [0], src.nbytes)
+        with pytest.raises(KVLinkError):
+            b.wait()  # runs the part on this thread: the stream worker sees it busy
+        assert inline == [1], "the waiter did not run its part itself: nothing was tested"
+        assert closed.wait(15), "engine close hung after the waiter's part ended"
+    finally:
+        relay.close()

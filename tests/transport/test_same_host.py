@@ -24,7 +24,7 @@ from kvlink.transport import Access, Engine, EngineConfig
 if sys.argv[1] == "undumpable":
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nobody may read our memory
 buf = np.arange(8 << 20, dtype=np.uint8) * 7
-e = Engine(EngineConfig(name="remote-target", token=b"kvlink-test-token"))
+e = Engine(EngineConfig(name="remote-target", token=b"kvlink-test-token", same_host="auto"))
 r = e.register(buf, Access.READ)
 print(json.dumps({"address": e.address, "region": r.id}), flush=True)
 sys.stdin.read()
@@ -51,8 +51,8 @@ def expected_remote(off: int, n: int) -> np.ndarray:
     return (np.arange(off, off + n, dtype=np.uint64) * 7).astype(np.uint8)
 
 
-def local_pair(make_engine, same_host="auto", size=16 << 20):
-    target = make_engine(name="target")
+def local_pair(make_engine, same_host="auto", size=16 << 20, target_same_host="auto"):
+    target = make_engine(name="target", same_host=target_same_host)
     init = make_engine(name="init", listen=None, same_host=same_host)
     src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
@@ -177,3 +177,18 @@ def test_unregister_waits_for_a_same_host_copy(make_engine):
         pass  # or it was refused before it started
     with pytest.raises(UnknownRegion):
         init.read(peer, rd, [0], rs.id, [0], 1 << 20).wait()
+
+
+def test_a_target_with_same_host_off_gives_out_no_address_and_the_read_goes_over_tcp(make_engine):
+    """Only an engine that opted in answers the probe or a same-host read: one with same_host off sends no
+    pid, cookie or address (they would only help a peer on another host map its memory), and the requester
+    reads over TCP; "require" fails the connect, naming why."""
+    from kvlink.errors import KVLinkError
+
+    target, init, peer, src, dst, rs, rd = local_pair(make_engine, size=1 << 20, target_same_host="off")
+    assert not peer.same_host
+    init.read(peer, rd, [0], rs.id, [0], 1 << 20).wait()
+    assert np.array_equal(dst, src) and init.stats()["bytes_local"] == 0
+    strict = make_engine(name="strict", listen=None, same_host="require")
+    with pytest.raises(KVLinkError, match="same_host is off"):
+        strict.connect(target.address)
