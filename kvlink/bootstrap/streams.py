@@ -101,7 +101,7 @@ class StreamBook:
     def __init__(self, max_streams: int = 50_000, ttl_s: float = 600.0) -> None:
         self.max_streams, self.ttl_s = max_streams, ttl_s
         self.stats = StreamStats()
-        self._live: dict[str, _Stream] = {}
+        self._live: collections.OrderedDict[str, _Stream] = collections.OrderedDict()  # least recently touched first
         self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -125,6 +125,7 @@ class StreamBook:
             raise StreamConflict(f"transfer id {transfer_id!r} streams request {stream.request_id!r} of engine "
                                  f"{stream.engine_id!r} ({stream.ranks} ranks)")
         stream.touched = now
+        self._live.move_to_end(transfer_id)
         last = stream.by_rank.get(rank)
         if last is not None and index <= last.index:
             self.stats.duplicates += 1
@@ -145,6 +146,17 @@ class StreamBook:
 
     def ended(self, transfer_id: str) -> bool:
         return transfer_id in self._ended
+
+    def owner(self, transfer_id: str) -> str | None:
+        """The engine streaming ``transfer_id``, if a stream of it is live."""
+        stream = self._live.get(transfer_id)
+        return stream.engine_id if stream is not None else None
+
+    def end_engine(self, engine_id: str, now: float) -> None:
+        """The engine's process is gone (a rank re-registered elsewhere, or it expired): what it streamed
+        names blocks of a process that no longer holds them."""
+        for tid in [t for t, st in self._live.items() if st.engine_id == engine_id]:
+            self.end(tid, now)
 
     def end(self, transfer_id: str, now: float) -> None:
         """The stream is over (published whole, abandoned): later pieces are dropped."""
@@ -187,9 +199,10 @@ class StreamBook:
                                    low.layers)
 
     def _sweep(self, now: float) -> None:
-        # Live streams nobody touched for ttl_s: prefill died without abandoning them.
-        for tid in [t for t, s in self._live.items() if now - s.touched >= self.ttl_s]:
-            del self._live[tid]
+        # Live streams nobody touched for ttl_s: prefill died without abandoning them (oldest first: the loop
+        # stops at the first recent one, so a new stream costs no scan of the others).
+        while self._live and now - next(iter(self._live.values())).touched >= self.ttl_s:
+            self._live.popitem(last=False)
         while self._ended and (len(self._ended) > self.max_streams
                                or now - next(iter(self._ended.values())) >= self.ttl_s):
             self._ended.popitem(last=False)

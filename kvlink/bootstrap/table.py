@@ -249,7 +249,9 @@ class PairingTable:
             ):
                 self.stats.conflicts += 1
                 raise Conflict(f"request {request_id!r} is already published with other content", field="request_id")
-            existing.expires_at = now + lease_s
+            # a retried publish renews; it never shortens what a renewal promised decode (prefill would free
+            # blocks decode believes are held)
+            existing.expires_at = max(existing.expires_at, now + lease_s)
             return self._record(existing, now)
         if transfer_id is not None and transfer_id in self._transfers:
             self.stats.conflicts += 1
@@ -312,7 +314,13 @@ class PairingTable:
         """One prefill rank's pieces (schema.StreamPiece); returns the transfer ids whose stream is over,
         so that rank stops sending for them. Rules: streams.py."""
         now = self._sweep()
-        self._engine(engine_id)
+        engine = self._engine(engine_id)
+        reg = next(iter(engine.ranks.values())).registration if engine.ranks else None
+        if reg is not None and ranks != reg.tp_size * reg.pp_size:
+            raise InvalidField(f"ranks={ranks}, but engine {engine_id!r} registered TP={reg.tp_size} x "
+                               f"PP={reg.pp_size} ranks", field="ranks")
+        if reg is not None and not 0 <= rank < ranks:
+            raise InvalidField(f"rank {rank} is not one of the engine's {ranks} ranks", field="rank")
         ended: list[str] = []
         for p in pieces:
             tid = p.transfer_id
@@ -391,12 +399,16 @@ class PairingTable:
         now = self._sweep()
         engine = self._engine(engine_id)
         request = self._transfers.get(transfer_id)
+        streamer = self.streams.owner(transfer_id)
+        if request is None and streamer is not None and streamer != engine_id:
+            self.stats.conflicts += 1
+            raise Conflict(f"transfer id {transfer_id!r} is streamed by engine {streamer!r}", field="transfer_id")
+        if request is not None and request.engine_id != engine_id:
+            self.stats.conflicts += 1
+            raise Conflict(f"transfer id {transfer_id!r} is bound to a request of engine "
+                           f"{request.engine_id!r}", field="transfer_id")
         self.streams.end(transfer_id, now)
         if request is not None:
-            if request.engine_id != engine_id:
-                self.stats.conflicts += 1
-                raise Conflict(f"transfer id {transfer_id!r} is bound to a request of engine "
-                               f"{request.engine_id!r}", field="transfer_id")
             del engine.requests[request.request_id]
             self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
             self.stats.released_abandoned += 1
@@ -509,6 +521,7 @@ class PairingTable:
                 self.stats.outcomes_dropped += 1
 
     def _drop_requests(self, engine: _Engine, now: float) -> None:
+        self.streams.end_engine(engine.engine_id, now)
         requests, engine.requests = engine.requests, {}
         for request in requests.values():
             self._end(engine, request, RequestStatus.EXPIRED, None, now)

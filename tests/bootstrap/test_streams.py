@@ -21,6 +21,14 @@ def engine(table, make_registration):
     return "E"
 
 
+@pytest.fixture
+def engine2(table, make_registration):
+    """An engine of two TP ranks."""
+    for r in range(2):
+        table.register_engine(make_registration("E2", tp_rank=r, tp_size=2, port=5000 + r), lease_s=600.0)
+    return "E2"
+
+
 def partial(table, after=0):
     found = table.lookup_transfer("t", after)
     return found if isinstance(found, RequestRecord) else None
@@ -52,7 +60,8 @@ def test_indices_keep_growing_across_a_restart_and_an_old_epoch_is_stale(table, 
     assert partial(table).epoch == 1 and table.streams.stats.stale == 1
 
 
-def test_every_rank_must_report_and_decode_sees_the_least_progress(table, engine):
+def test_every_rank_must_report_and_decode_sees_the_least_progress(table, engine2):
+    engine = engine2
     table.stream_pieces(engine, 0, 2, [piece(1, 96, [5, 6, 7])])
     assert partial(table) is None  # rank 1 has not said its KV is in place
     table.stream_pieces(engine, 1, 2, [piece(1, 64, [5, 6])])
@@ -125,7 +134,8 @@ def layered(table, after=0):
     return found if isinstance(found, RequestRecord) else None
 
 
-def test_layer_wise_progress_orders_by_tokens_then_layers_and_the_least_rank_wins(table, engine):
+def test_layer_wise_progress_orders_by_tokens_then_layers_and_the_least_rank_wins(table, engine2):
+    engine = engine2
     table.stream_pieces(engine, 0, 2, [layer_piece(1, 16, [5], [6, 7], 3)])
     assert layered(table) is None  # rank 1 has not reported
     table.stream_pieces(engine, 1, 2, [layer_piece(1, 16, [5], [6, 7], 1)])
@@ -162,3 +172,46 @@ def test_a_piece_whose_step_blocks_name_other_groups_is_refused():
     with pytest.raises(ValueError, match="step_block_ids"):
         StreamPiece(transfer_id="t", request_id="r", index=1, num_tokens=16, block_ids=[[5]],
                     step_block_ids=[[6], [7]], layers=1)
+
+
+def test_pieces_must_count_the_ranks_the_engine_registered(table, engine, engine2):
+    """A worker that says its engine has one rank when it has two would make decode read blocks the other
+    rank has not written yet: refused, naming the field."""
+    from kvlink.bootstrap import InvalidField
+
+    with pytest.raises(InvalidField) as err:
+        table.stream_pieces(engine2, 0, 1, [piece(1, 32, [5])])
+    assert err.value.field == "ranks" and "TP=2" in str(err.value)
+    with pytest.raises(InvalidField) as err:
+        table.stream_pieces(engine2, 2, 2, [piece(1, 32, [5])])
+    assert err.value.field == "rank"
+    assert table.lookup_transfer("t", 0) is not None and partial(table) is None
+
+
+def test_another_engine_cannot_abandon_a_transfer_it_does_not_stream(table, engine, make_registration):
+    table.register_engine(make_registration("B"), lease_s=600.0)
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    with pytest.raises(Conflict):
+        table.abandon_transfer("B", "t")
+    assert partial(table) is not None and not table.streams.ended("t")  # E's stream goes on
+    assert table.abandon_transfer(engine, "t") is False and table.streams.ended("t")
+
+
+def test_a_rank_re_registered_elsewhere_ends_what_its_old_process_streamed(table, engine, make_registration):
+    """The old process's blocks are gone: its progress must not send decode to read them from the new one."""
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    assert partial(table) is not None
+    table.register_engine(make_registration("E", port=6000), lease_s=600.0)
+    assert partial(table) is None and table.streams.ended("t")
+
+
+def test_the_sweep_forgets_streams_untouched_for_the_ttl_oldest_first_and_a_piece_renews_one():
+    """Streams are kept least recently touched first, so the sweep stops at the first recent one (a new
+    stream costs no scan of the others)."""
+    book = StreamBook(max_streams=1000, ttl_s=10.0)
+    for i in range(500):
+        book.piece("E", 0, 1, f"t{i}", "r", 1, 0, 16, [[1]], now=float(i) / 100)
+    book.piece("E", 0, 1, "t0", "r", 2, 0, 32, [[1, 2]], now=9.0)  # touched: now the most recent
+    book.piece("E", 0, 1, "new", "r", 1, 0, 16, [[1]], now=12.0)  # t1..t199 are 10 s old: swept
+    assert "t0" in book._live and "t200" not in book._live and "t201" in book._live
+    assert list(book._live)[-2:] == ["t0", "new"]

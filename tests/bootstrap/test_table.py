@@ -236,6 +236,16 @@ def test_renew_never_shortens_a_lease(table, clock, engine):
     assert table.lookup(engine, ["a"]).ready
 
 
+def test_a_publish_retried_after_a_renewal_does_not_shorten_the_lease(table, clock, engine):
+    """Prefill's publish answer was lost and it retries after decode renewed the lease: decode was promised
+    the blocks for 120 s, so the retry may not bring that back to 30."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    table.renew(engine, ["a"], lease_s=120.0)
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    clock.advance(60)
+    assert table.lookup(engine, ["a"]).ready
+
+
 def test_release_is_idempotent_first_outcome_wins(table, engine):
     table.publish(engine, "r1", [[1]], 16)
     assert table.release(engine, "r1", Outcome.PULLED) is False
