@@ -343,6 +343,7 @@ struct kvl_engine {
   pthread_mutex_t conns_mu;   /* guards conns, nconns and each conn's next and done (kvl_server.c) */
   kvl__conn *conns;
   uint32_t nconns;
+  uint32_t npending;          /* of nconns, still in their handshake (conns_mu) */
 
   /* Counters, added to and read with atomics (KVL__STAT_ADD). The dropped
    * counts, server_conns and regions are not kept here: kvl_engine_stats asks

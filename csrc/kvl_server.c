@@ -20,8 +20,9 @@
 struct kvl__conn {
   kvl__conn *next;  /* e->conns list */
   kvl_engine *e;
-  int fd;
+  int fd;           /* closed by its thread under conns_mu, so an eviction never hits a reused number */
   int done;         /* the thread has ended: the reaper may join it */
+  int pending;      /* still in its handshake (conns_mu) */
   pthread_t thread;
   char addr[64];
   char name[KVL_MAX_NAME + 1];
@@ -175,6 +176,12 @@ static void *conn_main(void *arg) {
   char why[KVL_MAX_EVENT_MSG + 1] = "";
   kvl__sock_tune(c->fd);
   int rc = kvl__handshake_server(e, c->fd, c->name, why, sizeof why);
+  pthread_mutex_lock(&e->conns_mu);
+  if (c->pending) { /* not evicted meanwhile: it leaves the pending count itself */
+    c->pending = 0;
+    e->npending--;
+  }
+  pthread_mutex_unlock(&e->conns_mu);
   if (rc) {
     KVL__STAT_ADD(e, conns_rejected, 1);
     kvl__event_log(&e->events, rc, "refused connection from %s: %s", c->addr, why);
@@ -226,20 +233,47 @@ static void *conn_main(void *arg) {
     kvl__event_log(&e->events, rc, "peer %s (%s) went away: %s", c->addr, c->name[0] ? c->name : "?", why);
   }
 out:
+  pthread_mutex_lock(&e->conns_mu);
   close(c->fd);
   c->fd = -1;
-  pthread_mutex_lock(&e->conns_mu);
   c->done = 1;
   pthread_mutex_unlock(&e->conns_mu);
   return NULL;
 }
 
+/* Room for one more connection: connections still in their handshake are at
+ * most a quarter of max_conns, and when that many wait (or every slot is
+ * taken) the one that has waited longest is dropped. So sockets that connect
+ * and say nothing (no token needed for that) cannot keep authenticated peers
+ * out: they only ever hold the pending quarter, each for less time than a
+ * handshake takes to complete. Called with conns_mu held; 0 if the engine is
+ * full of authenticated connections. */
+static int make_room(kvl_engine *e, char *dropped, size_t cap) {
+  uint32_t pending_max = e->cfg.max_conns / 4 ? e->cfg.max_conns / 4 : 1;
+  if (e->npending < pending_max && e->nconns < e->cfg.max_conns) return 1;
+  kvl__conn *oldest = NULL;
+  for (kvl__conn *c = e->conns; c; c = c->next) /* newest first: the last one found waited longest */
+    if (c->pending && !c->done && c->fd >= 0) oldest = c;
+  if (!oldest) return e->nconns < e->cfg.max_conns;
+  shutdown(oldest->fd, SHUT_RDWR); /* its handshake fails at once; its thread ends as usual */
+  oldest->pending = 0;
+  e->npending--;
+  snprintf(dropped, cap, "%s", oldest->addr);
+  return 1;
+}
+
 void kvl__server_accept(kvl_engine *e, int fd) {
   char addr[64];
   kvl__peer_str(fd, addr, sizeof addr);
+  char dropped[64] = "";
   pthread_mutex_lock(&e->conns_mu);
-  int full = e->nconns >= e->cfg.max_conns;
+  int full = !make_room(e, dropped, sizeof dropped);
   pthread_mutex_unlock(&e->conns_mu);
+  if (dropped[0]) {
+    KVL__STAT_ADD(e, conns_rejected, 1);
+    kvl__event_log(&e->events, KVL_EBUSY, "dropped connection from %s, still in its handshake, for one from %s: "
+                   "too many handshakes at once", dropped, addr);
+  }
   kvl__conn *c = full ? NULL : calloc(1, sizeof *c);
   if (!c) {
     KVL__STAT_ADD(e, conns_rejected, 1);
@@ -266,6 +300,8 @@ void kvl__server_accept(kvl_engine *e, int fd) {
   c->next = e->conns;
   e->conns = c;
   e->nconns++;
+  c->pending = 1;
+  e->npending++;
   KVL__STAT_ADD(e, conns_accepted, 1);
   pthread_mutex_unlock(&e->conns_mu);
   pthread_attr_destroy(&at);

@@ -260,3 +260,34 @@ def test_many_hostile_connections_do_not_starve_others(pair):
     still_serves(p)
     for s in socks:
         s.close()
+
+
+def test_silent_connections_filling_every_slot_do_not_keep_a_peer_out(make_engine):
+    """Anyone who can reach the port can connect without a token and say nothing. Such connections only
+    ever hold a quarter of max_conns: when more come, or a peer needs the room, the one that waited longest
+    in its handshake is dropped, so an authenticated peer still gets in (it used to be refused: "too many
+    connections")."""
+    target = make_engine(name="t", max_conns=8, handshake_timeout_s=30.0)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    rsrc = target.register(src, Access.READ)
+    socks = [wire.connect(target.address) for _ in range(12)]
+    time.sleep(0.5)
+    init = make_engine(name="i", listen=None)
+    dst = np.zeros_like(src)
+    peer = init.connect(target.address)
+    init.read(peer, init.register(dst), [0], rsrc.id, [0], src.nbytes).wait()
+    assert np.array_equal(dst, src)
+    for s in socks:
+        s.settimeout(0.5)  # one still waiting in its handshake answers nothing
+
+    def dropped_(s):
+        try:
+            return hung_up(s)
+        except TimeoutError:
+            return False
+
+    dropped = sum(dropped_(s) for s in socks)
+    assert dropped >= 10, dropped  # at most 2 (8 / 4) wait at once
+    wait_event(target, "too many handshakes at once")
+    for s in socks:
+        s.close()
