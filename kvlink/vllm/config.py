@@ -27,6 +27,9 @@ class ConnectorConfig:
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
     bootstrap_token: str | None = None
+    # Decode: the bootstrap servers a request's kv_transfer_params may name (remote_bootstrap_addr); None:
+    # any. Decode calls the server a request names, with its token, and connects where that server says.
+    bootstrap_allow: tuple[str, ...] | None = None
     bootstrap_timeout_s: float = 5.0
     # Transport engine of each worker. "auto": same-host peers are copied directly (process_vm_readv)
     # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
@@ -114,6 +117,17 @@ class ConnectorConfig:
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a non-empty "
                                            f"string, got {v!r}")
+        if self.bootstrap_allow is not None:
+            from kvlink.bootstrap.client import canonical_url
+
+            v = self.bootstrap_allow
+            if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(u, str) for u in v):
+                raise ConnectorConfigError("kv_connector_extra_config['bootstrap_allow'] must be a list of "
+                                           f"bootstrap server URLs, got {v!r}")
+            try:
+                object.__setattr__(self, "bootstrap_allow", tuple(canonical_url(u) for u in v))
+            except ValueError as e:
+                raise ConnectorConfigError(f"kv_connector_extra_config['bootstrap_allow']: {e}") from None
         if self.bootstrap_url is not None:
             from kvlink.bootstrap.client import canonical_url  # the one rule for a bootstrap address
 

@@ -66,6 +66,10 @@ class KVLinkScheduler:
         self._nudges = (NudgeListener(engine_id) if role in ("kv_consumer", "kv_both") and cfg.pull_step_wait_ms
                         else None)
         self.clients = ClientPool(cfg.bootstrap_token, cfg.bootstrap_timeout_s, retries=1)
+        if role in ("kv_consumer", "kv_both") and cfg.bootstrap_token and cfg.bootstrap_allow is None:
+            logger.warning("kvlink: bootstrap_token is set and bootstrap_allow is not: this engine sends its token "
+                           "to whatever bootstrap server a request's kv_transfer_params name; list the prefill "
+                           "bootstrap servers in kv_connector_extra_config['bootstrap_allow']")
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-sched")
         # Reports that first wait for prefill to publish (long polls) get their own threads.
         self._wait_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-sched-wait")
@@ -353,7 +357,13 @@ class KVLinkScheduler:
         try:
             if not kvparams.flag(params, "do_remote_prefill"):
                 return None
-            return RemoteSource.from_params(params)
+            src = RemoteSource.from_params(params)
+            allow = self.cfg.bootstrap_allow
+            if allow is not None and src.bootstrap_url not in allow:
+                raise BadParams("remote_bootstrap_addr", f"kv_transfer_params['remote_bootstrap_addr'] "
+                                f"{src.bootstrap_url!r} is not one of "
+                                f"this engine's bootstrap_allow {list(allow)}")
+            return src
         except BadParams as e:
             self._bad[rid] = str(e)
             self._count("bad_params")

@@ -222,6 +222,32 @@ def test_decode_refuses_malformed_params_once_and_answers_with_the_field():
         sched.shutdown()
 
 
+def test_decode_refuses_a_bootstrap_server_not_in_bootstrap_allow(caplog):
+    """A request that can name any bootstrap server makes decode call it with its token and connect where it
+    says: with bootstrap_allow, one not listed is refused, naming it, and the prompt computed locally."""
+    from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    with pytest.raises(ConnectorConfigError, match="bootstrap_allow"):
+        ConnectorConfig(bootstrap_allow="http://a:1")
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_token="s3cret", bootstrap_allow=["prefill-0:8998/"]),
+                            "dec", "kv_consumer", 16)
+    try:
+        evil = _finished("d1", {"do_remote_prefill": True, "remote_bootstrap_addr": "http://evil:80",
+                                "transfer_id": "t1"})
+        assert sched.get_num_new_matched_tokens(evil, 0) == (0, False)
+        keep, answer = sched.request_finished(evil, [])
+        assert not keep and "'http://evil:80' is not one of this engine's bootstrap_allow" in answer["kvlink_error"]
+        ok = _decode_request("d2", 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://prefill-0:8998",
+                                        "transfer_id": "t2"})
+        assert sched.get_num_new_matched_tokens(ok, 0) == (64, True)
+    finally:
+        sched.shutdown()
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_token="s3cret"), "dec2", "kv_consumer", 16)
+    sched.shutdown()
+    assert "bootstrap_allow is not" in caplog.text
+
+
 # ----- decode: the pull handed to the worker is decode's block table by position ---------------------------
 
 
