@@ -8,6 +8,8 @@ than at ``pull_timeout_s``.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import pytest
@@ -31,8 +33,10 @@ def _cache(fill: float) -> dict:
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
 
 
-@pytest.fixture
-def pair(monkeypatch):
+@contextlib.contextmanager
+def _workers(dec_cache: dict):
+    """A prefill and a decode worker over the fake transport, with a bootstrap server; decode's layers are
+    ``dec_cache``."""
     from kvlink.bootstrap import BootstrapConfig, BootstrapServer
     from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
@@ -46,7 +50,7 @@ def pair(monkeypatch):
     dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
     try:
         pre.register_kv_caches(_cache(1.0))
-        dec.register_kv_caches(_cache(0.0))
+        dec.register_kv_caches(dec_cache)
         pre._ensure_registered(srv.url)
         yield pre, dec, srv.url
     finally:
@@ -54,6 +58,12 @@ def pair(monkeypatch):
         pre.shutdown()
         srv.stop()
         unregister_backend("fake")
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    with _workers(_cache(0.0)) as p:
+        yield p
 
 
 def _pull(dec, url: str, rid: str, pairs: list[tuple[int, int]], lease_s: float = 30.0):
@@ -366,22 +376,10 @@ def test_a_batch_posted_only_in_part_is_never_trusted(monkeypatch):
     """Layers in regions of their own are READ one transport batch each. When the second cannot be posted
     (its peer died), the first may already have ended: vLLM's thread, checking batches between the
     worker's events, must not report the pull done with the second layer never written."""
-    from kvlink.backends import register_backend, unregister_backend
-    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
     from kvlink.errors import PeerClosed
-    from kvlink.vllm import worker as W
-    from kvlink.vllm.config import ConnectorConfig
 
-    register_backend("fake", fakes_transport.Engine)
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0, transport_backend="fake")
-    pre = W.KVLinkWorker(cfg, W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
-    dec = W.KVLinkWorker(cfg, W.RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
-    try:
-        pre.register_kv_caches(_cache(1.0))
-        # two allocations: no single region holds both layers, so each layer is a READ of its own
-        dec.register_kv_caches({name: t.clone() for name, t in _cache(0.0).items()})
-        pre._ensure_registered(srv.url)
+    # two allocations: no single region holds both layers, so each layer is a READ of its own
+    with _workers({name: t.clone() for name, t in _cache(0.0).items()}) as (pre, dec, url):
         assert dec._local_region is None
         real_read, reads = fakes_transport.Engine.read, []
 
@@ -404,15 +402,9 @@ def test_a_batch_posted_only_in_part_is_never_trusted(monkeypatch):
 
         monkeypatch.setattr(fakes_transport.Engine, "read", second_fails)
         monkeypatch.setattr(dec, "_apply", apply_then_check)
-        _pull(dec, srv.url, "half", [(1, 1), (2, 2)])
+        _pull(dec, url, "half", [(1, 1), (2, 2)])
         assert pull_outcome(dec, "half") == "failed"
         assert len(reads) == 2 and dec.take_load_error_blocks() == {1, 2}
-    finally:
-        dec.shutdown()
-        pre.shutdown()
-        srv.stop()
-        unregister_backend("fake")
-
 
 def test_a_post_that_raises_before_any_read_fails_its_pull_instead_of_stranding_it(pair, monkeypatch):
     pre, dec, url = pair
