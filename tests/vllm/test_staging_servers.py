@@ -106,14 +106,21 @@ def test_prefill_gives_its_blocks_back_before_decode_pulls(staged):
     assert wait_metric(staged["pre"], "kvlink_staging_used_blocks", lambda v: v == 0)
 
 
-def test_decode_killed_mid_pull_prefill_frees_the_staged_copy_at_lease_expiry(staged):
-    s = staged
-    prompt = token_prompts([700], seed=43)[0]
-    expired0 = metric(s["pre"], "kvlink_leases_expired_total")
+def _kill_decode_mid_pull(s, prompt, via_proxy: bool) -> None:
+    """A staged pull crawling through the relay; decode dies with it on the wire."""
+    from kvlink.proxy.config import ProxyConfig
+    from kvlink.proxy.router import build_app
+
     s["relay"].throttle(20 << 10)
+    proxy = AppThread(build_app(ProxyConfig(prefill=(s["pre"].url,), decode=(s["dec"].url,), timeout_s=60))) \
+        if via_proxy else None  # in front of the decode running now (a test restarts it)
     try:
         with cf.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(lambda: complete(s["seq"], prompt, timeout=60))
+            if proxy is not None:
+                fut = ex.submit(lambda: complete(proxy.url, prompt, timeout=60))
+            else:  # prefill, then decode, without the proxy: nobody but decode could report the request
+                params = prefill_only(s, prompt)
+                fut = ex.submit(lambda: complete(s["dec"].url, prompt, params, timeout=60))
             assert s["relay"].first_byte.wait(60), "the pull never started"
             assert wait_metric(s["pre"], "kvlink_staging_used_blocks", lambda v: v == 22, timeout=10)
             s["dec"].kill()
@@ -121,13 +128,45 @@ def test_decode_killed_mid_pull_prefill_frees_the_staged_copy_at_lease_expiry(st
                 fut.result(timeout=60)
     finally:
         s["relay"].throttle(None)
-    assert wait_metric(s["pre"], "kvlink_staging_used_blocks", lambda v: v == 0, timeout=LEASE_S + 20)
-    assert metric(s["pre"], "kvlink_leases_expired_total") > expired0
-    assert metric(s["pre"], "kvlink_held_requests") == 0
-    again = token_prompts([50], seed=44)[0]
-    assert text(complete(s["pre"].url, again, max_tokens=4))  # prefill keeps serving
-    s["dec"] = Server(s["model"], s["dec_kv"], cpu=1, log=s["logs"] / "decode2.log")
+        if proxy is not None:
+            proxy.stop()
+
+
+def _restart_decode(s) -> None:
+    s["dec"] = Server(s["model"], s["dec_kv"], cpu=1, log=s["logs"] / f"decode-{time.monotonic_ns()}.log")
     s["dec"].wait_ready()
+
+
+def test_decode_killed_mid_pull_prefill_frees_the_staged_copy_at_lease_expiry(staged):
+    s = staged
+    prompt = token_prompts([700], seed=43)[0]
+    expired0 = metric(s["pre"], "kvlink_leases_expired_total")
+    try:
+        _kill_decode_mid_pull(s, prompt, via_proxy=False)
+        assert wait_metric(s["pre"], "kvlink_staging_used_blocks", lambda v: v == 0, timeout=LEASE_S + 20)
+        assert metric(s["pre"], "kvlink_leases_expired_total") > expired0
+        assert metric(s["pre"], "kvlink_held_requests") == 0
+        again = token_prompts([50], seed=44)[0]
+        assert text(complete(s["pre"].url, again, max_tokens=4))  # prefill keeps serving
+    finally:
+        _restart_decode(s)
+
+
+def test_decode_killed_mid_pull_behind_the_proxy_prefill_frees_the_staged_copy_at_once(staged):
+    """Behind the proxy, decode's death fails the proxy's decode leg: the proxy reports prefill's request
+    abandoned (kvlink/proxy/release.py), so prefill frees its staged copy well before the lease runs out."""
+    s = staged
+    prompt = token_prompts([700], seed=46)[0]
+    expired0 = metric(s["pre"], "kvlink_leases_expired_total")
+    try:
+        _kill_decode_mid_pull(s, prompt, via_proxy=True)
+        t0 = time.monotonic()
+        assert wait_metric(s["pre"], "kvlink_staging_used_blocks", lambda v: v == 0, timeout=LEASE_S + 20)
+        assert metric(s["pre"], "kvlink_leases_expired_total") == expired0, "freed by the lease, not the report"
+        assert time.monotonic() - t0 < LEASE_S
+        assert metric(s["pre"], "kvlink_held_requests") == 0
+    finally:
+        _restart_decode(s)
 
 
 def test_prefill_killed_after_staging_decode_recomputes(staged):
