@@ -508,7 +508,9 @@ class PairingTable:
     def _end(
         self, engine: _Engine, request: _Request, status: RequestStatus, outcome: Outcome | None, now: float
     ) -> None:
-        """Forget a request that has already left ``engine.requests``: tombstone it, queue its outcome."""
+        """Forget a request that has already left ``engine.requests``: tombstone it, queue its outcome. Its
+        block lists go at once: the expiry heap keeps the object until its lease would have ended."""
+        request.block_ids = []
         self._bury(self._tombstones, (request.engine_id, request.request_id), status, now)
         if request.transfer_id is not None and self._transfers.get(request.transfer_id) is request:
             del self._transfers[request.transfer_id]

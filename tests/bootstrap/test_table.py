@@ -246,6 +246,16 @@ def test_a_publish_retried_after_a_renewal_does_not_shorten_the_lease(table, clo
     assert table.lookup(engine, ["a"]).ready
 
 
+def test_a_released_request_keeps_no_block_lists_while_its_heap_entry_waits(table, engine):
+    """Release is immediate but the expiry heap drops its entry only at the lease's end (600 s at most): the
+    request's block lists (up to a 4 MiB body's worth) must not wait that long."""
+    table.publish(engine, "big", [list(range(100_000))], 16, lease_s=600.0)
+    table.release(engine, "big", Outcome.PULLED)
+    (held,) = [r for _, _, r in table._request_heap if r.request_id == "big"]
+    assert held.block_ids == []
+    assert table.lookup(engine, ["big"]).released == ["big"]
+
+
 def test_release_is_idempotent_first_outcome_wins(table, engine):
     table.publish(engine, "r1", [[1]], 16)
     assert table.release(engine, "r1", Outcome.PULLED) is False
