@@ -8,8 +8,10 @@ reached (``unreachable``); the clock moved (``tick``, which hands over the frees
 Every held request is freed exactly once, for the first of these reasons:
 
 - decode reported it pulled or abandoned, or the server says its lease expired (the poll's outcome);
-- a lookup finds the server no longer holds it (unknown: a restarted server, or one that dropped the
-  engine; expired): nobody can renew its lease, and decode trusts a pull only with a renewal;
+- lookups find the server no longer holds it (unknown: a restarted server, or one that dropped the
+  engine; expired) for a whole lease from the first that did: nobody can renew its lease any more, but a
+  renewal the server took before it lost the request promised decode up to one lease from then, and decode
+  trusts a READ that ends within it;
 - two lookups in a row find it released: decode reported it, but its outcome was lost (a dropped engine
   loses its queued outcomes). One sighting is not enough: a release can land between a poll and a lookup,
   and its outcome then arrives with the next poll;
@@ -65,6 +67,7 @@ class HeldTable:
         self.lease_s, self.clock = lease_s, clock
         self._held: dict[str, _Held] = {}
         self._released_seen: set[str] = set()  # held ids the last lookup found released
+        self._missing: dict[str, float] = {}  # held ids lookups found unknown or expired: since when
         self._frees: list[Freed] = []  # decided, not yet handed over by tick()
         self._freeing: dict[str, int] = {}  # their blocks: vLLM still holds them until tick() hands them over
         self.num_blocks = 0  # held now (vLLM has not been told to free them), over all requests
@@ -91,9 +94,17 @@ class HeldTable:
         ``answer`` maps request ids to a record (the server still holds it) or a ``RequestStatus``. Returns
         how many requests it freed. The next lookup is due half a lease later.
         """
+        now = self.clock()
         released = {rid for rid, status in answer.items() if status is RequestStatus.RELEASED}
-        freed = sum(self._free(rid, Outcome.EXPIRED) for rid, status in answer.items()
-                    if isinstance(status, RequestStatus) and status is not RequestStatus.RELEASED)
+        gone = {rid for rid, status in answer.items()
+                if isinstance(status, RequestStatus) and status is not RequestStatus.RELEASED and rid in self._held}
+        for rid in answer:
+            if rid not in gone:
+                self._missing.pop(rid, None)  # held again (a late publish) or released: the lease rules apply
+        for rid in gone:
+            self._missing.setdefault(rid, now)
+        freed = sum(self._free(rid, Outcome.EXPIRED) for rid in sorted(gone)
+                    if now - self._missing[rid] >= self.lease_s)
         twice = released & self._released_seen
         freed += sum(self._free(rid, None) for rid in sorted(twice))
         self._released_seen = {rid for rid in released - twice if rid in self._held}
@@ -149,5 +160,6 @@ class HeldTable:
             return False
         self._freeing[request_id] = held.num_blocks
         self._released_seen.discard(request_id)
+        self._missing.pop(request_id, None)
         self._frees.append(Freed(request_id, outcome, by_deadline))
         return True

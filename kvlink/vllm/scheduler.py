@@ -234,16 +234,27 @@ class KVLinkScheduler:
         num_tokens = request.num_computed_tokens
         if self._planner is not None:  # one group (connector.py)
             return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch)
+        nblocks = sum(1 for g in groups for b in g if b != NULL_BLOCK)  # nulls hold nothing
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(g) for g in groups], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
-        except Exception as e:  # noqa: BLE001 - decode recomputes; never keep blocks nobody can find
-            logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
-                           self.bootstrap_url, e)
+        except Exception as e:  # noqa: BLE001 - decode recomputes
             self._count("publish_failures")
-            return False, kvparams.refusal(f"publish failed: {e}")
+            if not _maybe_applied(e):  # the server answered no: nobody can find these blocks
+                logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
+                               self.bootstrap_url, e)
+                return False, kvparams.refusal(f"publish failed: {e}")
+            # No answer (a timeout): the server may apply it late, and a decode long-polling the transfer id
+            # would then read these blocks. They stay held, as if published, until the server's outcome or a
+            # lease after lookups stop finding the request (held.py).
+            logger.warning("kvlink: publishing request %s to %s got no answer: %s; keeping its blocks until the "
+                           "server says what it holds", rid, self.bootstrap_url, e)
+            with self._held_lock:
+                self._held.published(rid, nblocks)
+                self._held.unreachable()
+            return True, kvparams.refusal(f"publish failed: {e}")
         with self._held_lock:
-            self._held.published(rid, sum(1 for g in groups for b in g if b != NULL_BLOCK))  # nulls hold nothing
+            self._held.published(rid, nblocks)
         self._count("published")
         trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
@@ -286,15 +297,18 @@ class KVLinkScheduler:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
         except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
-            # The server may have taken the publish all the same (a timeout): the slots stay held until the
-            # server says it does not hold the request (a reconcile, due now) or its lease ends.
-            logger.warning("kvlink: publishing staged request %s to %s failed: %s; abandoning it", rid,
-                           self.bootstrap_url, e)
+            # The slots stay held until the server says it does not hold the request (lookups, from the next
+            # poll on) or its lease ends. Abandoned only when the server answered no: one that may have taken
+            # the publish (a timeout) may have handed it to a decode that now reads the slots.
+            applied = _maybe_applied(e)
+            logger.warning("kvlink: publishing staged request %s to %s failed: %s%s", rid, self.bootstrap_url, e,
+                           "" if applied else "; abandoning it")
             self._count("publish_failures")
             with self._held_lock:
                 self._publishing.discard(rid)
                 self._held.unreachable()  # look the held requests up at the next poll
-            self._abandon_transfer(rid, transfer_id)
+            if not applied:
+                self._abandon_transfer(rid, transfer_id)
             return
         with self._held_lock:
             self._publishing.discard(rid)
@@ -713,3 +727,19 @@ class KVLinkScheduler:
                 if len(gauges) > 2:
                     stats.set_gauge("staging_used_blocks", gauges[2])
         return None if stats.is_empty() else stats
+
+
+def _maybe_applied(e: BaseException) -> bool:
+    """Whether a bootstrap call that raised ``e`` may still have been applied by the server: no answer came
+    (a timeout, a connection lost after the request went out). An answer (any HTTP error) or a connection
+    refused says it was not."""
+    from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, UnknownEngine
+
+    if isinstance(e, BootstrapError) and (not isinstance(e, BootstrapUnavailable) or isinstance(e, UnknownEngine)):
+        return False
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return False
+        cause = cause.__cause__ or cause.__context__
+    return True

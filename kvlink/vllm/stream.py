@@ -187,7 +187,10 @@ class StreamPlanner:
             # full blocks; layer-wise, the step that completes the prompt streams its partial block too
             full = min(-(-r.prompt_tokens // self.block_size) if last
                        else min(done, r.prompt_tokens) // self.block_size, len(r.blocks))
-            whole = min(computed // self.block_size, full)
+            # Whole (every layer in place) only what an earlier step of this request announced: a prefix-cache
+            # hit may name blocks another request writes in this very forward (vLLM caches blocks when it
+            # allocates them), so hits are claimed layer by layer like the step's own blocks.
+            whole = min(computed // self.block_size, full, r.sent_blocks)
             if full <= max(r.sent_blocks, whole if self.layer_wise else 0):
                 continue
             r.index += 1

@@ -51,14 +51,33 @@ def test_each_polled_outcome_has_its_counter(table, outcome, counter):
     assert freed.outcome is outcome and freed.counter == counter and not freed.by_deadline
 
 
-def test_lookup_frees_what_the_server_no_longer_holds(table):
+def test_lookup_frees_what_the_server_no_longer_holds_a_lease_after_it_first_did(table, clock):
+    """A server that lost the request (a restart, a dropped engine) may have renewed it just before: decode
+    was promised up to one lease from that renewal, so the blocks stay that long after the first lookup
+    that misses it."""
     for rid in ("gone", "expired", "live"):
         table.published(rid, 1)
     answer = {"gone": RequestStatus.UNKNOWN, "expired": RequestStatus.EXPIRED, "live": record("live")}
+    assert table.looked_up(answer) == 0
+    clock.advance(LEASE / 2)
+    assert table.looked_up(answer) == 0 and table.tick() == []
+    clock.advance(LEASE / 2)
     assert table.looked_up(answer) == 2
     assert sorted((f.request_id, f.outcome, f.counter) for f in table.tick()) == [
         ("expired", Outcome.EXPIRED, "leases_expired"), ("gone", Outcome.EXPIRED, "leases_expired")]
     assert "live" in table and len(table) == 1
+
+
+def test_a_request_found_again_starts_its_grace_afresh(table, clock):
+    """A publish that timed out may land late: a lookup that finds the record again resets the count."""
+    table.published("late", 1)
+    assert table.looked_up({"late": RequestStatus.UNKNOWN}) == 0
+    clock.advance(LEASE * 0.9)
+    assert table.looked_up({"late": record("late")}) == 0
+    clock.advance(LEASE * 0.2)
+    assert table.looked_up({"late": RequestStatus.UNKNOWN}) == 0  # missing again: a new lease of grace
+    clock.advance(LEASE)
+    assert table.looked_up({"late": RequestStatus.UNKNOWN}) == 1
 
 
 def test_released_in_one_lookup_frees_nothing_and_in_the_next_frees_as_unreported(table):

@@ -170,6 +170,38 @@ def _finished(rid: str, params, status: str = "FINISHED_STOPPED"):
                            num_computed_tokens=64, prompt_token_ids=list(range(64)))
 
 
+def test_a_publish_with_no_answer_keeps_the_blocks_and_a_refused_one_frees_them():
+    """A publish the server may apply late (no answer within bootstrap_timeout_s) could hand the blocks to a
+    decode long-polling the transfer id: they stay held as if published. A refused connection says the
+    server never had it: freed at once. Either way decode is told to compute (kvlink_error)."""
+    import socket
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from tests.ports import free_port
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=url, bootstrap_timeout_s=0.5, lease_s=2.0), "pre",
+                            "kv_producer", 32)
+    try:
+        keep, answer = sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
+        assert keep and "publish failed" in answer["kvlink_error"]
+        assert "r1" in held_requests(sched)
+    finally:
+        sched.shutdown()
+        silent.close()
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=f"http://127.0.0.1:{free_port()}", bootstrap_timeout_s=0.5,
+                                            lease_s=2.0), "pre2", "kv_producer", 32)
+    try:
+        keep, answer = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [3, 4])
+        assert not keep and "publish failed" in answer["kvlink_error"]
+        assert "r2" not in held_requests(sched)
+    finally:
+        sched.shutdown()
+
+
 def test_a_finished_request_is_published_held_and_answered_with_params_decode_parses(prefill):
     from kvlink.vllm.params import PrefillRequest, RemoteSource
 
@@ -348,7 +380,8 @@ def test_a_staged_request_is_published_after_its_copy_and_an_early_abandon_still
 def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemption():
     """Host staging, prefill's scheduler side against a real bootstrap server:
     - a held request whose publish is in flight is left out of reconcile lookups (the server does not know it
-      yet: "unknown" would free slots decode is about to read); once published-or-failed it is looked up again;
+      yet: "unknown" would free slots decode is about to read); once published-or-failed it is looked up again,
+      and freed a lease after the first lookup that misses it (a renewal just before may have promised that);
     - staged requests hold no vLLM block (vLLM must go on preempting), requests queued or being copied do;
     - a request waiting for room takes the normal idle wait (no spinning); a copy under way a short one."""
     from types import SimpleNamespace
@@ -358,7 +391,7 @@ def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemptio
     from kvlink.vllm.scheduler import KVLinkScheduler
 
     srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=1.0), "pre", "kv_producer", 32,
                           staging_slots=2)
     idle = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=())
     try:
@@ -372,7 +405,12 @@ def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemptio
             assert not pre.has_pending_block_frees()  # held, but no vLLM block
             with pre._held_lock:
                 pre._publishing.discard("mid")  # its publish failed: the server never knew it
-            assert pre._reconcile(cli) == 1
+            assert pre._reconcile(cli) == 0 and "mid" in held_requests(pre)  # missing from now on
+            deadline = time.monotonic() + 10
+            while "mid" in held_requests(pre) and time.monotonic() < deadline:
+                pre._reconcile(cli)  # (the release watcher's periodic lookups may free it first)
+                time.sleep(0.1)
+            assert "mid" not in held_requests(pre)
             pre._take_frees()
             pre.request_finished(_finished("a", {"do_remote_decode": True}), [4, 5])
             pre.request_finished(_finished("b", {"do_remote_decode": True}), [6])  # no room: waits

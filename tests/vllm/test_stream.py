@@ -68,11 +68,16 @@ def test_layer_wise_every_step_with_new_full_blocks_is_planned_the_last_chunk_to
     assert (b.index, b.num_tokens, b.block_ids, b.whole, b.last) == (2, 300, tuple(range(1, 11)), 2, True)
 
 
-def test_layer_wise_a_one_chunk_prompt_is_planned_and_its_cached_prefix_is_whole():
+def test_layer_wise_a_one_chunk_prompt_is_planned_and_its_cached_prefix_is_claimed_layer_by_layer():
+    """vLLM caches a block when it allocates it: a prefix-cache hit may name blocks another request writes in
+    this same forward, so the hit is not claimed whole at the first layer but layer by layer."""
     sp = StreamPlanner(block_size=32, layer_wise=True)
     sp.track("r", "t", prompt_tokens=200)
     (a,) = sp.step([("r", [5, 6, 7, 8, 9, 10, 11], 64)], [], {"r": 136})  # 64 tokens from the prefix cache
-    assert (a.num_tokens, a.block_ids, a.whole, a.last) == (200, (5, 6, 7, 8, 9, 10, 11), 2, True)
+    assert (a.num_tokens, a.block_ids, a.whole, a.last) == (200, (5, 6, 7, 8, 9, 10, 11), 0, True)
+    (p,) = layer_pieces([a], 1)
+    f = p.fields()
+    assert (f["num_tokens"], f["block_ids"], f["step_block_ids"], f["layers"]) == (0, [[]], [[5, 6, 7, 8, 9, 10, 11]], 1)
     sp.track("s", "u", prompt_tokens=20)
     (b,) = sp.step([("s", [1], 0)], [], {"s": 20})  # shorter than a block: it streams all the same
     assert (b.num_tokens, b.block_ids, b.whole, b.last) == (20, (1,), 0, True)
