@@ -181,16 +181,30 @@ def test_a_publish_with_no_answer_keeps_the_blocks_and_a_refused_one_frees_them(
     from kvlink.vllm.scheduler import KVLinkScheduler
     from tests.ports import free_port
 
+    from types import SimpleNamespace
+
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never answers
     url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=url, bootstrap_timeout_s=0.5, lease_s=2.0), "pre",
                             "kv_producer", 32)
+    staged = KVLinkScheduler(ConnectorConfig(bootstrap_url=url, bootstrap_timeout_s=0.5, lease_s=2.0), "pre-s",
+                             "kv_producer", 32, staging_slots=4)
+    abandoned = []
+    staged._abandon_transfer = lambda rid, tid: abandoned.append(tid)
     try:
         keep, answer = sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
         assert keep and "publish failed" in answer["kvlink_error"]
         assert "r1" in held_requests(sched)
+        # host staging: the slots are published after the copy; no answer must not abandon the transfer
+        assert staged.request_finished(_finished("s1", PrefillRequest("t-s1").to_params()), [3, 4])[0]
+        staged.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=()))
+        staged.update_connector_output(SimpleNamespace(finished_sending={"s1"}, finished_recving=(),
+                                                       failed_recving=()))
+        assert staged.get_kv_connector_stats().data["publish_failures"] == 1
+        assert abandoned == [] and "s1" in held_requests(staged)
     finally:
         sched.shutdown()
+        staged.shutdown()
         silent.close()
     sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=f"http://127.0.0.1:{free_port()}", bootstrap_timeout_s=0.5,
                                             lease_s=2.0), "pre2", "kv_producer", 32)
