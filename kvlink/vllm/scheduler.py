@@ -287,6 +287,8 @@ class KVLinkScheduler:
         if job is None:
             return
         transfer_id, num_tokens, epoch = job.extra
+        if job.restaged:  # its streamed slots went back to the pool: what decode read of them is stale
+            epoch += 1
         with self._held_lock:
             # Held first, so a release that arrives as soon as the publish lands finds it; kept out of
             # reconcile lookups until the publish returns (the server may not know it yet: "unknown" must not

@@ -118,6 +118,10 @@ class StageJob:
     extra: Any = None  # what the scheduler publishes once staged (transfer id, tokens)
     slots: tuple[int, ...] = ()  # one per non-null entry of ``table``, once allocated
     waited: bool = False  # counted as a pool-full event already
+    # Streamed into slots it could not keep (the pool had no room to grow them): pieces named slots another
+    # request may get before decode's READs of them end, so the record must make decode read it all again
+    # (published at the next epoch).
+    restaged: bool = False
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -177,6 +181,7 @@ class StagePlanner:
                 self._started.append(job)
                 return None
             self.pool.free(slots)  # cannot grow it in place: staged from scratch, like any other
+            job.restaged = True
         if need > self.pool.capacity:
             self._count("staging_refused")
             return (f"the request needs {need} staging blocks but the staging pool holds {self.pool.capacity} "

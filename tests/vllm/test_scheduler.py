@@ -391,6 +391,37 @@ def test_a_staged_request_is_published_after_its_copy_and_an_early_abandon_still
         srv.stop()
 
 
+def test_a_streamed_request_restaged_from_scratch_is_published_at_the_next_epoch():
+    """Its pieces named pool slots it could not keep: decode must read all of it again, not trust a piece
+    whose slot another request's copy may have reused before decode's READ ended."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+                          staging_slots=2)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=2, compat_hash="x"), 60.0)
+            pl = pre._planner
+            with pre._held_lock:
+                assert pl.reserve("d", 1) is not None  # streamed into one slot
+                assert pl.admit("e", (9,), 0.0, ("t-e", 32, 0)) is None
+                pl.take_jobs(0.0)  # e takes the other slot: the pool is full
+                assert pl.admit("d", (31, 32), 0.0, ("t-d", 64, 0)) is None  # cannot grow in place
+                pl.staged("e")
+                pl.release("e")
+                (job,), _ = pl.take_jobs(0.0)
+            assert job.request_id == "d" and job.restaged
+            pre._staged("d")
+            assert cli.lookup_transfer("t-d").epoch == 1
+    finally:
+        pre.shutdown()
+        srv.stop()
+
+
 def test_staging_never_frees_a_request_mid_publish_nor_spins_nor_stops_preemption():
     """Host staging, prefill's scheduler side against a real bootstrap server:
     - a held request whose publish is in flight is left out of reconcile lookups (the server does not know it

@@ -104,6 +104,9 @@ def test_a_streamed_request_that_ends_otherwise_gives_its_slots_back_and_one_tha
     pl.admit("e", (1,), 0.0)
     assert pl.admit("d", (31, 32, 33), 0.0) is None  # cannot grow in place (full): staged from scratch, queued
     assert pl.pool.in_use == 4 and pl.is_staging("d")
+    # its pieces named slots that are free now (another request may get them before decode's READs end):
+    # the job says so, and the scheduler publishes it at the next epoch (decode reads it all again)
+    assert pl._queued["d"].restaged and not job.restaged
 
 
 def test_staging_decision():
