@@ -268,6 +268,7 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     try:
         await _first_on_the_wire(sent, pre_task)
         dec = dict(body)
+        dec.pop("kv_transfer_params", None)  # the client's own never reach decode
         if pre_task.done() and (pre_task.cancelled() or pre_task.exception() is not None):
             # Prefill failed already (refused the connection, answered an error): decode computes the
             # prompt itself at once instead of waiting for a transfer nobody will publish.

@@ -271,14 +271,24 @@ class KVLinkScheduler:
         import uuid
 
         transfer_id = transfer_id or f"kvlink-{uuid.uuid4().hex}"
+        try:  # before admitting: what decode cannot be told (a request id too long for the params) is refused
+            answer = RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
+                                  num_tokens=num_tokens, transfer_id=transfer_id, lease_s=self.cfg.lease_s).to_params()
+        except BadParams as e:
+            return self._refuse_published(rid, transfer_id, str(e))
         with self._held_lock:
             refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens, epoch))
         if refused:
             logger.warning("kvlink: request %s: %s; decode will compute it", rid, refused)
             return False, kvparams.refusal(refused)
-        return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
-                                  num_tokens=num_tokens, transfer_id=transfer_id,
-                                  lease_s=self.cfg.lease_s).to_params()
+        return True, answer
+
+    def _refuse_published(self, rid: str, transfer_id: str, why: str):
+        """Nothing is kept for decode (nothing was published): a decode long-polling the id hears it now."""
+        logger.warning("kvlink: request %s: %s; decode will compute it", rid, why)
+        self._count("bad_params")
+        self._abandon_transfer(rid, transfer_id)
+        return False, kvparams.refusal(why)
 
     def _staged(self, rid: str) -> None:
         """The worker copied the request into the pool (vLLM frees its device blocks now): publish its slots."""
@@ -373,18 +383,23 @@ class KVLinkScheduler:
         try:
             if not kvparams.flag(params, "do_remote_prefill"):
                 return None
-            src = RemoteSource.from_params(params)
-            allow = self.cfg.bootstrap_allow
-            if allow is not None and src.bootstrap_url not in allow:
-                raise BadParams("remote_bootstrap_addr", f"kv_transfer_params['remote_bootstrap_addr'] "
-                                f"{src.bootstrap_url!r} is not one of "
-                                f"this engine's bootstrap_allow {list(allow)}")
-            return src
+            if kvparams.flag(params, "do_remote_decode"):
+                raise BadParams("do_remote_decode", "kv_transfer_params ask for both do_remote_prefill and "
+                                "do_remote_decode: a request is pulled or published, not both")
+            return self._allowed(RemoteSource.from_params(params))
         except BadParams as e:
             self._bad[rid] = str(e)
             self._count("bad_params")
             logger.warning("kvlink: request %s: %s; computing it locally", rid, e)
             return None
+
+    def _allowed(self, src: RemoteSource) -> RemoteSource:
+        """``src`` if its bootstrap server is one decode may call (with its token), else BadParams."""
+        allow = self.cfg.bootstrap_allow
+        if allow is not None and src.bootstrap_url not in allow:
+            raise BadParams("remote_bootstrap_addr", f"kv_transfer_params['remote_bootstrap_addr'] "
+                            f"{src.bootstrap_url!r} is not one of this engine's bootstrap_allow")
+        return src
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         src = self._source(request)
@@ -508,7 +523,7 @@ class KVLinkScheduler:
             # Aborted before its pull started: prefill's blocks would wait for their lease otherwise.
             try:
                 if kvparams.flag(params, "do_remote_prefill"):
-                    self._release_shared(RemoteSource.from_params(params), rid, pulled=False)
+                    self._release_shared(self._allowed(RemoteSource.from_params(params)), rid, pulled=False)
             except BadParams:
                 pass
         self._processed.discard(rid)
@@ -622,6 +637,9 @@ class KVLinkScheduler:
             self._finished_consumer(request, params)  # ends whatever it began as a decode request
             return self._refuse(request, str(e))
         self._backed_off.discard(request.request_id)
+        rid = request.request_id
+        if to_decode and (rid in self._bad or rid in self._processed or rid in self._pulls):
+            return self._finished_consumer(request, params)  # began as a decode request (refused: both flags)
         if to_decode:
             groups = (tuple(tuple(g) for g in block_ids) if block_ids and isinstance(block_ids[0], (list, tuple))
                       else (tuple(block_ids or ()),))

@@ -398,7 +398,10 @@ def test_a_concurrent_prefill_that_fails_at_once_lets_decode_compute_without_wai
     d = backends("d0")
     url = proxy(prefill=(f"http://127.0.0.1:{free_port()}",), decode=(d.url,), mode="concurrent",
                 prefill_bootstrap=("http://127.0.0.1:1",))
-    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    # the client's own kv_transfer_params (naming another request's blocks) must not reach decode either
+    sneaky = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:2", "remote_engine_id": "pre",
+              "remote_request_id": "someone-else", "remote_block_ids": [0, 1, 2]}
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "kv_transfer_params": sneaky})
     assert status == 200 and json.loads(raw)["from"] == "d0"
     (_, dec), = d.bodies
     assert "kv_transfer_params" not in dec and dec["max_tokens"] == 4

@@ -292,6 +292,55 @@ def test_decode_refuses_a_bootstrap_server_not_in_bootstrap_allow(caplog):
     sched = KVLinkScheduler(ConnectorConfig(bootstrap_token="s3cret"), "dec2", "kv_consumer", 16)
     sched.shutdown()
     assert "bootstrap_allow is not" in caplog.text
+    # aborted before it was ever scheduled: the release to prefill is not sent to a server not allowed either
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_token="s3cret", bootstrap_allow=["prefill-0:8998"]),
+                            "dec3", "kv_consumer", 16)
+    calls = []
+    sched._release_shared = lambda src, rid, pulled: calls.append(src.bootstrap_url)
+    try:
+        for rid, addr in (("a1", "http://evil:80"), ("a2", "http://prefill-0:8998")):
+            sched.request_finished(_finished(rid, {"do_remote_prefill": True, "remote_bootstrap_addr": addr,
+                                                   "transfer_id": "t-" + rid}, "FINISHED_ABORTED"), [])
+        assert calls == ["http://prefill-0:8998"]
+    finally:
+        sched.shutdown()
+
+
+def test_a_request_asking_to_be_pulled_and_published_is_refused_and_forgotten():
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "both", "kv_consumer", 16)
+    try:
+        req = _decode_request("b1", 64, {"do_remote_prefill": True, "do_remote_decode": True,
+                                         "remote_bootstrap_addr": "http://p:1", "transfer_id": "t"})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        keep, answer = sched.request_finished(req, [])
+        assert not keep and "both do_remote_prefill and do_remote_decode" in answer["kvlink_error"]
+        assert "b1" not in sched._bad and "b1" not in sched._processed
+    finally:
+        sched.shutdown()
+
+
+def test_a_staged_request_whose_id_decode_could_not_be_told_is_refused_not_raised():
+    """Host staging: the answer names the request; an id the params refuse (over 512 characters) must be a
+    refusal, not an exception in vLLM's scheduler loop, and no pool slot is taken."""
+    import socket
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                                          bootstrap_timeout_s=0.5), "pre", "kv_producer", 32, staging_slots=4)
+    pre._abandon_transfer = lambda rid, tid: None
+    try:
+        keep, answer = pre.request_finished(_finished("x" * 600, {"do_remote_decode": True}), [1, 2])
+        assert not keep and "remote_request_id" in answer["kvlink_error"]
+        assert pre._planner.pool.in_use == 0 and not pre._planner.is_staging("x" * 600)
+    finally:
+        pre.shutdown()
+        silent.close()
 
 
 # ----- decode: the pull handed to the worker is decode's block table by position ---------------------------
