@@ -183,7 +183,8 @@ class DeviceCore:
 
 def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None, kv_bytes: int,
              name: str = "") -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
-    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-exit, pd-stream-nopace), ready, with the
+    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-exit, pd-stream-nopace,
+    pd-stream-lockstep), ready, with the
     concurrent proxy in front; prefill's transport behind a relay at ``rate`` bytes/s (None: plain
     loopback), which the caller closes."""
     bport, tport = free_port(), free_port()
@@ -201,10 +202,16 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
         # "-nopace": decode steps back to back while it waits for KV (pull_step_wait_ms 0, as before session 10)
         # lookup_wait_s: at concurrency 4 this VM's prefill takes up to a minute to publish (a GPU, seconds at most)
         dec_kv = kvlink_config("kv_consumer", lookup_wait_s=600, **extra,
-                               **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}))
+                               **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}),
+                               **({"stream_lockstep": True} if mode.endswith("-lockstep") else {}))
+        dec_args: tuple[str, ...] = ()
+        if mode.endswith("-lockstep"):  # decode's first step in lock-step with prefill's last layers
+            dec_kv["kv_load_failure_policy"] = "fail"  # (lockstep.why_not_lockstep)
+            dec_args = ("--no-enable-prefix-caching",)
         pre = stack.add(VLLMServer(f"{name}prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=kv_bytes,
                                    extra_args=CHUNK))
-        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes))
+        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes,
+                                   extra_args=dec_args))
         pre.wait_ready()
         dec.wait_ready()
         proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent", bootstrap=f"http://127.0.0.1:{bport}"))
@@ -340,6 +347,8 @@ def main() -> int:
                     "stream_layer_on_entry false (every layer announced when its attention op returns)")
     ap.add_argument("--granularity-ab", action="store_true", help="also PD streamed over the emulated link "
                     "with stream_granularity \"step\" (the default streams per layer)")
+    ap.add_argument("--lockstep-ab", action="store_true", help="also PD streamed over the emulated link with "
+                    "decode's stream_lockstep on (its first step in lock-step with prefill's last layers)")
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
                     "so most prompts are one chunk; sessions 9-10 ran 256)")
     ap.add_argument("--isolate", action="store_true", help="pin decode's engine, the proxy and the relay to CPU 1 "
@@ -371,7 +380,8 @@ def main() -> int:
     if args.interleave:
         CONCURRENCY = (1,)
         results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None,
-                              ("pd-stream-exit",) if args.entry_ab else (), gap_s=args.gap_s)
+                              (("pd-stream-exit",) if args.entry_ab else ())
+                              + (("pd-stream-lockstep",) if args.lockstep_ab else ()), gap_s=args.gap_s)
         rate, links = results.pop("rate"), (("emulated", None),)
     else:
         print("single server:", flush=True)
@@ -391,6 +401,9 @@ def main() -> int:
     if args.entry_ab and not args.interleave:
         print("pd-stream over emulated, stream_layer_on_entry false:", flush=True)
         results["pd-stream-exit/emulated"] = run("pd-stream-exit", model, logs, args.reps, 100, rate)
+    if args.lockstep_ab and not args.interleave:
+        print("pd-stream over emulated, decode stream_lockstep:", flush=True)
+        results["pd-stream-lockstep/emulated"] = run("pd-stream-lockstep", model, logs, args.reps, 100, rate)
     if args.pacing_ab:
         print("pd-stream over emulated, pull_step_wait_ms 0:", flush=True)
         results["pd-stream-nopace/emulated"] = run("pd-stream-nopace", model, logs, args.reps, 100, rate)
@@ -430,6 +443,8 @@ def main() -> int:
         ab_table(results, "pd-stream-step", "per layer", "per step", paired=False)
     if args.entry_ab:
         ab_table(results, "pd-stream-exit", "layers on entry", "on exit", paired=args.interleave)
+    if args.lockstep_ab:
+        ab_table(results, "pd-stream-lockstep", "decode after the KV", "decode in lock-step", paired=args.interleave)
     if args.pacing_ab:
         print("\n| size | conc | PD streamed TTFT ms, pull_step_wait_ms 5 | same, 0 (x of 5) |\n|---|---|---|---|")
         for size in SIZES:

@@ -8,6 +8,12 @@ equality test (decode output == single engine) also passes when decode never rea
 example because it recomputed the prompt. Decoding from noise written over exactly the blocks a pull filled
 must change the output; that proves the blocks decode reads are the ones kvlink wrote.
 
+LockstepCorruptingConnector (a RecordingConnector, decode with stream_lockstep) does the same to each layer of
+an armed request's blocks in its step, once that layer has landed.
+
+DyingLayersConnector (a SlowLayersConnector) makes its process exit right after announcing the last layer of
+the step that ends a streamed prompt.
+
 SlowLayersConnector (a RecordingConnector, prefill) sleeps after each attention layer of a step that streams
 KV: a forward as slow, next to the transfer, as a GPU's over a real link, so layer-wise streaming overlaps
 every time instead of when the host's timing allows.
@@ -98,6 +104,38 @@ class CorruptingConnector(RecordingConnector):
                 t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
 
 
+class LockstepCorruptingConnector(RecordingConnector):
+    """Decode with ``stream_lockstep``: in the step that runs an armed request, each layer of the blocks its
+    pull writes holds seeded noise once that layer has landed (the step waited for it), before the layer's
+    attention reads it. Decoding from that noise must change the output: proof that the step reads the bytes
+    kvlink wrote, layer by layer, and that lock-step engaged at all (nothing is overwritten otherwise)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._filled: dict[str, tuple[int, ...]] = {}
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata):
+            for spec in meta.pulls:
+                self._filled[spec.request_id] = tuple(spec.blocks_to_fill)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)
+        meta = self._connector_metadata
+        if not (isinstance(meta, KVLinkMetadata) and meta.lockstep and layer_name in self._worker.kv_caches):
+            return
+        import torch
+
+        blocks = [b for rid in meta.lockstep for b in self._filled.get(rid, ())]
+        if blocks:
+            t = self._worker.kv_caches[layer_name]
+            ids = torch.tensor(blocks, dtype=torch.long)
+            gen = torch.Generator().manual_seed(SEED)
+            t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+
+
 class SlowLayersConnector(RecordingConnector):
     """Prefill: every attention layer of a step with streamed requests takes ``SLOW_LAYER_S`` longer on
     entry to its attention op (before the attention computes) and as long again on exit. A layer whose KV
@@ -119,3 +157,19 @@ class SlowLayersConnector(RecordingConnector):
             import time
 
             time.sleep(self.SLOW_LAYER_S)  # after the layer's piece went to the sender: decode may read it now
+
+
+class DyingLayersConnector(SlowLayersConnector):
+    """Prefill (a server of its own): the process exits in the step that ends a streamed prompt, once the last layer's
+    KV was announced and ``SLOW_LAYER_S`` passed (decode read it and began its step in lock-step), before the
+    layer's attention, the logits and the publish: prefill dies mid-stream."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)
+        meta = self._connector_metadata
+        ranks = getattr(self._worker, "_layer_rank", {})
+        if (isinstance(meta, KVLinkMetadata) and any(s.last for s in meta.streams)
+                and ranks.get(layer_name) == len(ranks) - 1):
+            import os
+
+            os._exit(17)

@@ -60,6 +60,13 @@ class ConnectorConfig:
     # Per layer: announce a layer on entry to its attention op where vLLM wrote its KV in an op of its own
     # just before (decode reads it while the attention computes); false: when the op returns, always.
     stream_layer_on_entry: bool = True
+    # Decode, streamed KV: start the request's first step while prefill still computes its last layers,
+    # each layer waiting for that layer's KV to land, and check prefill's record at the step's end
+    # (lockstep.py). It takes decode's step off the time to first token, and may hold the other requests
+    # of that step up to about stream_lockstep_stall_ms. Off by default; refused at start-up where it could
+    # not be exact (lockstep.why_not_lockstep).
+    stream_lockstep: bool = False
+    stream_lockstep_stall_ms: float = 10.0
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it
@@ -106,9 +113,14 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..64, got {self.transport_streams!r}")
-        for key in ("crc", "allow_insecure", "spread_threads", "stream_kv", "stream_layer_on_entry"):
+        for key in ("crc", "allow_insecure", "spread_threads", "stream_kv", "stream_layer_on_entry",
+                    "stream_lockstep"):
             if not isinstance(getattr(self, key), bool):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be true or false")
+        v = self.stream_lockstep_stall_ms
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 10_000:
+            raise ConnectorConfigError("kv_connector_extra_config['stream_lockstep_stall_ms'] must be a number "
+                                       f"of milliseconds 0..10000, got {v!r}")
         if self.stream_granularity not in ("layer", "step"):
             raise ConnectorConfigError("kv_connector_extra_config['stream_granularity'] must be \"layer\" or "
                                        f"\"step\", got {self.stream_granularity!r}")

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from kvlink import trace  # noqa: E402
 from kvlink.vllm.config import ROLES, ConnectorConfig, ConnectorConfigError  # noqa: E402
+from kvlink.vllm.lockstep import why_not_lockstep  # noqa: E402
 from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
 from kvlink.vllm.plugin import attach_vllm_log_handlers  # noqa: E402
 from kvlink.vllm.scheduler import KVLinkScheduler  # noqa: E402
@@ -138,6 +139,28 @@ def why_not_streamable(cfg: ConnectorConfig, staged: bool, backoff: int, windows
             else "micro-batching (enable_dbo or ubatch_size > 1)" if ubatching else None)
 
 
+def _check_lockstep(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
+    """Decode's ``stream_lockstep``: refused at start-up, with the reason, where it could not be exact."""
+    if not cfg.stream_lockstep:
+        return
+    kv, pc = vllm_config.kv_transfer_config, vllm_config.parallel_config
+    if kv.kv_role == "kv_producer":
+        raise ConnectorConfigError("KVLinkConnector: stream_lockstep is decode's (kv_consumer); prefill streams "
+                                   "with stream_kv")
+    try:
+        staged = staging_wanted(cfg.staging, vllm_config.device_config.device_type, cfg.transport_backend)[0]
+    except ValueError:
+        staged = False  # _staging_slots says why
+    why = why_not_lockstep(getattr(kv, "kv_load_failure_policy", "recompute"),
+                           bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+                           bool(vllm_config.cache_config.enable_prefix_caching),
+                           pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                           len(getattr(kv_cache_config, "kv_cache_groups", None) or (None,)), staged,
+                           cfg.transport_backend != "mooncake", cfg.stream_granularity)
+    if why is not None:
+        raise ConnectorConfigError(f"KVLinkConnector: stream_lockstep refused: {why}")
+
+
 def kv_written_before_attention(layer_name: str) -> bool:
     """Prefill: vLLM writes this layer's new KV into its cache in an op of its own that runs just before
     the layer's attention op (``unified_kv_cache_update``, ordered before it, on the same CUDA stream): the
@@ -167,6 +190,9 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         if kv.kv_role not in ROLES:
             raise ConnectorConfigError(f"KVLinkConnector: kv_role must be one of {ROLES}, got {kv.kv_role!r}")
         self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
+        _check_lockstep(self.config, vllm_config, kv_cache_config)
+        self._step_t0 = 0.0  # decode, lock-step: when this step's metadata was bound
+        self._forwarded = False  # ... and whether the step ran a forward since
         self.engine_id = engine_id_of(vllm_config)
         self.kv_role = kv.kv_role
         self._written_first: dict[str, bool] = {}  # prefill streaming: layer -> its KV is in place on entry
@@ -225,11 +251,23 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         self._worker.start_load_kv(meta if isinstance(meta, KVLinkMetadata) else None)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and self.config.stream_lockstep:
+            import time
+
+            self._step_t0 = time.monotonic()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Decode: nothing, whole requests load before they are scheduled. Prefill streaming per layer, on
-        entry to the layer's attention op: where vLLM wrote the layer's new KV in an op of its own just
-        before (``kv_written_before_attention``), the step's new blocks hold this layer now, while its
-        attention still computes."""
+        """Decode: nothing, whole requests load before they are scheduled, except armed ones (lock-step:
+        this layer of theirs must have landed). Prefill streaming per layer, on entry to the layer's
+        attention op: where vLLM wrote the layer's new KV in an op of its own just before
+        (``kv_written_before_attention``), the step's new blocks hold this layer now, while its attention
+        still computes."""
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata) and meta.lockstep and self._worker is not None:
+            self._worker.lockstep_wait(meta.lockstep, layer_name)
+        self._forwarded = True
         self._layer_saved(layer_name, on_entry=True)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
@@ -260,12 +298,25 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Finished sends and receives plus failed receives per request (``failed_recving``)."""
+        meta = self._connector_metadata
+        if self.config.stream_lockstep and self._worker is not None and isinstance(meta, KVLinkMetadata):
+            if meta.lockstep:
+                self._worker.lockstep_end(meta.lockstep)
+            elif self._forwarded:  # a step with a forward (not one vLLM runs for the connector alone)
+                import time
+
+                self._worker.lockstep_step_time(time.monotonic() - self._step_t0)
+            self._forwarded = False
         sending, recving, failed = self._worker.transfer_results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_error_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        """Lock-step: the requests armed and settled this step (metadata.KVLinkWorkerMeta), else None."""
+        return self._worker.take_lockstep_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVLinkStats | None:
         side = self._worker if self._worker is not None else self._sched

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvlink.vllm.params import RemoteSource
 from kvlink.vllm.plan import NULL_BLOCK
@@ -64,3 +64,21 @@ class KVLinkMetadata(KVConnectorMetadata):
     stages: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     bootstrap_url: str | None = None  # prefill: where workers register
     streams: list = field(default_factory=list)  # prefill: stream.StreamSpec pieces to send after this step
+    # decode, lock-step (lockstep.py): armed requests this step runs (its layers wait for their KV, its end
+    # for their outcome); armed requests vLLM finished (report them in finished_sending once settled)
+    lockstep: list[str] = field(default_factory=list)
+    lockstep_frees: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVLinkWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step (lock-step): requests just armed (in this step's
+    finished_recving, their KV still landing) and armed requests whose pull ended (confirmed or not)."""
+
+    armed: set[str] = field(default_factory=set)
+    settled: dict[str, bool] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if isinstance(other, KVLinkWorkerMeta):
+            return KVLinkWorkerMeta(self.armed | other.armed, {**self.settled, **other.settled})
+        return self

@@ -23,6 +23,7 @@ from kvlink import trace
 from kvlink.bootstrap.errors import BootstrapUnavailable
 from kvlink.errors import Canceled, NotSettled
 from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
+from kvlink.vllm.lockstep import DEFAULT_STEP_S, STEP_EMA, lead_s
 from kvlink.vllm.metadata import PullSpec
 from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs, step_pairs
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, Renew, Resolve
@@ -164,6 +165,8 @@ class Puller:
             messages = self._table.take_messages()
             nudge = self._nudger is not None and not self._nudged and self._table.has_results()
             self._nudged = self._nudged or nudge
+            if self._table.lockstep_lead_s is not None:
+                self._landed.notify_all()  # a step waiting in lock-step looks again
         if nudge:
             self._nudger.nudge()
         for m in messages:
@@ -502,6 +505,59 @@ class Puller:
                 self._apply(lambda t, now: t.batch_ended(a.batch, None, now))
                 return
         self._apply(lambda t, now: t.cancel_settled(a.batch, now))
+
+    # ----- lock-step (lockstep.py): vLLM's thread, inside decode's step --------------------------------------
+
+    def _start_lockstep(self) -> None:
+        if not getattr(getattr(self.engine, "capabilities", None), "cancel", False):
+            raise RuntimeError(f"kvlink: stream_lockstep refused: the {self.cfg.transport_backend} backend cannot "
+                               "stop a READ before its cancel returns")
+        if not self._layer_rank:
+            logger.warning("kvlink: stream_lockstep: this model's layer names carry no single index, so no "
+                           "layer-wise progress can name them; decode's steps start after the whole KV landed")
+        self._table.num_layers = len(self._layer_rank)
+        self._table.lockstep_lead_s = lead_s(DEFAULT_STEP_S, self.cfg.stream_lockstep_stall_ms)
+
+    def lockstep_wait(self, rids: list[str], layer: str | None) -> None:
+        """Before attention layer ``layer`` of a step that runs armed requests ``rids``: wait until that
+        layer of theirs has landed (None: until their outcome, at the step's end). Bounded by the pulls'
+        deadlines (the ticker fails a pull that passes its own)."""
+        place = None if layer is None else self._layer_rank.get(layer)
+        if layer is not None and place is None:
+            return  # a layer kvlink does not move (no KV cache of its own)
+        t0 = time.monotonic()
+        while True:
+            with self._lock:
+                if self._closed or not any(self._table.armed_blocking(r, place) for r in rids):
+                    break
+            self._settle_finished()  # a READ that ended is heard of now, not when the waiter gets the GIL
+            with self._lock:
+                if self._closed or not any(self._table.armed_blocking(r, place) for r in rids):
+                    break
+                self._landed.wait(0.002)
+        waited = time.monotonic() - t0
+        if waited > 1e-4:
+            with self._lock:
+                self._stats.sample("lockstep_wait_s", waited)
+
+    def lockstep_end(self, rids: list[str]) -> None:
+        """The step that ran armed requests ``rids`` ends: wait for their outcomes; the blocks of those that
+        failed are this step's load errors (vLLM then fails the requests)."""
+        self.lockstep_wait(rids, None)
+        with self._lock:
+            for rid in rids:
+                self._ls_errors.update(self._table.take_step(rid))
+
+    def lockstep_step_time(self, step_s: float) -> None:
+        """A step without lock-step waits took ``step_s``: decode's lead for arming follows it."""
+        self._ls_step_s = step_s if not self._ls_step_s else (1 - STEP_EMA) * self._ls_step_s + STEP_EMA * step_s
+        with self._lock:
+            if self._table.lockstep_lead_s is not None:
+                self._table.lockstep_lead_s = lead_s(self._ls_step_s, self.cfg.stream_lockstep_stall_ms)
+
+    def take_lockstep_meta(self):
+        meta, self._ls_meta = self._ls_meta, None
+        return meta
 
     def _drop_remote(self, remote: _Remote) -> None:
         with self._lock:

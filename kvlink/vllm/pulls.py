@@ -50,6 +50,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvlink.vllm.lockstep import ArmClock, Armed
+
 if TYPE_CHECKING:  # metadata imports vLLM; this module must not
     from kvlink.vllm.metadata import PullSpec
 
@@ -111,6 +113,9 @@ class Pull:
     final: bool = False  # the published record arrived (resolved): nothing more to wait for
     final_at: float = 0.0
     streamed: int = 0  # blocks read before the published record arrived
+    armed: bool = False  # lock-step: reported to vLLM before its outcome (lockstep.py)
+    clock: ArmClock | None = None
+    expect: frozenset | None = None  # lock-step: the (group, local block) positions it fills
 
     @property
     def rid(self) -> str:
@@ -182,8 +187,16 @@ class Results:
 class PullTable:
     """All of decode's running pulls; ``now`` is always passed in (monotonic seconds)."""
 
-    def __init__(self, pull_timeout_s: float):
+    def __init__(self, pull_timeout_s: float, num_layers: int = 0):
         self.pull_timeout_s = pull_timeout_s
+        # Lock-step (lockstep.py): None is off; else how long before prefill's last layer ends a pull may be
+        # armed (the adapter keeps it current). ``num_layers``: this rank's layers.
+        self.lockstep_lead_s: float | None = None
+        self.num_layers = num_layers
+        self._armed: dict[str, Armed] = {}
+        self._new_armed: set[str] = set()  # armed since the last take_lockstep
+        self._settled: dict[str, bool] = {}  # armed pulls that left the table since then: confirmed?
+        self._freed: set[str] = set()  # finished armed requests whose blocks vLLM may free now
         self._pulls: dict[str, Pull] = {}  # running (not reported yet)
         self._batches: dict[int, Batch] = {}  # posted or being posted, not settled
         self._batch_ids = 0
@@ -249,6 +262,9 @@ class PullTable:
         pull = self._pulls.get(rid)
         if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
             return []  # cancelled or failed meanwhile (already reported)
+        if pull.armed and (epoch != pull.epoch or pull.remote != remote):
+            return self.fail(rid, "prefill's record is of another epoch or engine than the KV decode's step "
+                                  "began with", now)
         if pull.remote is not None and pull.remote != remote:
             # streamed from another engine object (reconnected): read it all again, what is on the wire too
             pull.got.clear()
@@ -275,11 +291,15 @@ class PullTable:
         if epoch < pull.epoch or (pull.remote is not None and pull.remote != remote):
             self._count("pieces_dropped")
             return []
+        if pull.armed and epoch != pull.epoch:
+            return self.fail(rid, f"prefill restarted the request (epoch {pull.epoch} -> {epoch}) after decode's "
+                                  "step began with its KV", now)
         pull.remote = remote
         self._count("pieces")
         self._want(pull, pairs, epoch)
         if pull.state is State.RESOLVING and pull.queued:
             pull.state = State.READY
+        self._maybe_arm(pull, now)
         return self.take_posts(now)
 
     def resolve_failed(self, rid: str, why: str, now: float) -> None:
@@ -482,6 +502,75 @@ class PullTable:
         self.counts, self.samples = {}, {}
         return counts, samples
 
+    # ----- lock-step (lockstep.py) ------------------------------------------------------------------------
+
+    def is_armed(self, rid: str) -> bool:
+        return rid in self._armed
+
+    def armed_blocking(self, rid: str, layer: int | None) -> bool:
+        """A step that runs armed request ``rid`` must wait before layer place ``layer`` (None: before its
+        end, for the outcome)."""
+        a = self._armed.get(rid)
+        if a is None or a.outcome is not None:
+            return False
+        p = self._pulls.get(rid)
+        if p is None or layer is None:
+            return p is not None
+        return self._layers_read(p) <= layer
+
+    def take_step(self, rid: str) -> tuple[int, ...]:
+        """The step that ran armed request ``rid`` ended (after waiting for its outcome): the blocks to report
+        as load errors (none when its pull was confirmed)."""
+        a = self._armed.get(rid)
+        if a is None:
+            return ()
+        if a.outcome is None:  # cannot happen after the wait; never trust bytes without an outcome
+            return a.blocks
+        del self._armed[rid]
+        return () if a.outcome else a.blocks
+
+    def free_armed(self, rid: str, now: float) -> list[CancelBatch]:
+        """vLLM finished armed request ``rid`` (an abort): its blocks go back once nothing writes into them."""
+        a = self._armed.get(rid)
+        if a is None or a.outcome is not None:
+            self._armed.pop(rid, None)
+            self._freed.add(rid)
+            return []
+        a.free_wanted = True
+        return self.cancel(rid, now)
+
+    def take_lockstep(self) -> tuple[set[str], dict[str, bool], set[str]]:
+        """(armed, settled: confirmed?, freed) since the last call."""
+        out = (self._new_armed, self._settled, self._freed)
+        self._new_armed, self._settled, self._freed = set(), {}, set()
+        return out
+
+    def _maybe_arm(self, p: Pull, now: float) -> None:
+        if self.lockstep_lead_s is None or p.armed or p.final or not self.num_layers:
+            return
+        if p.expect is None:
+            p.expect = frozenset((t.group, lb) for t in p.spec.tables for lb in t.local_block_ids[t.first_block:]
+                                 if lb != 0)
+            p.clock = ArmClock(self.num_layers)
+        if not p.expect:
+            return
+        announced = min(self._announced(p, key) for key in p.expect)
+        if not p.clock.ready(min(announced, self.num_layers), now, self.lockstep_lead_s):
+            return
+        p.armed = True
+        self._armed[p.rid] = Armed(p.spec.blocks_to_fill)
+        self._new_armed.add(p.rid)
+        self._results.done.add(p.rid)  # to vLLM now: its step waits per layer (armed_blocking)
+        self._count("lockstep_armed")
+
+    def _announced(self, p: Pull, key: tuple[int, int]) -> int:
+        got, q = p.got.get(key), p.queued.get(key)
+        w = p.inflight.get(key) if p.inflight_epoch == p.epoch else None
+        return max(got[1] if got else 0, w[2] if w else 0, q[2] if q else 0)
+
+    def _layers_read(self, p: Pull) -> int:
+        return min((p.got[k][1] if k in p.got else 0) for k in p.expect) if p.expect else 0
+
     # ----- internals -------------------------------------------------------------------------------------
 
     def _members(self, b: Batch) -> list[Pull]:
@@ -582,9 +671,22 @@ class PullTable:
         return actions
 
     def _report(self, p: Pull, state: State, now: float, why: str = "") -> None:
-        """The one place a pull leaves the table: exactly one outcome per request."""
+        """The one place a pull leaves the table: exactly one outcome per request. An armed pull was
+        reported to vLLM already: its outcome goes to the step that runs it (take_step) instead."""
         del self._pulls[p.rid]
         p.state, p.batch, p.pending = state, None, None
+        if p.armed:  # never again to vLLM's finished_recving: the request runs (or ran) already
+            armed = self._armed[p.rid]
+            armed.outcome = state is State.DONE
+            self._settled[p.rid] = armed.outcome
+            self._count({State.DONE: "lockstep_ok", State.CANCELLED: "lockstep_cancelled"}.get(state, "lockstep_failed"))
+            if state is State.FAILED:
+                self._messages.append(f"kvlink: pull for request {p.rid} failed after decode's step began with "
+                                      f"its KV: {why}; the step reports its blocks as load errors")
+            if armed.free_wanted:
+                self._freed.add(p.rid)
+                del self._armed[p.rid]
+            return
         if state is State.DONE:
             self._results.done.add(p.rid)
             self._count("pulls_ok")

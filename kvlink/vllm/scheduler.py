@@ -99,6 +99,13 @@ class KVLinkScheduler:
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._new_cancels: list[str] = []
+        # Lock-step (lockstep.py), the scheduler's thread only: armed requests whose pull may still write
+        # (request_finished delays their free); armed requests not scheduled yet (their first step waits
+        # for their KV); finished armed requests whose free the worker has not reported yet.
+        self._ls_unsettled: set[str] = set()
+        self._ls_unscheduled: set[str] = set()
+        self._ls_freeing: set[str] = set()
+        self._new_ls_frees: list[str] = []
         # Decode requests sharing one prefill request (n > 1 samples); the release timers touch it too.
         self._siblings = Siblings()
         self._siblings_lock = threading.Lock()
@@ -515,6 +522,17 @@ class KVLinkScheduler:
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
         self._local_hit.pop(rid, None)  # offered a hit but finished before its blocks were allocated
+        if rid in self._ls_unsettled or rid in self._ls_unscheduled:
+            # Armed (lock-step), and its pull may still write or the worker still keeps its outcome for its
+            # step: vLLM frees the blocks once the worker has stopped the pull and reports it in
+            # finished_sending.
+            self._ls_unsettled.discard(rid)
+            self._ls_unscheduled.discard(rid)
+            self._cancelled.add(rid)
+            self._new_ls_frees.append(rid)
+            self._ls_freeing.add(rid)
+            self._processed.discard(rid)
+            return True, None
         if rid in self._pulls:
             # Aborted while pulling: the worker cancels and reports it; the outcome is sent then.
             self._cancelled.add(rid)
@@ -562,16 +580,45 @@ class KVLinkScheduler:
         if self._planner is not None:
             for rid in output.finished_sending or ():
                 self._staged(rid)  # a staging job the worker finished (other sends are frees)
+        armed = self._lockstep_output(output) if self._ls_freeing or getattr(output, "kv_connector_worker_meta",
+                                                                             None) else set()
         failed = set(output.failed_recving or ())
         if output.finished_recving and trace.enabled():
             trace.event("recv_collected", rids=sorted(output.finished_recving))
         for rid in output.finished_recving or ():
+            if rid in armed:
+                continue  # handed to vLLM, its pull still under way: released to prefill once settled
             src = self._pulls.pop(rid, None)
             if src is None:
                 continue
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
             self._release_shared(src, rid, pulled=not (cancelled or rid in failed))
+
+    def _lockstep_output(self, output: Any) -> set[str]:
+        """Lock-step: what the worker armed and settled this step (metadata.KVLinkWorkerMeta). An armed
+        request vLLM finished before it heard of the arm (an abort) stays out of finished_recving, which
+        would free its blocks under a READ still on the wire: the worker reports it in finished_sending
+        once the cancel settled (it got the cancel)."""
+        for rid in output.finished_sending or ():
+            self._ls_freeing.discard(rid)
+        wm = getattr(output, "kv_connector_worker_meta", None)
+        armed, settled = set(getattr(wm, "armed", ())), dict(getattr(wm, "settled", {}))
+        for rid in armed:
+            if rid in self._cancelled:
+                output.finished_recving.discard(rid)
+                self._ls_freeing.add(rid)
+            else:
+                self._ls_unsettled.add(rid)
+                self._ls_unscheduled.add(rid)
+        for rid, ok in settled.items():
+            self._ls_unsettled.discard(rid)
+            src = self._pulls.pop(rid, None)
+            cancelled = rid in self._cancelled
+            self._cancelled.discard(rid)
+            if src is not None:
+                self._release_shared(src, rid, pulled=ok and not cancelled)
+        return armed
 
     def on_new_request(self, request: "Request") -> None:
         """Prefill, a request for decode on a model with state layers (Mamba): compute all but the last
@@ -661,6 +708,11 @@ class KVLinkScheduler:
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
                               bootstrap_url=self.bootstrap_url if self.is_producer else None, streams=streams)
         self._new_pulls, self._new_cancels = [], []
+        if self._ls_unscheduled or self._new_ls_frees:
+            new = [r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", ())]
+            meta.lockstep = [rid for rid in new if rid in self._ls_unscheduled]
+            self._ls_unscheduled.difference_update(meta.lockstep)
+            meta.lockstep_frees, self._new_ls_frees = self._new_ls_frees, []
         return meta
 
     def _stage_jobs(self, frees: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -712,6 +764,8 @@ class KVLinkScheduler:
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on
         /metrics, need steps), frees decided, or (staging) copies to start or to hear of."""
+        if self._ls_freeing:
+            return True  # decode, lock-step: an aborted armed request's free is still to be heard of
         with self._held_lock:
             return (bool(self._held) or bool(self._device_frees) or self._gauges_stale
                     or (self._planner is not None and self._planner.busy()))

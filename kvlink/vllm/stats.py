@@ -23,6 +23,9 @@ COUNTERS = (
     # decode, streamed KV: pieces read, or dropped (not waited for); block reads before the record (a block
     # read in several layer ranges counts once per range)
     "pieces", "pieces_dropped", "blocks_streamed",
+    # decode, lock-step (lockstep.py): pulls handed to vLLM before their KV landed; of those, confirmed at the
+    # end of their step, failed there (their blocks reported as load errors), or stopped (vLLM aborted them)
+    "lockstep_armed", "lockstep_ok", "lockstep_failed", "lockstep_cancelled",
     "pieces_sent", "pieces_ended",  # prefill, streamed KV: pieces reported; streams the server said were over
     "stream_pool_full",  # prefill, streamed KV with host staging: not streamed, no room in the pool when it started
     # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests
@@ -43,7 +46,7 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
 # first compat field that differs (model, kv_dtype, layout, kv_heads, groups, protocol_version, ...), or
 # "mapping" (TP/PP/layers cannot be mapped), "layout" (a head range of an NHD block), "block_bytes".
 REFUSED = "compat_refused."
-SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s", "tail_s")
+SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s", "tail_s", "lockstep_wait_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
 
@@ -121,6 +124,9 @@ class KVLinkPromMetrics(KVConnectorPromMetrics):
                 "tail_s": ("kvlink_tail_seconds", "kvlink: concurrent pairing, from decode seeing prefill's published "
                                                   "record to the request's KV in place (the transfer time not hidden "
                                                   "behind prefill's compute)", _BUCKETS),
+                "lockstep_wait_s": ("kvlink_lockstep_wait_seconds", "kvlink: lock-step, how long one wait of a decode "
+                                                                    "step for an armed request's layer or outcome took",
+                                    _BUCKETS),
                 "landing_s": ("kvlink_landing_seconds", "kvlink: one batch's copy from the host staging pool "
                                                         "into the KV cache", _BUCKETS)}
         self._hists = {}

@@ -127,6 +127,10 @@ class KVLinkWorker(Puller):
         self._clients = None
         self._lock = threading.Lock()  # guards the table, _remotes, _frees
         self._wake = threading.Condition(self._lock)
+        self._landed = threading.Condition(self._lock)  # lock-step: a table event (a READ ended, an outcome)
+        self._ls_errors: set[int] = set()  # lock-step: blocks of armed pulls that failed, for this step
+        self._ls_meta = None  # lock-step: what goes to the scheduler with this step (build_connector_worker_meta)
+        self._ls_step_s = 0.0  # decode's step without lock-step waits (an average; 0: none measured yet)
         self._table = PullTable(cfg.pull_timeout_s)
         # Decode: a pull that ends nudges the scheduler out of its step's wait (nudge.py); once per handover
         self._nudger = Nudger(rank.engine_id) if role in ("kv_consumer", "kv_both") else None
@@ -262,6 +266,8 @@ class KVLinkWorker(Puller):
             else:
                 self._register_destination(kv_caches)
             self._leases = LeaseCalls(self._clients_for, self._apply)
+            if self.cfg.stream_lockstep:
+                self._start_lockstep()
             self._thread = threading.Thread(target=self._run, name="kvlink-pulls", daemon=True)
             self._thread.start()
         if self.role in ("kv_producer", "kv_both") and self._expected_bootstrap() is not None:
@@ -389,8 +395,10 @@ class KVLinkWorker(Puller):
             self._fence = self._stager.fence()  # their blocks' earlier users are queued before this
         for spec in meta.pulls:
             self._submit(spec)
-        for rid in meta.cancels:
-            self._apply(lambda t, now, rid=rid: t.cancel(rid, now))
+        for rid in meta.cancels:  # an armed request (lock-step) is vLLM's already: given back once settled
+            self._apply(lambda t, now, rid=rid: t.free_armed(rid, now) if t.is_armed(rid) else t.cancel(rid, now))
+        for rid in meta.lockstep_frees:
+            self._apply(lambda t, now, rid=rid: t.free_armed(rid, now))
 
     def send_pieces(self, specs: list, layer_name: str | None = None) -> None:
         """Prefill, vLLM's thread, after attention layer ``layer_name`` (layer-wise) or the step's forward
@@ -430,7 +438,13 @@ class KVLinkWorker(Puller):
         with self._lock:
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
+            armed, settled, freed = self._table.take_lockstep()
             self._nudged = False
+        if armed or settled:
+            from kvlink.vllm.metadata import KVLinkWorkerMeta
+
+            self._ls_meta = KVLinkWorkerMeta(armed=armed, settled=settled)
+        sending |= freed
         failed = set(res.failed)
         if trace.enabled():
             for rid in res.done:
@@ -478,7 +492,8 @@ class KVLinkWorker(Puller):
         block id names a block within its group only, and vLLM refuses (stops the engine on) block-level
         failures there; those pulls are reported per request (``failed_recving``) alone."""
         with self._lock:
-            blocks = self._table.take_error_blocks()
+            blocks = self._table.take_error_blocks() | self._ls_errors
+            self._ls_errors = set()
         return set() if self._num_groups > 1 else blocks
 
     def get_stats(self) -> KVLinkStats | None:

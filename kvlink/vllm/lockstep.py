@@ -1,0 +1,97 @@
+"""Decode's first step in lock-step with prefill's last layers (streamed KV, ``stream_lockstep``).
+
+Without it, decode's one-token step starts only once prefill has published the request and its last
+READ has landed: the step (12-25 ms on the benchmark's CPU, bench/results/stream.md) is added to the
+time to first token in full. vLLM calls ``wait_for_layer_load`` before every attention layer on decode
+too, so the request can be handed to vLLM (reported in ``finished_recving``) while prefill still computes
+its last layers: the pull is *armed*. Decode's step then waits, layer by layer, for that layer's KV to
+land, and at its end (before vLLM reads the step's output) for the pull's outcome: prefill's published
+record at the epoch that was read, and the lease. A pull that fails after it was armed puts its blocks in
+the step's ``invalid_block_ids``, and vLLM fails the request (``kv_load_failure_policy: fail``).
+
+When to arm: once every position the pull fills has been announced in at least one layer (prefill is in
+the step that ends the prompt), and prefill's remaining layers, at the pace it announced the last ones,
+end no later than decode's own lead (its usual step, plus ``stream_lockstep_stall_ms`` the other requests
+of the step may wait). ``ArmClock`` decides that; it is pure, like the pull table that holds one per pull.
+
+What vLLM does with an armed request, and why each refusal in ``why_not_lockstep`` exists:
+- a failed armed pull is a failed "sync load" of a running request (vLLM's ``_handle_invalid_blocks``).
+  With ``recompute`` and async scheduling the next step, already in flight, appends a token sampled
+  from the failed one: only ``fail``, or ``recompute`` without async scheduling, are exact;
+- the blocks of a reported request enter the prefix cache: a request aborted before its step, whose pull
+  then failed, would leave KV that was never confirmed in the cache for the next prompt with that prefix;
+- one KV cache group: vLLM refuses block-level load errors with several;
+- one rank (TP = PP = 1): each rank would confirm its own READs, nothing aggregates that yet;
+- no host staging on decode: the landing copy is not layer by layer;
+- a backend that can stop a READ before its cancel returns (not Mooncake's): an aborted armed request's
+  blocks are given back to vLLM once the cancel has settled, and its step must not end while a READ of
+  it may still land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_STEP_S = 0.02  # decode's step before one was measured
+STEP_EMA = 0.2  # weight of a new step in decode's step time
+SCHEDULE_S = 0.003  # report -> vLLM schedules the request (the nudge, the collect, the schedule)
+
+
+def why_not_lockstep(policy: str, async_scheduling: bool, prefix_caching: bool, tp: int, pp: int,
+                     groups: int, staged: bool, sync_cancel: bool, granularity: str) -> str | None:
+    """Why decode cannot run its first step in lock-step with prefill (None: it can)."""
+    if policy != "fail" and not (policy == "recompute" and not async_scheduling):
+        return (f"kv_load_failure_policy {policy!r} with async scheduling (vLLM appends the next step's token "
+                "of a request whose load failed): use kv_load_failure_policy \"fail\"")
+    if prefix_caching:
+        return ("prefix caching is on (an armed request's blocks enter the cache before prefill's record "
+                "confirms them): start decode with --no-enable-prefix-caching")
+    if tp != 1 or pp != 1:
+        return f"decode runs TP={tp}, PP={pp} (lock-step confirms one rank's READs only)"
+    if groups != 1:
+        return f"{groups} KV cache groups (vLLM refuses block-level load errors with several)"
+    if staged:
+        return "host staging on decode (the landing copy is not layer by layer)"
+    if not sync_cancel:
+        return "the transport backend cannot stop a READ before its cancel returns"
+    if granularity != "layer":
+        return "stream_granularity is not \"layer\""
+    return None
+
+
+@dataclass
+class ArmClock:
+    """When to arm one streamed pull: fed the fewest layers announced over its positions (0 while some
+    position has none) each time a piece arrives."""
+
+    num_layers: int
+    t0: float = -1.0  # when every position first had a layer announced
+    a0: int = 0  # ... and how many
+
+    def ready(self, announced: int, now: float, lead_s: float) -> bool:
+        if announced <= 0:
+            return False
+        if announced >= self.num_layers:
+            return True
+        if self.t0 < 0:
+            self.t0, self.a0 = now, announced
+            return False
+        if announced <= self.a0:
+            return False
+        per_layer = (now - self.t0) / (announced - self.a0)
+        return (self.num_layers - announced) * per_layer <= lead_s
+
+
+@dataclass
+class Armed:
+    """An armed pull: reported to vLLM, its outcome still to come (None) or not handed out yet."""
+
+    blocks: tuple[int, ...]  # decode's blocks it fills: the step's load errors if it fails
+    outcome: bool | None = None  # True: confirmed; False: failed or cancelled
+    free_wanted: bool = False  # vLLM finished the request: report it freed once the pull settles
+
+
+def lead_s(step_s: float, stall_ms: float) -> float:
+    """How long before prefill's last layer ends a pull may be armed: decode's step and scheduling, and
+    what the other requests of the step may wait."""
+    return step_s + SCHEDULE_S + stall_ms / 1e3

@@ -1,0 +1,266 @@
+"""Lock-step (kvlink/vllm/lockstep.py), pure parts: when decode's pull table arms a streamed pull, what a
+step that runs it waits for, what it reports once the pull ends, and the refusals. No threads, no sockets,
+an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlink.vllm.lockstep import ArmClock, lead_s, why_not_lockstep
+from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, PullTable, State
+from tests.vllm.test_stream import REMOTE, end_batch, lease, posts, spec
+
+pytest.importorskip("vllm")
+
+L = 8  # layers of this rank
+
+
+def table(lead: float | None = 0.05) -> PullTable:
+    t = PullTable(5.0, num_layers=L)
+    t.lockstep_lead_s = lead
+    return t
+
+
+def layer_piece(t: PullTable, layers: int, now: float, blocks=(1, 2), epoch: int = 0):
+    """Prefill's last step has ``layers`` layers done for every block: a layer-wise piece of it."""
+    return t.piece("a", REMOTE, [(0, b, 10 + b, layers) for b in blocks], epoch, now)
+
+
+def drain(t: PullTable, actions, now: float) -> None:
+    """Every READ posted ends well, and what it queues after it too."""
+    for p in posts(actions):
+        drain(t, end_batch(t, p, now), now)
+
+
+def test_a_pull_is_armed_once_every_position_is_announced_and_prefill_is_within_decode_lead():
+    t = table(lead=0.05)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, t.piece("a", REMOTE, [(0, 1, 11, 1)], 0, 0.01), 0.01)  # block 2 not announced at all yet
+    drain(t, layer_piece(t, 1, 0.02), 0.02)  # every position: 1 layer (prefill's last step began)
+    drain(t, layer_piece(t, 2, 0.04), 0.04)  # 20 ms a layer: 6 left is 120 ms, more than the lead
+    assert t.take_results(0.05).done == set() and not t.is_armed("a")
+    drain(t, layer_piece(t, 6, 0.12), 0.12)  # 2 left at 20 ms: 40 ms <= 50 ms
+    assert t.is_armed("a") and t.take_results(0.13).done == {"a"}  # to vLLM now, its KV still landing
+    armed, settled, freed = t.take_lockstep()
+    assert armed == {"a"} and settled == {} and freed == set()
+    assert t.state("a") is State.RESOLVING  # the pull goes on
+
+
+def test_without_lockstep_nothing_is_armed_and_all_layers_announced_arms_at_once():
+    t = table(lead=None)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, L, 0.1), 0.1)
+    assert not t.is_armed("a") and t.take_results(0.2).done == set()
+    t2 = table(lead=0.0)
+    t2.submit(spec("a", (1, 2)), 0.0)
+    drain(t2, layer_piece(t2, L, 0.1), 0.1)  # every layer announced: no pace needed
+    assert t2.is_armed("a")
+
+
+def test_the_step_waits_per_layer_for_what_landed_then_for_the_record():
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, 1, 0.01), 0.01)
+    acts = layer_piece(t, 3, 0.02)  # armed (lead 1 s); layers 1-2 on the wire
+    assert t.is_armed("a") and t.take_results(0.02).done == {"a"}
+    assert not t.armed_blocking("a", 0) and t.armed_blocking("a", 1) and t.armed_blocking("a", 2)
+    drain(t, acts, 0.03)
+    assert not t.armed_blocking("a", 2) and t.armed_blocking("a", 3)
+    assert t.armed_blocking("a", None)  # the outcome: prefill's record not published yet
+    acts = t.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12)], lease("a"), 30.0, 99.0, 0.04)
+    (tail,) = posts(acts)
+    assert sorted(tail.pulls[0].pairs) == [(0, 1, 11, 3, ALL_LAYERS), (0, 2, 12, 3, ALL_LAYERS)]
+    assert t.armed_blocking("a", 7) and t.armed_blocking("a", None)
+    drain(t, acts, 0.05)
+    assert not t.armed_blocking("a", 7) and not t.armed_blocking("a", None)
+    assert t.take_results(0.06).done == set()  # reported once, when it was armed
+    assert t.take_lockstep()[1] == {"a": True}
+    assert t.take_step("a") == () and not t.is_armed("a")
+
+
+def test_an_armed_pull_that_fails_reports_its_blocks_to_its_step_never_to_finished_recving():
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, 1, 0.01), 0.01)
+    drain(t, layer_piece(t, 2, 0.02), 0.02)
+    assert t.take_results(0.03).done == {"a"}
+    t.tick(6.0)  # prefill died: no record before the pull's deadline
+    r = t.take_results(6.1)
+    assert r.done == set() and r.failed == {} and t.take_error_blocks() == set()
+    assert not t.armed_blocking("a", None)
+    assert t.take_lockstep()[1] == {"a": False}
+    assert t.take_step("a") == (1, 2)  # the step that ran it fails it (invalid_block_ids)
+
+
+def test_prefill_restarting_an_armed_request_fails_it():
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, 1, 0.01), 0.01)
+    drain(t, layer_piece(t, 2, 0.02), 0.02)
+    assert t.is_armed("a")
+    drain(t, layer_piece(t, 1, 0.03, epoch=1), 0.03)  # the step may have used epoch 0's bytes already
+    assert t.take_lockstep()[1] == {"a": False} and t.take_step("a") == (1, 2)
+
+
+def test_an_aborted_armed_request_is_freed_only_once_its_read_on_the_wire_settled():
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, 1, 0.01), 0.01)
+    (post,) = posts(layer_piece(t, 2, 0.02))
+    t.posted(post.batch, "h", 1, 1, 1, 0.02)
+    assert t.is_armed("a") and t.take_results(0.02).done == {"a"}
+    assert t.free_armed("a", 0.03) == [CancelBatch(post.batch, "h")]
+    assert t.take_lockstep()[2] == set()  # the READ may still write into its blocks
+    t.cancel_settled(post.batch, 0.04)
+    armed, settled, freed = t.take_lockstep()
+    assert freed == {"a"} and settled == {"a": False} and not t.is_armed("a")
+    assert t.take_results(0.05).done == set()  # never a second report to finished_recving
+
+
+def test_an_armed_request_freed_after_its_outcome_is_freed_at_once():
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, L, 0.01), 0.01)
+    t.tick(6.0)
+    assert t.free_armed("a", 6.1) == [] and t.take_lockstep()[2] == {"a"}
+    assert t.free_armed("b", 6.2) == [] and t.take_lockstep()[2] == {"b"}  # outcome already handed to its step
+
+
+def test_the_arm_clock_paces_on_the_layers_announced_since_all_positions_had_one():
+    c = ArmClock(num_layers=8)
+    assert not c.ready(0, 0.0, 1.0)  # some position has nothing yet
+    assert not c.ready(2, 0.1, 1.0)  # the first sight: no pace yet
+    assert not c.ready(2, 0.2, 1.0)
+    assert not c.ready(4, 0.3, 0.1)  # 0.1 s a layer, 4 left: 0.4 s
+    assert c.ready(7, 0.6, 0.1)  # 0.1 s a layer, 1 left
+    assert ArmClock(num_layers=8).ready(8, 0.0, 0.0)
+    assert lead_s(0.02, 10) == pytest.approx(0.033)
+
+
+@pytest.mark.parametrize("args, part", [
+    (("recompute", True, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy"),
+    (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching"),
+    (("fail", False, False, 2, 1, 1, False, True, "layer"), "TP=2"),
+    (("fail", False, False, 1, 2, 1, False, True, "layer"), "PP=2"),
+    (("fail", False, False, 1, 1, 2, False, True, "layer"), "KV cache groups"),
+    (("fail", False, False, 1, 1, 1, True, True, "layer"), "host staging"),
+    (("fail", False, False, 1, 1, 1, False, False, "layer"), "cancel"),
+    (("fail", False, False, 1, 1, 1, False, True, "step"), "stream_granularity"),
+])
+def test_lockstep_is_refused_where_it_could_not_be_exact(args, part):
+    assert part in why_not_lockstep(*args)
+
+
+def test_lockstep_is_allowed_with_fail_or_with_recompute_without_async_scheduling():
+    assert why_not_lockstep("fail", True, False, 1, 1, 1, False, True, "layer") is None
+    assert why_not_lockstep("recompute", False, False, 1, 1, 1, False, True, "layer") is None
+
+
+# ----- decode's scheduler side: what it does with the worker's arm and settle reports ----------------------
+
+
+def _sched_with_pull(rid: str = "d1"):
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from tests.vllm.test_scheduler import _blocks, _decode_request
+
+    sched = KVLinkScheduler(ConnectorConfig(stream_lockstep=True), "dec", "kv_consumer", 32)
+    releases = []
+    sched._release_shared = lambda src, r, pulled: releases.append((r, pulled))
+    req = _decode_request(rid, 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
+                                    "transfer_id": "t-" + rid})
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    sched.update_state_after_alloc(req, _blocks((5, 6)), 64)
+    assert [s.request_id for s in sched.build_connector_meta(None).pulls] == [rid]
+    return sched, req, releases
+
+
+def _output(recving=(), sending=(), armed=(), settled=None):
+    from types import SimpleNamespace
+
+    from kvlink.vllm.metadata import KVLinkWorkerMeta
+
+    wm = KVLinkWorkerMeta(set(armed), dict(settled or {})) if armed or settled else None
+    return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending), failed_recving=set(),
+                           kv_connector_worker_meta=wm)
+
+
+def _step(sched, new=()):
+    from types import SimpleNamespace
+
+    return sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+                                                      total_num_scheduled_tokens=len(new),
+                                                      finished_req_ids=set()))
+
+
+def test_an_armed_request_is_released_to_prefill_only_once_settled_and_its_step_is_named():
+    sched, req, releases = _sched_with_pull()
+    try:
+        out = _output(recving={"d1"}, armed={"d1"})
+        sched.update_connector_output(out)
+        assert out.finished_recving == {"d1"} and releases == []  # vLLM schedules it; prefill still holds it
+        meta = _step(sched, new=["d1"])
+        assert meta.lockstep == ["d1"]  # its layers wait for their KV, the step's end for the outcome
+        assert _step(sched, new=[]).lockstep == []
+        sched.update_connector_output(_output(settled={"d1": True}))
+        assert releases == [("d1", True)]
+        assert sched.request_finished(req, []) == (False, None)  # settled and ran: freed as usual
+    finally:
+        sched.shutdown()
+
+
+def test_an_armed_request_finished_before_it_settled_is_freed_by_the_worker():
+    """An abort while its KV may still land: vLLM must keep the blocks until the worker stopped the pull."""
+    sched, req, releases = _sched_with_pull()
+    try:
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        assert sched.request_finished(req, []) == (True, None)
+        meta = _step(sched)
+        assert meta.lockstep_frees == ["d1"] and meta.cancels == []
+        assert sched.has_pending_work()  # vLLM steps on until the worker reports the free
+        sched.update_connector_output(_output(sending={"d1"}, settled={"d1": False}))
+        assert not sched.has_pending_work() and releases == [("d1", False)]
+    finally:
+        sched.shutdown()
+
+
+def test_an_arm_report_for_a_request_vllm_already_finished_does_not_free_its_blocks():
+    """The abort reached the scheduler before the arm report: that report must not reach vLLM's
+    finished_recving (it frees a finished request's blocks at once, under a READ still on the wire)."""
+    sched, req, releases = _sched_with_pull()
+    try:
+        assert sched.request_finished(req, []) == (False, None)  # vLLM delays it itself (waiting for KV)
+        assert _step(sched).cancels == ["d1"]
+        out = _output(recving={"d1"}, armed={"d1"})
+        sched.update_connector_output(out)
+        assert out.finished_recving == set() and sched.has_pending_work()
+        sched.update_connector_output(_output(sending={"d1"}, settled={"d1": False}))
+        assert not sched.has_pending_work() and releases == [("d1", False)]
+    finally:
+        sched.shutdown()
+
+
+def test_the_connector_refuses_lockstep_at_start_up_naming_the_setting():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
+    from kvlink.vllm.connector import _check_lockstep
+
+    def vllm(role="kv_consumer", policy="fail", prefix=False, tp=1):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role=role, kv_load_failure_policy=policy),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+                               scheduler_config=SimpleNamespace(async_scheduling=True),
+                               cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+                               device_config=SimpleNamespace(device_type="cpu"))
+
+    on = ConnectorConfig(stream_lockstep=True)
+    _check_lockstep(on, vllm(), None)  # allowed
+    _check_lockstep(ConnectorConfig(), vllm(prefix=True), None)  # off: nothing to check
+    for bad, part in ((vllm(prefix=True), "--no-enable-prefix-caching"), (vllm(policy="recompute"), "fail"),
+                      (vllm(tp=2), "TP=2"), (vllm(role="kv_producer"), "decode's")):
+        with pytest.raises(ConnectorConfigError, match=part):
+            _check_lockstep(on, bad, None)
+    with pytest.raises(ConnectorConfigError, match="mooncake|cancel"):
+        _check_lockstep(ConnectorConfig(stream_lockstep=True, transport_backend="mooncake"), vllm(), None)
+    with pytest.raises(ConnectorConfigError, match="stream_lockstep_stall_ms"):
+        ConnectorConfig(stream_lockstep_stall_ms=-1)
