@@ -49,6 +49,7 @@ CONCURRENCY = (1, 4)
 CHUNK = ("--max-num-batched-tokens", "2048")
 ISOLATE = False
 DEVICE_CORE = False
+LOCKSTEP_STALL_MS = 200.0  # --lockstep-stall-ms
 NOSPIN = str(Path(__file__).resolve().parents[1] / "tools" / "nospin")  # sitecustomize.py: --device-core servers
 KV_PER_TOKEN = 32 << 10  # kvheavy: 8 layers x 8 KV heads x 128 x (K, V) x bf16
 
@@ -203,7 +204,8 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
         # lookup_wait_s: at concurrency 4 this VM's prefill takes up to a minute to publish (a GPU, seconds at most)
         dec_kv = kvlink_config("kv_consumer", lookup_wait_s=600, **extra,
                                **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}),
-                               **({"stream_lockstep": True} if mode.endswith("-lockstep") else {}))
+                               **({"stream_lockstep": True, "stream_lockstep_stall_ms": LOCKSTEP_STALL_MS}
+                                  if mode.endswith("-lockstep") else {}))
         dec_args: tuple[str, ...] = ()
         if mode.endswith("-lockstep"):  # decode's first step in lock-step with prefill's last layers
             dec_kv["kv_load_failure_policy"] = "fail"  # (lockstep.why_not_lockstep)
@@ -335,7 +337,7 @@ def ab_table(results: dict, other: str, ours: str, theirs: str, paired: bool) ->
 
 
 def main() -> int:
-    global SIZES, CONCURRENCY, CHUNK, ISOLATE, DEVICE_CORE
+    global SIZES, CONCURRENCY, CHUNK, ISOLATE, DEVICE_CORE, LOCKSTEP_STALL_MS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s (default: from "
                     "the single server's 2k TTFT, so the 2k transfer takes 40%% of prefill's compute)")
@@ -349,6 +351,9 @@ def main() -> int:
                     "with stream_granularity \"step\" (the default streams per layer)")
     ap.add_argument("--lockstep-ab", action="store_true", help="also PD streamed over the emulated link with "
                     "decode's stream_lockstep on (its first step in lock-step with prefill's last layers)")
+    ap.add_argument("--lockstep-stall-ms", type=float, default=200.0, help="stream_lockstep_stall_ms of that "
+                    "decode: this CPU's layers take 20-100 ms each (a GPU's 1-5 ms), so the default 10 ms "
+                    "would not arm a pull before prefill's record")
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens of every server (GPUs: 2k-16k, "
                     "so most prompts are one chunk; sessions 9-10 ran 256)")
     ap.add_argument("--isolate", action="store_true", help="pin decode's engine, the proxy and the relay to CPU 1 "
@@ -369,6 +374,7 @@ def main() -> int:
     CONCURRENCY = tuple(int(x) for x in args.concurrency.split(","))
     CHUNK = ("--max-num-batched-tokens", str(args.chunk))
     ISOLATE = args.isolate
+    LOCKSTEP_STALL_MS = args.lockstep_stall_ms
     DEVICE_CORE = args.device_core
     if DEVICE_CORE:  # every server started from here on: vLLM's queue readers do not spin (class DeviceCore)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (NOSPIN, os.environ.get("PYTHONPATH"))))

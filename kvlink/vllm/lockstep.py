@@ -10,9 +10,11 @@ record at the epoch that was read, and the lease. A pull that fails after it was
 the step's ``invalid_block_ids``, and vLLM fails the request (``kv_load_failure_policy: fail``).
 
 When to arm: once every position the pull fills has been announced in at least one layer (prefill is in
-the step that ends the prompt), and prefill's remaining layers, at the pace it announced the last ones,
-end no later than decode's own lead (its usual step, plus ``stream_lockstep_stall_ms`` the other requests
-of the step may wait). ``ArmClock`` decides that; it is pure, like the pull table that holds one per pull.
+the step that ends the prompt), and prefill's remaining layers (the last one announced included: on entry
+to its attention op it still computes), at the pace it announced the last ones, end no later than
+decode's own lead (its usual step and scheduling, plus ``stream_lockstep_stall_ms`` the other requests of
+the step may wait). Where even the last layer takes longer than that, the pull is not armed and ends as
+without lock-step. ``ArmClock`` decides; it is pure, like the pull table that holds one per pull.
 
 What vLLM does with an armed request, and why each refusal in ``why_not_lockstep`` exists:
 - a failed armed pull is a failed "sync load" of a running request (vLLM's ``_handle_invalid_blocks``).
@@ -69,17 +71,19 @@ class ArmClock:
     a0: int = 0  # ... and how many
 
     def ready(self, announced: int, now: float, lead_s: float) -> bool:
+        """``announced`` layers hold their KV: prefill still computes the last of them (a layer announced on
+        entry to its attention op) and those after it. Every layer at first sight (no pace known): armed,
+        the last notice before the record. A pace that leaves more than ``lead_s`` to go: not yet (and not
+        at all if that was the last layer: the pull then ends as it would without lock-step)."""
         if announced <= 0:
             return False
-        if announced >= self.num_layers:
-            return True
         if self.t0 < 0:
             self.t0, self.a0 = now, announced
-            return False
+            return announced >= self.num_layers
         if announced <= self.a0:
             return False
         per_layer = (now - self.t0) / (announced - self.a0)
-        return (self.num_layers - announced) * per_layer <= lead_s
+        return (self.num_layers - announced + 1) * per_layer <= lead_s
 
 
 @dataclass

@@ -39,8 +39,10 @@ def test_a_pull_is_armed_once_every_position_is_announced_and_prefill_is_within_
     drain(t, layer_piece(t, 1, 0.02), 0.02)  # every position: 1 layer (prefill's last step began)
     drain(t, layer_piece(t, 2, 0.04), 0.04)  # 20 ms a layer: 6 left is 120 ms, more than the lead
     assert t.take_results(0.05).done == set() and not t.is_armed("a")
-    drain(t, layer_piece(t, 6, 0.12), 0.12)  # 2 left at 20 ms: 40 ms <= 50 ms
-    assert t.is_armed("a") and t.take_results(0.13).done == {"a"}  # to vLLM now, its KV still landing
+    drain(t, layer_piece(t, 6, 0.12), 0.12)  # 20 ms a layer: the 6th still computing and 2 more, 60 ms
+    assert not t.is_armed("a")
+    drain(t, layer_piece(t, 7, 0.14), 0.14)  # 40 ms <= 50 ms
+    assert t.is_armed("a") and t.take_results(0.14).done == {"a"}  # to vLLM now, its KV still landing
     armed, settled, freed = t.take_lockstep()
     assert armed == {"a"} and settled == {} and freed == set()
     assert t.state("a") is State.RESOLVING  # the pull goes on
@@ -131,9 +133,12 @@ def test_the_arm_clock_paces_on_the_layers_announced_since_all_positions_had_one
     assert not c.ready(0, 0.0, 1.0)  # some position has nothing yet
     assert not c.ready(2, 0.1, 1.0)  # the first sight: no pace yet
     assert not c.ready(2, 0.2, 1.0)
-    assert not c.ready(4, 0.3, 0.1)  # 0.1 s a layer, 4 left: 0.4 s
-    assert c.ready(7, 0.6, 0.1)  # 0.1 s a layer, 1 left
-    assert ArmClock(num_layers=8).ready(8, 0.0, 0.0)
+    assert not c.ready(4, 0.3, 0.1)  # 0.1 s a layer; the 4th and 4 more: 0.5 s
+    assert not c.ready(7, 0.6, 0.1)  # the 7th and the 8th: 0.2 s
+    assert c.ready(8, 0.7, 0.1)  # the last one only
+    slow = ArmClock(num_layers=8)
+    assert not slow.ready(7, 0.0, 0.05) and not slow.ready(8, 0.2, 0.05)  # even the last layer outlasts the lead
+    assert ArmClock(num_layers=8).ready(8, 0.0, 0.0)  # everything at first sight: the last notice there is
     assert lead_s(0.02, 10) == pytest.approx(0.033)
 
 
