@@ -80,11 +80,11 @@ bench-connector: install
 
 # Streamed KV: single server vs PD non-streamed vs PD streamed, 1k/2k/4k tokens at concurrency 1 and 4,
 # over an emulated link (a rate-limited relay) and plain loopback, the forward alone on CPU 0 as on a GPU
-# host; then concurrency 1 again with every mode's servers up at once, one request to each in turn
-# (bench/results/stream.md).
+# host; then concurrency 1 again with every mode's servers up at once, one request to each in turn,
+# decode's lock-step (stream_lockstep) beside them (bench/results/stream.md).
 bench-stream: install
 	PYTHONPATH=. $(VPY) bench/bench_stream.py --device-core
-	PYTHONPATH=. $(VPY) bench/bench_stream.py --device-core --interleave --sizes 1024,2048 --reps 5
+	PYTHONPATH=. $(VPY) bench/bench_stream.py --device-core --interleave --lockstep-ab --sizes 1024,2048,4000 --reps 7
 
 clean:
 	rm -rf build dist $(VENV) kvlink/_kvlink_c*.so kvlink/bench/_baseline_c*.so *.egg-info

@@ -679,6 +679,8 @@ class PullTable:
             armed = self._armed[p.rid]
             armed.outcome = state is State.DONE
             self._settled[p.rid] = armed.outcome
+            if armed.outcome and p.final_at:
+                self._sample("tail_s", now - p.final_at)  # the record to the KV in place, as for any other
             self._count({State.DONE: "lockstep_ok", State.CANCELLED: "lockstep_cancelled"}.get(state, "lockstep_failed"))
             if state is State.FAILED:
                 self._messages.append(f"kvlink: pull for request {p.rid} failed after decode's step began with "
