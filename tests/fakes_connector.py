@@ -71,9 +71,17 @@ class RecordingConnector(KVLinkConnector):
             return copy.deepcopy(self.recorded.data)
 
 
-class CorruptingConnector(RecordingConnector):
-    """Worker side: once a pull is reported finished and not failed, its blocks hold seeded noise in every
-    layer before vLLM hears of it (and so before decode's first forward pass reads them)."""
+def _noise(t: Any, blocks) -> None:
+    """Seeded noise over ``blocks`` of one layer's KV tensor (the block index is dim 0 in every layer's)."""
+    import torch
+
+    ids = torch.tensor(tuple(blocks), dtype=torch.long)
+    gen = torch.Generator().manual_seed(SEED)
+    t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+
+
+class _FillTracking(RecordingConnector):
+    """Worker side: remembers the local blocks each pull it was handed writes (``_filled``)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -85,6 +93,11 @@ class CorruptingConnector(RecordingConnector):
             for spec in meta.pulls:
                 self._filled[spec.request_id] = tuple(spec.blocks_to_fill)
         super().start_load_kv(forward_context, **kwargs)
+
+
+class CorruptingConnector(_FillTracking):
+    """Worker side: once a pull is reported finished and not failed, its blocks hold seeded noise in every
+    layer before vLLM hears of it (and so before decode's first forward pass reads them)."""
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)
@@ -104,36 +117,20 @@ class CorruptingConnector(RecordingConnector):
                 t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
 
 
-class LockstepCorruptingConnector(RecordingConnector):
+class LockstepCorruptingConnector(_FillTracking):
     """Decode with ``stream_lockstep``: in the step that runs an armed request, each layer of the blocks its
     pull writes holds seeded noise once that layer has landed (the step waited for it), before the layer's
     attention reads it. Decoding from that noise must change the output: proof that the step reads the bytes
     kvlink wrote, layer by layer, and that lock-step engaged at all (nothing is overwritten otherwise)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._filled: dict[str, tuple[int, ...]] = {}
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if isinstance(meta, KVLinkMetadata):
-            for spec in meta.pulls:
-                self._filled[spec.request_id] = tuple(spec.blocks_to_fill)
-        super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         super().wait_for_layer_load(layer_name)
         meta = self._connector_metadata
         if not (isinstance(meta, KVLinkMetadata) and meta.lockstep and layer_name in self._worker.kv_caches):
             return
-        import torch
-
         blocks = [b for rid in meta.lockstep for b in self._filled.get(rid, ())]
         if blocks:
-            t = self._worker.kv_caches[layer_name]
-            ids = torch.tensor(blocks, dtype=torch.long)
-            gen = torch.Generator().manual_seed(SEED)
-            t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+            _noise(self._worker.kv_caches[layer_name], blocks)
 
 
 class SlowLayersConnector(RecordingConnector):

@@ -474,3 +474,15 @@ def pull_outcome(worker, rid: str, wait_s: float = 20.0) -> str:
             return "ok"
         time.sleep(0.01)
     return "still waiting"
+
+
+def concurrent_proxy(prefill_url: str, decode_url: str, bootstrap_port: int, engine_id: str):
+    """kvlink's proxy in concurrent mode, in this process (an AppThread: ``.url``, ``.stop()``), in front of
+    one prefill (its embedded bootstrap server on ``bootstrap_port``, engine ``engine_id``) and one decode."""
+    from kvlink.proxy.config import ProxyConfig
+    from kvlink.proxy.router import build_app
+    from tests.fakes_vllm_server import AppThread
+
+    return AppThread(build_app(ProxyConfig(prefill=(prefill_url,), decode=(decode_url,), mode="concurrent",
+                                           timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{bootstrap_port}",),
+                                           prefill_engine_ids=(engine_id,))))

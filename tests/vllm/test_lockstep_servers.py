@@ -24,9 +24,8 @@ import urllib.request
 import pytest
 
 from tests.conftest import trace_lines
-from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (Server, assert_each_streamed, complete, free_port, held_until_decode_waits,
-                                kv_config, metric, text, token_prompts, wait_for)
+from tests.vllm.helpers import (Server, assert_each_streamed, complete, concurrent_proxy, free_port,
+                                held_until_decode_waits, kv_config, metric, text, token_prompts, wait_for)
 
 CHUNKS = ("--max-num-batched-tokens", "512", "--max-num-seqs", "16")
 LOCKSTEP = dict(stream_lockstep=True, stream_lockstep_stall_ms=10_000, lookup_wait_s=20.0, pull_timeout_s=60.0)
@@ -49,9 +48,6 @@ def slow_prefill(tiny_model, log, bport: int, engine_id: str, connector: str = "
 
 @pytest.fixture(scope="module")
 def ls(tiny_model, tmp_path_factory):
-    from kvlink.proxy.config import ProxyConfig
-    from kvlink.proxy.router import build_app
-
     logs = tmp_path_factory.mktemp("lockstep")
     traced = {"KVLINK_TRACE": str(logs / "trace.jsonl")}
     bport, dport = free_port(), free_port()
@@ -66,11 +62,8 @@ def ls(tiny_model, tmp_path_factory):
             s.wait_ready()
 
         def proxy(prefill, port, engine_id, decode):
-            p = AppThread(build_app(ProxyConfig(prefill=(prefill.url,), decode=(decode.url,), mode="concurrent",
-                                                timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{port}",),
-                                                prefill_engine_ids=(engine_id,))))
-            proxies.append(p)
-            return p.url
+            proxies.append(concurrent_proxy(prefill.url, decode.url, port, engine_id))
+            return proxies[-1].url
 
         yield {"pre": pre, "dec": dec, "bad": bad, "plain": plain, "trace": logs / "trace.jsonl",
                "pd": proxy(pre, bport, "prefill-ls", dec), "pd_bad": proxy(pre, bport, "prefill-ls", bad),

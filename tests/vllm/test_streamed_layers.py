@@ -16,9 +16,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import trace_lines
-from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (BLOCK, Server, assert_each_streamed, complete, corrupting_kv_config, free_port,
-                                kv_config, metric, text, token_prompts)
+from tests.vllm.helpers import (BLOCK, Server, assert_each_streamed, complete, concurrent_proxy, corrupting_kv_config,
+                                free_port, kv_config, metric, text, token_prompts)
 
 ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
 
@@ -48,15 +47,9 @@ def lw(tiny_model, tmp_path_factory):
     try:
         for s in (pre, exit_, step, dec, bad):
             s.wait_ready()
-        from kvlink.proxy.config import ProxyConfig
-        from kvlink.proxy.router import build_app
-
         def proxy(prefill, port, engine_id, decode):
-            p = AppThread(build_app(ProxyConfig(prefill=(prefill.url,), decode=(decode.url,), mode="concurrent",
-                                                timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{port}",),
-                                                prefill_engine_ids=(engine_id,))))
-            proxies.append(p)
-            return p.url
+            proxies.append(concurrent_proxy(prefill.url, decode.url, port, engine_id))
+            return proxies[-1].url
 
         yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "trace": logs / "trace.jsonl", "layer": proxy(pre, bport, "prefill-l", dec),
                "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec),
