@@ -67,6 +67,9 @@ class ConnectorConfig:
     # not be exact (lockstep.why_not_lockstep).
     stream_lockstep: bool = False
     stream_lockstep_stall_ms: float = 10.0
+    # An armed pull whose outcome has not come this long after it was armed fails (its request with it):
+    # decode's step, and every request in it, waits for that outcome.
+    stream_lockstep_max_wait_s: float = 5.0
     # Timing.
     lease_s: float = 30.0  # how long prefill keeps a finished request's blocks for decode
     engine_lease_s: float = 15.0  # registration lease of a worker; heartbeats every third of it

@@ -257,6 +257,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             import time
 
             self._step_t0 = time.monotonic()
+            if isinstance(connector_metadata, KVLinkMetadata) and connector_metadata.lockstep:
+                self._worker.lockstep_wait_next(connector_metadata.lockstep, None)  # the first layer's KV
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Decode: nothing, whole requests load before they are scheduled, except armed ones (lock-step:
@@ -272,7 +274,11 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Pull model: prefill keeps its blocks, decode reads them. Streamed KV per layer, on exit from the
-        layer's attention op: the step's new blocks hold this layer (unless that was said on entry)."""
+        layer's attention op: the step's new blocks hold this layer (unless that was said on entry). Decode
+        in lock-step: the next layer's KV of armed requests lands before vLLM writes the step's own into it."""
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata) and meta.lockstep and self._worker is not None:
+            self._worker.lockstep_wait_next(meta.lockstep, layer_name)
         self._layer_saved(layer_name, on_entry=False)
 
     def _layer_saved(self, layer_name: str, on_entry: bool) -> None:

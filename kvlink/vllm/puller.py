@@ -517,6 +517,7 @@ class Puller:
                            "layer-wise progress can name them; decode's steps start after the whole KV landed")
         self._table.num_layers = len(self._layer_rank)
         self._table.lockstep_lead_s = lead_s(DEFAULT_STEP_S, self.cfg.stream_lockstep_stall_ms)
+        self._table.lockstep_max_wait_s = self.cfg.stream_lockstep_max_wait_s
 
     def lockstep_wait(self, rids: list[str], layer: str | None) -> None:
         """Before attention layer ``layer`` of a step that runs armed requests ``rids``: wait until that
@@ -525,6 +526,17 @@ class Puller:
         place = None if layer is None else self._layer_rank.get(layer)
         if layer is not None and place is None:
             return  # a layer kvlink does not move (no KV cache of its own)
+        self.lockstep_wait_place(rids, place)
+
+    def lockstep_wait_next(self, rids: list[str], layer: str | None) -> None:
+        """Before vLLM writes the step's own KV of the layer after ``layer`` (None: the first layer), which on
+        vLLM CPU (and other backends that write it in an op of its own) comes before that layer's
+        ``wait_for_layer_load``: a READ landing after that write would overwrite the recomputed token's KV."""
+        place = 0 if layer is None else self._layer_rank.get(layer, -2) + 1
+        if 0 <= place < len(self._layer_rank):
+            self.lockstep_wait_place(rids, place)
+
+    def lockstep_wait_place(self, rids: list[str], place: int | None) -> None:
         t0 = time.monotonic()
         while True:
             with self._lock:

@@ -192,6 +192,7 @@ class PullTable:
         # Lock-step (lockstep.py): None is off; else how long before prefill's last layer ends a pull may be
         # armed (the adapter keeps it current). ``num_layers``: this rank's layers.
         self.lockstep_lead_s: float | None = None
+        self.lockstep_max_wait_s = 5.0  # an armed pull fails this long after it was armed, without an outcome
         self.num_layers = num_layers
         self._armed: dict[str, Armed] = {}
         self._new_armed: set[str] = set()  # armed since the last take_lockstep
@@ -456,7 +457,9 @@ class PullTable:
         """Deadlines, cancels still to settle, renewals due."""
         actions: list[CancelBatch | Renew] = []
         for p in [p for p in self._pulls.values() if p.deadline <= now and p.state is not State.SETTLING]:
-            actions += self.fail(p.rid, f"no KV within pull_timeout_s={self.pull_timeout_s:g} s", now)
+            actions += self.fail(p.rid, f"no outcome within stream_lockstep_max_wait_s={self.lockstep_max_wait_s:g} "
+                                        "s of decode's step beginning with its KV" if p.armed else
+                                 f"no KV within pull_timeout_s={self.pull_timeout_s:g} s", now)
         for b in self._batches.values():
             if b.cancel_wanted and b.handle is not None and b.next_cancel_at <= now:
                 actions.append(CancelBatch(b.id, b.handle))
@@ -558,6 +561,7 @@ class PullTable:
         if not p.clock.ready(min(announced, self.num_layers), now, self.lockstep_lead_s):
             return
         p.armed = True
+        p.deadline = min(p.deadline, now + self.lockstep_max_wait_s)  # decode's whole step waits for it
         self._armed[p.rid] = Armed(p.spec.blocks_to_fill)
         self._new_armed.add(p.rid)
         self._results.done.add(p.rid)  # to vLLM now: its step waits per layer (armed_blocking)

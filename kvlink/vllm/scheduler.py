@@ -526,9 +526,10 @@ class KVLinkScheduler:
             # Armed (lock-step), and its pull may still write or the worker still keeps its outcome for its
             # step: vLLM frees the blocks once the worker has stopped the pull and reports it in
             # finished_sending.
+            if rid in self._ls_unsettled and _aborted(request):
+                self._cancelled.add(rid)  # (its settle tells prefill: abandoned)
             self._ls_unsettled.discard(rid)
             self._ls_unscheduled.discard(rid)
-            self._cancelled.add(rid)
             self._new_ls_frees.append(rid)
             self._ls_freeing.add(rid)
             self._processed.discard(rid)
@@ -600,8 +601,6 @@ class KVLinkScheduler:
         request vLLM finished before it heard of the arm (an abort) stays out of finished_recving, which
         would free its blocks under a READ still on the wire: the worker reports it in finished_sending
         once the cancel settled (it got the cancel)."""
-        for rid in output.finished_sending or ():
-            self._ls_freeing.discard(rid)
         wm = getattr(output, "kv_connector_worker_meta", None)
         armed, settled = set(getattr(wm, "armed", ())), dict(getattr(wm, "settled", {}))
         for rid in armed:
@@ -611,6 +610,8 @@ class KVLinkScheduler:
             else:
                 self._ls_unsettled.add(rid)
                 self._ls_unscheduled.add(rid)
+        for rid in output.finished_sending or ():  # (after the arms: the free may come with its arm)
+            self._ls_freeing.discard(rid)
         for rid, ok in settled.items():
             self._ls_unsettled.discard(rid)
             src = self._pulls.pop(rid, None)
@@ -801,6 +802,12 @@ class KVLinkScheduler:
                 if len(gauges) > 2:
                     stats.set_gauge("staging_used_blocks", gauges[2])
         return None if stats.is_empty() else stats
+
+
+def _aborted(request: "Request") -> bool:
+    from vllm.v1.request import RequestStatus as VLLMStatus
+
+    return getattr(request, "status", None) == VLLMStatus.FINISHED_ABORTED
 
 
 def _maybe_applied(e: BaseException) -> bool:

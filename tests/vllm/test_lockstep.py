@@ -269,3 +269,77 @@ def test_the_connector_refuses_lockstep_at_start_up_naming_the_setting():
         _check_lockstep(ConnectorConfig(stream_lockstep=True, transport_backend="mooncake"), vllm(), None)
     with pytest.raises(ConnectorConfigError, match="stream_lockstep_stall_ms"):
         ConnectorConfig(stream_lockstep_stall_ms=-1)
+
+
+def test_each_layer_lands_before_vllm_writes_the_steps_own_kv_into_it():
+    """vLLM CPU writes a layer's new KV (the recomputed last prompt token's) in an op of its own before that
+    layer's wait_for_layer_load: the step waits for layer k+1 at the end of layer k (save_kv_layer) and for
+    layer 0 when its metadata is bound, so no READ lands over decode's own write."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.connector import KVLinkConnector
+    from kvlink.vllm.metadata import KVLinkMetadata
+    from kvlink.vllm.puller import Puller
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    waits = []
+    worker = Puller.__new__(Puller)
+    worker._layer_rank = {n: i for i, n in enumerate(names)}
+    worker.lockstep_wait_place = lambda rids, place: waits.append((tuple(rids), place))
+    conn = KVLinkConnector.__new__(KVLinkConnector)
+    conn.config, conn._worker, conn._written_first = ConnectorConfig(stream_lockstep=True), worker, {}
+    meta = KVLinkMetadata(lockstep=["a"])
+    conn.bind_connector_metadata(meta)
+    for n in names:
+        conn.wait_for_layer_load(n)
+        conn.save_kv_layer(n, None, None)
+    assert [p for _, p in waits] == [0, 0, 1, 1, 2, 2] and {r for r, _ in waits} == {("a",)}
+    waits.clear()
+    conn.bind_connector_metadata(KVLinkMetadata())  # a step without armed requests waits for nothing
+    conn.save_kv_layer(names[0], None, None)
+    assert waits == []
+
+
+def test_an_arm_and_its_free_in_one_output_leave_nothing_pending():
+    """The abort's cancel reached the worker in the step that armed the pull, between pieces: the arm and
+    the free come back together; the scheduler must not wait for that free again (vLLM would step forever)."""
+    sched, req, releases = _sched_with_pull()
+    try:
+        assert sched.request_finished(req, []) == (False, None)
+        _step(sched)
+        out = _output(recving={"d1"}, sending={"d1"}, armed={"d1"}, settled={"d1": False})
+        sched.update_connector_output(out)
+        assert out.finished_recving == set() and not sched.has_pending_work()
+        assert releases == [("d1", False)] and sched._cancelled == set()
+    finally:
+        sched.shutdown()
+
+
+def test_an_armed_request_that_finishes_normally_before_its_settle_is_heard_of_is_released_as_pulled():
+    from vllm.v1.request import RequestStatus
+
+    sched, req, releases = _sched_with_pull()
+    try:
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        _step(sched, new=["d1"])
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED  # max_tokens 1: done in its first step
+        assert sched.request_finished(req, []) == (True, None)
+        assert _step(sched).lockstep_frees == ["d1"]
+        sched.update_connector_output(_output(sending={"d1"}, settled={"d1": True}))
+        assert releases == [("d1", True)] and sched._cancelled == set() and not sched.has_pending_work()
+    finally:
+        sched.shutdown()
+
+
+def test_an_armed_pull_without_an_outcome_fails_after_the_lockstep_bound_not_the_pull_timeout():
+    t = table(lead=1.0)
+    t.lockstep_max_wait_s = 2.0
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, L, 0.5), 0.5)
+    assert t.is_armed("a")
+    t.tick(2.4)
+    assert t.armed_blocking("a", None)  # 1.9 s: still waiting
+    t.tick(2.6)
+    assert not t.armed_blocking("a", None) and t.take_lockstep()[1] == {"a": False}
+    assert any("stream_lockstep_max_wait_s" in m for m in t.take_messages())
