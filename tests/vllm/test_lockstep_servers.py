@@ -180,3 +180,17 @@ def test_mixed_aborts_in_lockstep_leave_nothing_held(ls):
     assert wait_for(lambda: (dec.metric("vllm:kv_cache_usage_perc") or 0.0) == 0.0), "decode holds blocks"
     other = token_prompts([450], seed=86)[0]
     assert text(complete(ls["pd"], other, timeout=120)) == text(complete(ls["plain"].url, other))
+
+
+def test_a_decode_with_prefix_caching_refuses_lockstep_at_start_up(tiny_model, tmp_path):
+    """The real path of a refusal: vLLM's decode, asked for lock-step with prefix caching on (vLLM's
+    default), does not start, and its log names the setting to change."""
+    kv = dict(kv_config("kv_consumer", **LOCKSTEP), kv_load_failure_policy="fail")
+    srv = Server(tiny_model, kv, cpu=1, log=tmp_path / "refused.log")
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            srv.wait_ready()
+        log = srv.log.read_text(errors="replace")
+        assert "stream_lockstep refused" in log and "--no-enable-prefix-caching" in log
+    finally:
+        srv.stop()
