@@ -184,9 +184,9 @@ class DeviceCore:
 
 def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None, kv_bytes: int,
              name: str = "") -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
-    """Prefill and decode for ``mode`` (pd, pd-stream, pd-stream-step, pd-stream-exit, pd-stream-nopace,
-    pd-stream-lockstep), ready, with the
-    concurrent proxy in front; prefill's transport behind a relay at ``rate`` bytes/s (None: plain
+    """Prefill and decode for ``mode`` (pd, pd-seq, pd-stream, pd-stream-step, pd-stream-exit,
+    pd-stream-nopace, pd-stream-lockstep), ready, with the concurrent proxy in front (pd-seq: the sequential
+    proxy, decode asked only once prefill has answered); prefill's transport behind a relay at ``rate`` bytes/s (None: plain
     loopback), which the caller closes."""
     bport, tport = free_port(), free_port()
     relay = Relay(f"127.0.0.1:{tport}", rate=rate, realtime=True) if rate else None
@@ -216,7 +216,8 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
                                    extra_args=dec_args))
         pre.wait_ready()
         dec.wait_ready()
-        proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="concurrent", bootstrap=f"http://127.0.0.1:{bport}"))
+        proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="sequential" if mode == "pd-seq" else "concurrent",
+                                    bootstrap=f"http://127.0.0.1:{bport}"))
         proxy.wait_ready()
     except BaseException:
         if relay is not None:
@@ -351,6 +352,9 @@ def main() -> int:
                     "with stream_granularity \"step\" (the default streams per layer)")
     ap.add_argument("--lockstep-ab", action="store_true", help="also PD streamed over the emulated link with "
                     "decode's stream_lockstep on (its first step in lock-step with prefill's last layers)")
+    ap.add_argument("--seq-ab", action="store_true", help="--interleave: also non-streamed PD through the "
+                    "sequential proxy (decode gets the request once prefill has answered): prefill's own TTFT "
+                    "without decode's concurrent work beside it")
     ap.add_argument("--lockstep-stall-ms", type=float, default=200.0, help="stream_lockstep_stall_ms of that "
                     "decode: this CPU's layers take 20-100 ms each (a GPU's 1-5 ms), so the default 10 ms "
                     "would not arm a pull before prefill's record")
@@ -386,7 +390,7 @@ def main() -> int:
     if args.interleave:
         CONCURRENCY = (1,)
         results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None,
-                              (("pd-stream-exit",) if args.entry_ab else ())
+                              (("pd-seq",) if args.seq_ab else ()) + (("pd-stream-exit",) if args.entry_ab else ())
                               + (("pd-stream-lockstep",) if args.lockstep_ab else ()), gap_s=args.gap_s)
         rate, links = results.pop("rate"), (("emulated", None),)
     else:

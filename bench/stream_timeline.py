@@ -22,6 +22,14 @@ over the rounds, ms); the legs add up to the PD TTFT.
 
 vLLM's decode computes the last prompt token again before its first token, on every connector: "decode
 step" is that step, and it is as long as one decode step of the model at that context.
+
+``--lockstep``: decode with ``stream_lockstep`` (its first step runs beside prefill's last layers), cut into
+
+    client->proxy, proxy->prefill, prefill compute, finish->publish   as above
+    publish->step end  from the record out until decode's scheduler runs again after the armed step (the
+                       step waited for the record; its output is out)
+    out->client        decode's API server and the proxy pass the token on
+and, not a leg, "step start": when decode's armed step began, against prefill's end (below 0: before).
 """
 
 from __future__ import annotations
@@ -74,6 +82,34 @@ def legs(evs: list[dict], t_send: float, t_first: float) -> dict[str, float] | N
     return {name: 1e3 * (b - a) for name, a, b in zip(LEGS, points, points[1:])}
 
 
+LOCKSTEP_LEGS = ("client->proxy", "proxy->prefill", "prefill compute", "finish->publish", "publish->step end",
+                 "out->client")
+
+
+def legs_lockstep(evs: list[dict], t_send: float, t_first: float) -> dict[str, float] | None:
+    """``legs`` for decode in lock-step (module docstring), plus "step start" (not a leg)."""
+    px = next((e for e in evs if e["ev"] == "proxy_request"), None)
+    pub = next((e for e in evs if e["ev"] == "publish"), None)
+    if px is None or pub is None:
+        return None
+    new = next((e for e in evs if e["ev"] == "engine_new" and e["rid"] == pub["rid"]), None)
+    fin = next((e for e in evs if e["ev"] == "finished" and e["rid"] == pub["rid"]), None)
+    armed = next((e for e in evs if e["ev"] == "recv_collected"), None)
+    if None in (new, fin, armed):
+        return None
+    dpid = armed["pid"]
+    start = next((e["t"] for e in evs if e["ev"] == "step" and e["pid"] == dpid and e["t"] > armed["t"]
+                  and e["tokens"]), None)
+    end = next((e["t"] for e in evs if e["ev"] == "step" and e["pid"] == dpid and start is not None
+                and e["t"] > max(start, pub["t"])), None)
+    if end is None:
+        return None
+    points = (t_send, px["t"], new["t"], fin["t"], pub["t"], end, t_first)
+    out = {name: 1e3 * (b - a) for name, a, b in zip(LOCKSTEP_LEGS, points, points[1:])}
+    out["step start"] = 1e3 * (start - fin["t"])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,2048", help="prompt lengths in tokens, comma-separated")
@@ -81,7 +117,9 @@ def main() -> int:
     ap.add_argument("--link-mbps", type=float, default=None, help="emulated link rate in MB/s")
     ap.add_argument("--gap-s", type=float, default=0.0, help="pause before each measured request, so every "
                     "server's vLLM queue pollers (awake for 1 s after each message) are asleep when it starts")
+    ap.add_argument("--lockstep", action="store_true", help="decode with stream_lockstep (module docstring)")
     args = ap.parse_args()
+    cut_legs, names = (legs_lockstep, LOCKSTEP_LEGS + ("step start",)) if args.lockstep else (legs, LEGS)
     sizes = [int(x) for x in args.sizes.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="kvlink-stream-timeline-"))
     trace = logs / "trace.jsonl"
@@ -99,7 +137,8 @@ def main() -> int:
             2048 * bs.KV_PER_TOKEN / (0.4 * ttft(single.url, bs.prompts(1, 2048, 7)[0])))
         pinner.close()
         print(f"emulated link: {rate / 1e6:.0f} MB/s", flush=True)
-        pre, dec, proxy, relay = bs.pd_stack(stack, "pd-stream", model, logs, rate, 1 << 30)
+        pre, dec, proxy, relay = bs.pd_stack(stack, "pd-stream-lockstep" if args.lockstep else "pd-stream", model,
+                                             logs, rate, 1 << 30)
         pinner = bs.DeviceCore([single.proc.pid, pre.proc.pid, dec.proc.pid, proxy.proc.pid])
         try:
             ttft(proxy.url, bs.prompts(1, 200, 2)[0])
@@ -119,12 +158,12 @@ def main() -> int:
             relay.close()
     evs = sorted((json.loads(line) for line in trace.read_text().splitlines()), key=lambda e: e["t"])
     med = statistics.median
-    print(f"\n| tokens | single ms | PD streamed ms (x single) | {' | '.join(LEGS)} |")
-    print("|---|---|---|" + "---|" * len(LEGS))
+    print(f"\n| tokens | single ms | PD streamed ms (x single) | {' | '.join(names)} |")
+    print("|---|---|---|" + "---|" * len(names))
     for size in sizes:
         cut = []
         for t0, d, extra in rows[size]:
-            got = legs([e for e in evs if t0 <= e["t"]], t0, t0 + d)
+            got = cut_legs([e for e in evs if t0 <= e["t"]], t0, t0 + d)
             if got is not None:
                 cut.append((d * 1e3, extra["single_ms"], got))
         if not cut:
@@ -132,7 +171,7 @@ def main() -> int:
             continue
         s, p = med(c[1] for c in cut), med(c[0] for c in cut)
         print(f"| {size} | {s:.0f} | {p:.0f} ({med(c[0] / c[1] for c in cut):.2f}) | "
-              + " | ".join(f"{med(c[2][k] for c in cut):.1f}" for k in LEGS) + " |")
+              + " | ".join(f"{med(c[2][k] for c in cut):.1f}" for k in names) + " |")
     return 0
 
 

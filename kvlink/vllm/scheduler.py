@@ -211,6 +211,21 @@ class KVLinkScheduler:
                            self.bootstrap_url, freed)
         return freed
 
+    def _publish(self, rid: str, groups: list[list[int]], num_tokens: int, transfer_id: str | None,
+                 epoch: int) -> None:
+        """The record out, on vLLM's thread between the step and its output: into the embedded server's table
+        directly when this process runs it (server.py ``BootstrapServer.publish``), else over HTTP."""
+        server = self._server  # (None once shut down: the HTTP client then fails as it would)
+        if server is None:
+            self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, groups, num_tokens, self.cfg.lease_s,
+                                                         transfer_id=transfer_id, epoch=epoch)
+            return
+        from kvlink.bootstrap import schema
+
+        body = schema.checked(schema.PublishBody, engine_id=self.engine_id, request_id=rid, transfer_id=transfer_id,
+                              block_ids=groups, num_tokens=num_tokens, lease_s=self.cfg.lease_s, epoch=epoch)
+        server.publish(body, self.cfg.bootstrap_timeout_s)
+
     def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):
         epoch = self._stream.finished(request.request_id) if self._stream is not None else 0  # its stream ends
         if self._stream_slots.pop(request.request_id, None) is not None:
@@ -243,8 +258,7 @@ class KVLinkScheduler:
             return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch)
         nblocks = sum(1 for g in groups for b in g if b != NULL_BLOCK)  # nulls hold nothing
         try:
-            self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(g) for g in groups], num_tokens,
-                                                         self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
+            self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch)
         except Exception as e:  # noqa: BLE001 - decode recomputes
             self._count("publish_failures")
             if not _maybe_applied(e):  # the server answered no: nobody can find these blocks

@@ -27,6 +27,8 @@ from kvlink.bootstrap import (
     UnknownEngine,
     UnknownRequest,
 )
+from kvlink.bootstrap.schema import PublishBody, checked
+from tests.bootstrap.conftest import TOKEN
 
 
 @pytest.fixture
@@ -164,6 +166,55 @@ def test_long_poll_answered_by_a_publish_from_another_thread(client, server, eng
     record = client.lookup_transfer("router-42", wait_s=20.0)
     thread.join()
     assert (record.request_id, record.block_ids) == ("r1", [[9]])
+
+
+def _body(engine: str, rid: str, blocks=((9,),), transfer_id: str | None = None) -> PublishBody:
+    return checked(PublishBody, engine_id=engine, request_id=rid, block_ids=[list(b) for b in blocks], num_tokens=16,
+                   lease_s=30.0, transfer_id=transfer_id, epoch=0)
+
+
+def test_in_process_publish_wakes_a_long_poll_and_answers_like_http(client, server, engine):
+    """The embedding process (prefill's scheduler) publishes into the table on the loop thread: a decode
+    long-polling the transfer id wakes, and what it reads is what an HTTP publish would have put there."""
+    got: list = []
+    poll = threading.Thread(target=lambda: got.append(client.lookup_transfer("router-7", wait_s=20.0)))
+    poll.start()
+    time.sleep(0.2)
+    server.publish(_body(engine, "r1", transfer_id="router-7"), timeout_s=5.0)
+    poll.join(10.0)
+    assert [(r.request_id, r.block_ids, r.transfer_id) for r in got] == [("r1", [[9]], "router-7")]
+    server.publish(_body(engine, "r1", transfer_id="router-7"), timeout_s=5.0)  # the same again: a renewal
+    with pytest.raises(Conflict):  # other content under the same id: refused, as over HTTP
+        server.publish(_body(engine, "r1", blocks=((8,),), transfer_id="router-7"), timeout_s=5.0)
+    with pytest.raises(UnknownEngine):
+        server.publish(_body("nobody", "r2"), timeout_s=5.0)
+    assert client.lookup(engine, ["r1", "r2"]) == {"r1": got[0], "r2": RequestStatus.UNKNOWN}
+
+
+def test_in_process_publish_to_a_stopped_server_is_unavailable(config, clock, make_registration):
+    srv = BootstrapServer(config, clock=clock)
+    with pytest.raises(BootstrapUnavailable, match="not running"):  # never started
+        srv.publish(_body("P", "r1"), timeout_s=1.0)
+    with srv:
+        with BootstrapClient(srv.url, token=TOKEN) as cli:
+            cli.register_engine(make_registration("P"), lease_s=600.0)
+        srv.publish(_body("P", "r1"), timeout_s=1.0)
+    with pytest.raises(BootstrapUnavailable, match="not running"):  # stopped
+        srv.publish(_body("P", "r2"), timeout_s=1.0)
+
+
+def test_in_process_publish_without_an_answer_in_time_is_unavailable(server, client, engine):
+    """A loop thread that does not get to the call in time: BootstrapUnavailable (the scheduler keeps the
+    blocks held, as after a lost HTTP answer: it may apply late)."""
+    started, release = threading.Event(), threading.Event()
+    server._loop.call_soon_threadsafe(lambda: (started.set(), release.wait(10.0)))  # the loop thread, stuck
+    assert started.wait(5.0)
+    try:
+        with pytest.raises(BootstrapUnavailable, match="did not answer in 0.2 s"):
+            server.publish(_body(engine, "r1"), timeout_s=0.2)
+    finally:
+        release.set()
+    assert client.lookup(engine, ["r1"]) == {"r1": RequestStatus.UNKNOWN}  # cancelled before it ran
 
 
 def test_abandon_wakes_a_long_poll_with_released(client, server, engine, token):

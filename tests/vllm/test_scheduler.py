@@ -528,3 +528,38 @@ def test_stream_granularity_is_layer_or_step():
     for bad in ("layers", "", None, 1):
         with pytest.raises(ConnectorConfigError, match="stream_granularity"):
             ConnectorConfig.from_extra({"stream_granularity": bad})
+
+
+def test_prefill_publishes_into_its_embedded_server_without_http():
+    """With the embedded bootstrap server (no bootstrap_url), request_finished puts the record into the
+    server's table on its loop thread: a decode long-polling the transfer id over HTTP gets it, and the
+    scheduler's HTTP clients are not used for it."""
+    import threading
+
+    from kvlink.bootstrap import BootstrapClient, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_host="127.0.0.1", bootstrap_port=0, lease_s=30.0), "pre",
+                            "kv_producer", 32)
+    try:
+        assert sched._server is not None
+        reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
+                                 protocol_version=1, compat_hash="x")
+        with BootstrapClient(sched.bootstrap_url) as cli:
+            cli.register_engine(reg, 60.0)
+            got: list = []
+            poll = threading.Thread(target=lambda: got.append(cli.lookup_transfer("t-9", wait_s=20.0)))
+            poll.start()
+            used: list = []
+            real_get = sched.clients.get
+            sched.clients.get = lambda url: used.append(url) or real_get(url)
+            keep, answer = sched.request_finished(_finished("r9", PrefillRequest("t-9").to_params()), [3, 4])
+            poll.join(10.0)
+            assert keep and answer["remote_request_id"] == "r9"
+            assert [(r.request_id, r.block_ids, r.num_tokens) for r in got] == [("r9", [[3, 4]], 64)]
+            assert used == []
+            assert "r9" in held_requests(sched)
+    finally:
+        sched.shutdown()
