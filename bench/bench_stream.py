@@ -206,14 +206,11 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
                                **({"pull_step_wait_ms": 0} if mode.endswith("-nopace") else {}),
                                **({"stream_lockstep": True, "stream_lockstep_stall_ms": LOCKSTEP_STALL_MS}
                                   if mode.endswith("-lockstep") else {}))
-        dec_args: tuple[str, ...] = ()
         if mode.endswith("-lockstep"):  # decode's first step in lock-step with prefill's last layers
-            dec_kv["kv_load_failure_policy"] = "fail"  # (lockstep.why_not_lockstep)
-            dec_args = ("--no-enable-prefix-caching",)
+            dec_kv["kv_load_failure_policy"] = "fail"  # (lockstep.why_not_lockstep; prefix caching stays on)
         pre = stack.add(VLLMServer(f"{name}prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=kv_bytes,
                                    extra_args=CHUNK))
-        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes,
-                                   extra_args=dec_args))
+        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes))
         pre.wait_ready()
         dec.wait_ready()
         proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="sequential" if mode == "pd-seq" else "concurrent",

@@ -191,6 +191,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorConfigError(f"KVLinkConnector: kv_role must be one of {ROLES}, got {kv.kv_role!r}")
         self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
         _check_lockstep(self.config, vllm_config, kv_cache_config)
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._step_t0 = 0.0  # decode, lock-step: when this step's metadata was bound
         self._forwarded = False  # ... and whether the step ran a forward since
         self.engine_id = engine_id_of(vllm_config)
@@ -267,8 +268,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         (``kv_written_before_attention``), the step's new blocks hold this layer now, while its attention
         still computes."""
         meta = self._connector_metadata
-        if isinstance(meta, KVLinkMetadata) and meta.lockstep and self._worker is not None:
-            self._worker.lockstep_wait(meta.lockstep, layer_name)
+        if isinstance(meta, KVLinkMetadata) and (meta.lockstep or meta.lockstep_shared) and self._worker is not None:
+            self._worker.lockstep_wait([*meta.lockstep, *meta.lockstep_shared], layer_name)
         self._forwarded = True
         self._layer_saved(layer_name, on_entry=True)
 
@@ -306,8 +307,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         """Finished sends and receives plus failed receives per request (``failed_recving``)."""
         meta = self._connector_metadata
         if self.config.stream_lockstep and self._worker is not None and isinstance(meta, KVLinkMetadata):
-            if meta.lockstep:
-                self._worker.lockstep_end(meta.lockstep)
+            if meta.lockstep or meta.lockstep_shared:
+                self._worker.lockstep_end(meta.lockstep, meta.lockstep_shared)
             elif self._forwarded:  # a step with a forward (not one vLLM runs for the connector alone)
                 import time
 
@@ -352,6 +353,13 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.update_connector_output(connector_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Decode in lock-step with prefix caching: the blocks of an armed pull that ended unconfirmed leave
+        vLLM's prefix cache (scheduler.py)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.bind_kv_cache_manager(kv_cache_manager, self._prefix_caching)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         trace.event("finished", rid=request.request_id)

@@ -68,17 +68,24 @@ class KVLinkMetadata(KVConnectorMetadata):
     # for their outcome); armed requests vLLM finished (report them in finished_sending once settled)
     lockstep: list[str] = field(default_factory=list)
     lockstep_frees: list[str] = field(default_factory=list)
+    # decode, lock-step with prefix caching: armed requests this step does not run whose pull may still be
+    # under way; another request of the step may read their blocks from vLLM's prefix cache, so its layers
+    # wait for their KV too, and its end for their outcome
+    lockstep_shared: list[str] = field(default_factory=list)
 
 
 @dataclass
 class KVLinkWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step (lock-step): requests just armed (in this step's
-    finished_recving, their KV still landing) and armed requests whose pull ended (confirmed or not)."""
+    finished_recving, their KV still landing), armed requests whose pull ended (confirmed or not), and the
+    blocks of those that ended unconfirmed (out of vLLM's prefix cache with them)."""
 
     armed: set[str] = field(default_factory=set)
     settled: dict[str, bool] = field(default_factory=dict)
+    evict: set[int] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         if isinstance(other, KVLinkWorkerMeta):
-            return KVLinkWorkerMeta(self.armed | other.armed, {**self.settled, **other.settled})
+            return KVLinkWorkerMeta(self.armed | other.armed, {**self.settled, **other.settled},
+                                    self.evict | other.evict)
         return self

@@ -552,11 +552,14 @@ class Puller:
             with self._lock:
                 self._stats.sample("lockstep_wait_s", waited)
 
-    def lockstep_end(self, rids: list[str]) -> None:
-        """The step that ran armed requests ``rids`` ends: wait for their outcomes; the blocks of those that
-        failed are this step's load errors (vLLM then fails the requests)."""
-        self.lockstep_wait(rids, None)
+    def lockstep_end(self, rids: list[str], shared: list[str] = ()) -> None:
+        """The step that ran armed requests ``rids`` ends: wait for their outcomes (and for those of armed
+        requests ``shared`` whose blocks another request of the step may have read from the prefix cache);
+        the blocks of those that failed are this step's load errors (vLLM then fails the requests)."""
+        self.lockstep_wait([*rids, *shared], None)
         with self._lock:
+            if shared:
+                self._stats.add("lockstep_shared_steps")
             for rid in rids:
                 self._ls_errors.update(self._table.take_step(rid))
 

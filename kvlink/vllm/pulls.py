@@ -198,6 +198,7 @@ class PullTable:
         self._new_armed: set[str] = set()  # armed since the last take_lockstep
         self._settled: dict[str, bool] = {}  # armed pulls that left the table since then: confirmed?
         self._freed: set[str] = set()  # finished armed requests whose blocks vLLM may free now
+        self._failed_blocks: set[int] = set()  # blocks of armed pulls that ended unconfirmed, since then
         self._pulls: dict[str, Pull] = {}  # running (not reported yet)
         self._batches: dict[int, Batch] = {}  # posted or being posted, not settled
         self._batch_ids = 0
@@ -548,6 +549,14 @@ class PullTable:
         self._new_armed, self._settled, self._freed = set(), {}, set()
         return out
 
+    def take_failed_blocks(self) -> set[int]:
+        """Blocks of armed pulls that ended unconfirmed (failed, or stopped by an abort) since the last call.
+        vLLM may have put them in its prefix cache when it took the request: the step that hears of it
+        reports them as load errors (vLLM fails any request that ran on them) and the scheduler evicts them
+        (lockstep.py, prefix caching)."""
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
     def _maybe_arm(self, p: Pull, now: float) -> None:
         if self.lockstep_lead_s is None or p.armed or p.final or not self.num_layers:
             return
@@ -682,6 +691,8 @@ class PullTable:
         if p.armed:  # never again to vLLM's finished_recving: the request runs (or ran) already
             armed = self._armed[p.rid]
             armed.outcome = state is State.DONE
+            if not armed.outcome:
+                self._failed_blocks.update(b for b in armed.blocks if b)
             self._settled[p.rid] = armed.outcome
             if armed.outcome and p.final_at:
                 self._sample("tail_s", now - p.final_at)  # the record to the KV in place, as for any other

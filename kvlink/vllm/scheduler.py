@@ -106,6 +106,10 @@ class KVLinkScheduler:
         self._ls_unscheduled: set[str] = set()
         self._ls_freeing: set[str] = set()
         self._new_ls_frees: list[str] = []
+        # vLLM's KV cache manager (bind_kv_cache_manager): with prefix caching, an armed request's blocks are
+        # in its cache before their KV is confirmed; those of a pull that ended unconfirmed are evicted.
+        self._kv_cache_manager: Any = None
+        self._prefix_caching = False
         # Decode requests sharing one prefill request (n > 1 samples); the release timers touch it too.
         self._siblings = Siblings()
         self._siblings_lock = threading.Lock()
@@ -610,6 +614,9 @@ class KVLinkScheduler:
             self._cancelled.discard(rid)
             self._release_shared(src, rid, pulled=not (cancelled or rid in failed))
 
+    def bind_kv_cache_manager(self, manager: Any, prefix_caching: bool) -> None:
+        self._kv_cache_manager, self._prefix_caching = manager, prefix_caching
+
     def _lockstep_output(self, output: Any) -> set[str]:
         """Lock-step: what the worker armed and settled this step (metadata.KVLinkWorkerMeta). An armed
         request vLLM finished before it heard of the arm (an abort) stays out of finished_recving, which
@@ -617,6 +624,11 @@ class KVLinkScheduler:
         once the cancel settled (it got the cancel)."""
         wm = getattr(output, "kv_connector_worker_meta", None)
         armed, settled = set(getattr(wm, "armed", ())), dict(getattr(wm, "settled", {}))
+        evict = set(getattr(wm, "evict", ()))
+        if evict and self._kv_cache_manager is not None:
+            # Unconfirmed KV out of the prefix cache before the next step can match it: the step that heard
+            # of it reported these blocks as load errors, failing whatever request read them already.
+            self._kv_cache_manager.evict_blocks(evict)
         for rid in armed:
             if rid in self._cancelled:
                 output.finished_recving.discard(rid)
@@ -728,6 +740,11 @@ class KVLinkScheduler:
             meta.lockstep = [rid for rid in new if rid in self._ls_unscheduled]
             self._ls_unscheduled.difference_update(meta.lockstep)
             meta.lockstep_frees, self._new_ls_frees = self._new_ls_frees, []
+        if self._prefix_caching and (self._ls_unsettled or self._ls_freeing):
+            # Armed requests vLLM took (their blocks entered its prefix cache) whose pull may not have ended:
+            # any request of this step may have matched those blocks, so the step waits for their KV and
+            # outcome as the armed request's own step would (lockstep.py).
+            meta.lockstep_shared = sorted((self._ls_unsettled | self._ls_freeing) - set(meta.lockstep))
         return meta
 
     def _stage_jobs(self, frees: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:

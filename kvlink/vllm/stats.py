@@ -24,8 +24,9 @@ COUNTERS = (
     # read in several layer ranges counts once per range)
     "pieces", "pieces_dropped", "blocks_streamed",
     # decode, lock-step (lockstep.py): pulls handed to vLLM before their KV landed; of those, confirmed at the
-    # end of their step, failed there (their blocks reported as load errors), or stopped (vLLM aborted them)
-    "lockstep_armed", "lockstep_ok", "lockstep_failed", "lockstep_cancelled",
+    # end of their step, failed there (their blocks reported as load errors), or stopped (vLLM aborted them);
+    # steps that, with prefix caching, waited for armed pulls of requests they did not run
+    "lockstep_armed", "lockstep_ok", "lockstep_failed", "lockstep_cancelled", "lockstep_shared_steps",
     "pieces_sent", "pieces_ended",  # prefill, streamed KV: pieces reported; streams the server said were over
     "stream_pool_full",  # prefill, streamed KV with host staging: not streamed, no room in the pool when it started
     # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests

@@ -439,11 +439,13 @@ class KVLinkWorker(Puller):
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
             armed, settled, freed = self._table.take_lockstep()
+            evict = self._table.take_failed_blocks()
+            self._ls_errors |= evict  # this step's load errors: vLLM fails any request that read them
             self._nudged = False
-        if armed or settled:
+        if armed or settled or evict:
             from kvlink.vllm.metadata import KVLinkWorkerMeta
 
-            self._ls_meta = KVLinkWorkerMeta(armed=armed, settled=settled)
+            self._ls_meta = KVLinkWorkerMeta(armed=armed, settled=settled, evict=evict)
         sending |= freed
         failed = set(res.failed)
         if trace.enabled():

@@ -77,6 +77,7 @@ def test_the_step_waits_per_layer_for_what_landed_then_for_the_record():
     assert not t.armed_blocking("a", 7) and not t.armed_blocking("a", None)
     assert t.take_results(0.06).done == set()  # reported once, when it was armed
     assert t.take_lockstep()[1] == {"a": True}
+    assert t.take_failed_blocks() == set()  # confirmed: its blocks stay in the prefix cache
     assert t.take_step("a") == () and not t.is_armed("a")
 
 
@@ -91,6 +92,7 @@ def test_an_armed_pull_that_fails_reports_its_blocks_to_its_step_never_to_finish
     assert r.done == set() and r.failed == {} and t.take_error_blocks() == set()
     assert not t.armed_blocking("a", None)
     assert t.take_lockstep()[1] == {"a": False}
+    assert t.take_failed_blocks() == {1, 2} and t.take_failed_blocks() == set()  # once: out of the prefix cache
     assert t.take_step("a") == (1, 2)  # the step that ran it fails it (invalid_block_ids)
 
 
@@ -116,6 +118,7 @@ def test_an_aborted_armed_request_is_freed_only_once_its_read_on_the_wire_settle
     t.cancel_settled(post.batch, 0.04)
     armed, settled, freed = t.take_lockstep()
     assert freed == {"a"} and settled == {"a": False} and not t.is_armed("a")
+    assert t.take_failed_blocks() == {1, 2}  # KV that may be partial: out of the prefix cache if it went in
     assert t.take_results(0.05).done == set()  # never a second report to finished_recving
 
 
@@ -144,7 +147,7 @@ def test_the_arm_clock_paces_on_the_layers_announced_since_all_positions_had_one
 
 @pytest.mark.parametrize("args, part", [
     (("recompute", True, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy"),
-    (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching"),
+    (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching with async scheduling"),
     (("fail", False, False, 2, 1, 1, False, True, "layer"), "TP=2"),
     (("fail", False, False, 1, 2, 1, False, True, "layer"), "PP=2"),
     (("fail", False, False, 1, 1, 2, False, True, "layer"), "KV cache groups"),
@@ -159,6 +162,8 @@ def test_lockstep_is_refused_where_it_could_not_be_exact(args, part):
 def test_lockstep_is_allowed_with_fail_or_with_recompute_without_async_scheduling():
     assert why_not_lockstep("fail", True, False, 1, 1, 1, False, True, "layer") is None
     assert why_not_lockstep("recompute", False, False, 1, 1, 1, False, True, "layer") is None
+    assert why_not_lockstep("fail", False, True, 1, 1, 1, False, True, "layer") is None  # prefix caching
+    assert why_not_lockstep("recompute", False, True, 1, 1, 1, False, True, "layer") is None
 
 
 # ----- decode's scheduler side: what it does with the worker's arm and settle reports ----------------------
@@ -180,12 +185,12 @@ def _sched_with_pull(rid: str = "d1"):
     return sched, req, releases
 
 
-def _output(recving=(), sending=(), armed=(), settled=None):
+def _output(recving=(), sending=(), armed=(), settled=None, evict=()):
     from types import SimpleNamespace
 
     from kvlink.vllm.metadata import KVLinkWorkerMeta
 
-    wm = KVLinkWorkerMeta(set(armed), dict(settled or {})) if armed or settled else None
+    wm = KVLinkWorkerMeta(set(armed), dict(settled or {}), set(evict)) if armed or settled or evict else None
     return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending), failed_recving=set(),
                            kv_connector_worker_meta=wm)
 
@@ -261,7 +266,7 @@ def test_the_connector_refuses_lockstep_at_start_up_naming_the_setting():
     on = ConnectorConfig(stream_lockstep=True)
     _check_lockstep(on, vllm(), None)  # allowed
     _check_lockstep(ConnectorConfig(), vllm(prefix=True), None)  # off: nothing to check
-    for bad, part in ((vllm(prefix=True), "--no-enable-prefix-caching"), (vllm(policy="recompute"), "fail"),
+    for bad, part in ((vllm(prefix=True), "--no-async-scheduling"), (vllm(policy="recompute"), "fail"),
                       (vllm(tp=2), "TP=2"), (vllm(role="kv_producer"), "decode's")):
         with pytest.raises(ConnectorConfigError, match=part):
             _check_lockstep(on, bad, None)
@@ -343,3 +348,120 @@ def test_an_armed_pull_without_an_outcome_fails_after_the_lockstep_bound_not_the
     t.tick(2.6)
     assert not t.armed_blocking("a", None) and t.take_lockstep()[1] == {"a": False}
     assert any("stream_lockstep_max_wait_s" in m for m in t.take_messages())
+
+
+# ----- prefix caching: vLLM caches an armed request's blocks when it takes the request --------------------
+
+
+class _CacheManager:
+    """What the scheduler side uses of vLLM's KVCacheManager: evictions, recorded."""
+
+    def __init__(self):
+        self.evicted: list[set[int]] = []
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted.append(set(block_ids))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_with_prefix_caching_every_step_waits_for_armed_pulls_another_request_may_read(prefix_caching):
+    """An armed request's blocks enter vLLM's prefix cache when vLLM takes it; another request of any step
+    may match them before their pull ended. So, with prefix caching, each step names the armed requests it
+    does not run whose pull may not have ended (settled or not: an aborted one too, until its free is
+    reported); its layers and end wait for them as for its own. Without prefix caching, no other request
+    can read them: nothing is named."""
+    sched, req, releases = _sched_with_pull()
+    sched.bind_kv_cache_manager(_CacheManager(), prefix_caching)
+    try:
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        meta = _step(sched, new=["x"])  # d1 not scheduled (no room): x may have matched its cached blocks
+        assert meta.lockstep == [] and meta.lockstep_shared == (["d1"] if prefix_caching else [])
+        meta = _step(sched, new=["d1", "y"])
+        assert meta.lockstep == ["d1"] and meta.lockstep_shared == []  # its own step waits already
+        assert sched.request_finished(req, [5, 6])[0]  # aborted before the outcome: freed once settled
+        assert _step(sched).lockstep_shared == (["d1"] if prefix_caching else [])  # until the free is heard of
+        sched.update_connector_output(_output(sending={"d1"}, settled={"d1": False}, evict={5, 6}))
+        assert _step(sched).lockstep_shared == []
+    finally:
+        sched.shutdown()
+
+
+def test_the_blocks_of_an_armed_pull_that_ended_unconfirmed_leave_the_prefix_cache():
+    """The worker's step that heard of the failure reported the blocks as load errors (vLLM fails what read
+    them); the scheduler evicts them in the same output, before the next step can match them."""
+    sched, req, releases = _sched_with_pull()
+    cache = _CacheManager()
+    sched.bind_kv_cache_manager(cache, True)
+    try:
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        sched.update_connector_output(_output(settled={"d1": False}, evict={5, 6}))
+        assert cache.evicted == [{5, 6}] and releases == [("d1", False)]
+        sched.update_connector_output(_output(settled={}, armed={"d2"}))  # nothing failed: nothing evicted
+        assert cache.evicted == [{5, 6}]
+    finally:
+        sched.shutdown()
+
+
+def test_worker_meta_of_several_ranks_keeps_every_block_to_evict():
+    from kvlink.vllm.metadata import KVLinkWorkerMeta
+
+    a = KVLinkWorkerMeta({"r1"}, {"r0": False}, {1, 2})
+    got = a.aggregate(KVLinkWorkerMeta(set(), {"r2": True}, {3}))
+    assert (got.armed, got.settled, got.evict) == ({"r1"}, {"r0": False, "r2": True}, {1, 2, 3})
+
+
+def test_a_step_that_may_read_another_armed_requests_blocks_waits_for_them_before_attention_and_at_its_end():
+    """Shared (prefix caching): before each layer's attention the step waits for that layer of the armed
+    requests it may read, and at its end for their outcomes; it does not wait before vLLM writes its own KV
+    (a request that matched cached blocks writes its new KV into blocks of its own)."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.connector import KVLinkConnector
+    from kvlink.vllm.metadata import KVLinkMetadata
+    from kvlink.vllm.puller import Puller
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    waits, ends = [], []
+    worker = Puller.__new__(Puller)
+    worker._layer_rank = {n: i for i, n in enumerate(names)}
+    worker.lockstep_wait_place = lambda rids, place: waits.append((tuple(rids), place))
+    worker.lockstep_end = lambda rids, shared: ends.append((list(rids), list(shared)))
+    worker.transfer_results = lambda: (set(), set(), set())
+    conn = KVLinkConnector.__new__(KVLinkConnector)
+    conn.config, conn._worker, conn._written_first = ConnectorConfig(stream_lockstep=True), worker, {}
+    conn._forwarded = False
+    conn.bind_connector_metadata(KVLinkMetadata(lockstep_shared=["s"]))
+    for n in names:
+        conn.wait_for_layer_load(n)
+        conn.save_kv_layer(n, None, None)
+    assert waits == [(("s",), 0), (("s",), 1)]
+    conn.get_transfer_results(set())
+    assert ends == [([], ["s"])]
+
+
+def test_the_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_asks_for_their_eviction():
+    """Through the worker: a failed armed pull's blocks are this step's load errors (whether or not the step
+    ran the request) and go to the scheduler in the worker meta; a confirmed one's do not."""
+    import threading
+
+    from kvlink.vllm.stats import KVLinkStats
+    from kvlink.vllm.worker import KVLinkWorker
+
+    worker = KVLinkWorker.__new__(KVLinkWorker)
+    worker._table = table(lead=1.0)
+    worker._lock, worker._frees, worker._staging, worker._nudged = threading.Lock(), set(), False, False
+    worker._ls_errors, worker._ls_meta, worker._num_groups, worker._stats = set(), None, 1, KVLinkStats()
+    worker._settle_finished = lambda: None
+    t = worker._table
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, 1, 0.01), 0.01)
+    drain(t, layer_piece(t, 2, 0.02), 0.02)
+    assert worker.transfer_results()[1] == {"a"}  # armed: to vLLM
+    t.tick(6.0)  # no record: failed
+    worker.transfer_results()
+    assert worker.take_load_error_blocks() == {1, 2}
+    meta = worker.take_lockstep_meta()
+    assert meta.settled == {"a": False} and meta.evict == {1, 2}
+    worker.transfer_results()
+    assert worker.take_load_error_blocks() == set() and worker.take_lockstep_meta() is None  # once

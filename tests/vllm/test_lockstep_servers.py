@@ -5,14 +5,16 @@ waiting for that layer's KV, and the step's end waiting for prefill's record.
 Prefill is tests.fakes_connector.SlowLayersConnector (each layer of a streaming step 150 ms longer on entry
 and on exit), computing 512-token chunks, so prompts of one chunk and of several stream, and lock-step
 engages every time, not when this host's timing allows. Decode runs ``stream_lockstep`` with
-``kv_load_failure_policy: fail`` and no prefix caching (lockstep.why_not_lockstep), and a stall allowance
-large enough that it arms as soon as every position has a layer announced.
+``kv_load_failure_policy: fail``, prefix caching on (vLLM's default: an armed request's blocks enter the
+cache before their KV is confirmed, so every step waits for the armed pulls it may read), and a stall
+allowance large enough that it arms as soon as every position has a layer announced.
 
 Outputs must equal a single server's; a decode whose connector overwrites each landed layer of an armed
 request with noise in its step must change them (and proves lock-step engaged); the trace shows decode's
 engine collecting the request before prefill published it. A prefill that dies after the last layer's
 announcement fails decode's request with an error, never with tokens from KV that was not confirmed, and
-decode serves on with nothing held.
+decode serves on with nothing held. Prompts that share a prefix match each other's blocks in decode's
+prefix cache, armed ones included, and still answer as a single server.
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ from tests.vllm.helpers import (Server, assert_each_streamed, complete, concurre
 
 CHUNKS = ("--max-num-batched-tokens", "512", "--max-num-seqs", "16")
 LOCKSTEP = dict(stream_lockstep=True, stream_lockstep_stall_ms=10_000, lookup_wait_s=20.0, pull_timeout_s=60.0)
-DECODE_ARGS = ("--no-enable-prefix-caching",)
 
 
 def lockstep_decode(tiny_model, log, connector: str | None = None, env=None) -> Server:
     kv = dict(kv_config("kv_consumer", **LOCKSTEP), kv_load_failure_policy="fail")
     if connector:
         kv.update(kv_connector=connector, kv_connector_module_path="tests.fakes_connector")
-    return Server(tiny_model, kv, cpu=1, log=log, extra_args=DECODE_ARGS, env=env)
+    return Server(tiny_model, kv, cpu=1, log=log, env=env)
 
 
 def slow_prefill(tiny_model, log, bport: int, engine_id: str, connector: str = "SlowLayersConnector",
@@ -67,7 +68,7 @@ def ls(tiny_model, tmp_path_factory):
 
         yield {"pre": pre, "dec": dec, "bad": bad, "plain": plain, "trace": logs / "trace.jsonl",
                "pd": proxy(pre, bport, "prefill-ls", dec), "pd_bad": proxy(pre, bport, "prefill-ls", bad),
-               "pd_dying": proxy(dying, dport, "prefill-dying", dec), "dying": dying}
+               "pd_dying": proxy(dying, dport, "prefill-dying", dec), "dying": dying, "bport": bport}
     finally:
         for p in proxies:
             p.stop()
@@ -137,6 +138,8 @@ def test_prefill_dying_after_the_last_layer_fails_the_request_and_decode_serves_
     assert wait_for(lambda: (dec.metric("vllm:kv_cache_usage_perc") or 0.0) == 0.0), "decode holds blocks"
     other = token_prompts([250], seed=84)[0]
     assert text(complete(dec.url, other, timeout=120)) == text(complete(ls["plain"].url, other))
+    # the same prompt again, on decode alone: what its prefix cache kept of the failed request is right
+    assert text(complete(dec.url, prompt, timeout=120)) == text(complete(ls["plain"].url, prompt))
 
 
 def test_mixed_aborts_in_lockstep_leave_nothing_held(ls):
@@ -182,15 +185,77 @@ def test_mixed_aborts_in_lockstep_leave_nothing_held(ls):
     assert text(complete(ls["pd"], other, timeout=120)) == text(complete(ls["plain"].url, other))
 
 
-def test_a_decode_with_prefix_caching_refuses_lockstep_at_start_up(tiny_model, tmp_path):
-    """The real path of a refusal: vLLM's decode, asked for lock-step with prefix caching on (vLLM's
-    default), does not start, and its log names the setting to change."""
-    kv = dict(kv_config("kv_consumer", **LOCKSTEP), kv_load_failure_policy="fail")
+def test_a_decode_asked_for_lockstep_per_step_refuses_at_start_up(tiny_model, tmp_path):
+    """The real path of a refusal: vLLM's decode, asked for lock-step with pieces per step (a layer's KV is
+    never known to have landed before the step's end), does not start, and its log names the setting."""
+    kv = dict(kv_config("kv_consumer", **LOCKSTEP, stream_granularity="step"), kv_load_failure_policy="fail")
     srv = Server(tiny_model, kv, cpu=1, log=tmp_path / "refused.log")
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             srv.wait_ready()
         log = srv.log.read_text(errors="replace")
-        assert "stream_lockstep refused" in log and "--no-enable-prefix-caching" in log
+        assert "stream_lockstep refused" in log and "stream_granularity" in log
     finally:
         srv.stop()
+
+
+def test_prompts_sharing_a_prefix_match_armed_blocks_in_decodes_cache_and_answer_as_a_single_server(ls):
+    """Twelve requests, four at a time, whose prompts share their first 256 tokens (sixteen blocks), two of
+    them the same prompt: decode's prefix cache matches blocks of earlier requests, some still armed (their
+    pull not ended), so steps wait for pulls of requests they do not run. Every answer is the single
+    server's; afterwards nothing is held, and the shared prefix on decode alone answers right too."""
+    import concurrent.futures as cf
+
+    dec, pre = ls["dec"], ls["pre"]
+    common = token_prompts([256], seed=87)[0]
+    tails = token_prompts([40, 90, 130, 200, 260, 333, 17, 410, 70, 150, 90], seed=88)
+    prompts = [common + t for t in tails] + [common + tails[1]]
+    want = [text(complete(ls["plain"].url, p)) for p in prompts]
+    shared0, failed0 = metric(dec, "kvlink_lockstep_shared_steps_total"), metric(dec, "kvlink_lockstep_failed_total")
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: text(complete(ls["pd"], p, timeout=240)), prompts))
+    print(f"steps that waited for others' armed pulls: {metric(dec, 'kvlink_lockstep_shared_steps_total') - shared0:.0f}")
+    assert got == want
+    assert metric(dec, "kvlink_lockstep_failed_total") == failed0
+    assert wait_for(lambda: metric(pre, "kvlink_held_blocks") == 0), "prefill still holds blocks"
+    assert wait_for(lambda: metric(dec, "kvlink_pulls_in_progress") == 0), "decode still waits for pulls"
+    assert wait_for(lambda: (dec.metric("vllm:kv_cache_usage_perc") or 0.0) == 0.0), "decode holds blocks"
+    assert text(complete(dec.url, prompts[3], timeout=120)) == want[3]
+
+
+def test_steps_of_other_requests_wait_for_an_armed_pull_vllm_could_not_schedule_yet(ls, tiny_model, tmp_path):
+    """A decode with room for two running requests: two long generations hold both slots while a PD request
+    is armed, so vLLM cannot take it yet. With prefix caching on, the steps of the two generations wait for
+    its pull (they might match its blocks once vLLM takes it): the shared-step counter moves, and every
+    output, the armed request's included, is the single server's."""
+    import concurrent.futures as cf
+    import time
+
+    LONG = 900  # tokens: the two generations outlast the armed request's prefill
+    dec = Server(tiny_model, dict(kv_config("kv_consumer", **LOCKSTEP), kv_load_failure_policy="fail"), cpu=1,
+                 log=tmp_path / "decode-2seqs.log", extra_args=("--max-num-seqs", "2"))
+    proxy = None
+    try:
+        dec.wait_ready()
+        proxy = concurrent_proxy(ls["pre"].url, dec.url, ls["bport"], "prefill-ls")
+        longs = token_prompts([60, 70], seed=89)
+        prompt = token_prompts([1200], seed=90)[0]  # three chunks: armed in the last, seconds after its pull began
+        want_long = [text(complete(ls["plain"].url, p, max_tokens=LONG, timeout=300)) for p in longs]
+        want = text(complete(ls["plain"].url, prompt))
+        with cf.ThreadPoolExecutor(3) as ex:
+            first = ex.submit(lambda: text(complete(dec.url, longs[0], max_tokens=LONG, timeout=300)))
+            time.sleep(0.3)
+            armed = ex.submit(lambda: text(complete(proxy.url, prompt, timeout=300)))
+            assert wait_for(lambda: metric(dec, "kvlink_pulls_in_progress") >= 1, timeout=30)  # vLLM took it
+            second = ex.submit(lambda: text(complete(dec.url, longs[1], max_tokens=LONG, timeout=300)))
+            got = [first.result(), second.result(), armed.result()]
+        shared = metric(dec, "kvlink_lockstep_shared_steps_total")
+        print(f"steps that waited for the armed pull of a request they did not run: {shared:.0f}")
+        assert got == [*want_long, want]
+        assert shared > 0, "no step waited for an armed pull it did not run"
+        assert wait_for(lambda: metric(dec, "kvlink_pulls_in_progress") == 0)
+        assert wait_for(lambda: (dec.metric("vllm:kv_cache_usage_perc") or 0.0) == 0.0), "decode holds blocks"
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        dec.stop()
