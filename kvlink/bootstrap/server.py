@@ -360,14 +360,15 @@ class BootstrapServer:
 
     def publish(self, body: s.PublishBody, timeout_s: float) -> None:
         """``POST /v1/request/publish`` from the process that runs this server: the table call on the loop
-        thread (long polls wake as they would), its error raised here. No answer within ``timeout_s`` (or a
-        server not running) raises BootstrapUnavailable, as a lost HTTP answer would: it may still apply."""
+        thread (long polls wake as they would), its error raised here. A server not running raises
+        BootstrapUnavailable from a ConnectionRefusedError, as a refused HTTP connection would (not applied);
+        no answer within ``timeout_s`` raises it alone, as a lost HTTP answer would (it may still apply)."""
         self._on_loop(lambda app: app._publish(body), timeout_s)
 
     def _on_loop(self, fn: Callable[[BootstrapApp], Any], timeout_s: float) -> Any:
         loop, app = self._loop, self.app
         if self._thread is None or loop is None or app is None or loop.is_closed():
-            raise BootstrapUnavailable("the embedded bootstrap server is not running")
+            raise BootstrapUnavailable("the embedded bootstrap server is not running") from ConnectionRefusedError()
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
@@ -379,8 +380,8 @@ class BootstrapServer:
 
         try:
             loop.call_soon_threadsafe(run)
-        except RuntimeError:  # the loop closed meanwhile
-            raise BootstrapUnavailable("the embedded bootstrap server is not running") from None
+        except RuntimeError:  # the loop closed meanwhile: never scheduled
+            raise BootstrapUnavailable("the embedded bootstrap server is not running") from ConnectionRefusedError()
         try:
             return fut.result(timeout_s)
         except concurrent.futures.TimeoutError:

@@ -157,6 +157,10 @@ def _check_lockstep(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_co
                            pc.tensor_parallel_size, pc.pipeline_parallel_size,
                            len(getattr(kv_cache_config, "kv_cache_groups", None) or (None,)), staged,
                            cfg.transport_backend != "mooncake", cfg.stream_granularity)
+    if why is None and vllm_config.cache_config.enable_prefix_caching and not hasattr(
+            KVConnectorBase_V1, "bind_kv_cache_manager"):
+        why = ("prefix caching is on and this vLLM gives connectors no KV cache manager (bind_kv_cache_manager) "
+               "to evict unconfirmed blocks with: start decode with --no-enable-prefix-caching")
     if why is not None:
         raise ConnectorConfigError(f"KVLinkConnector: stream_lockstep refused: {why}")
 
@@ -215,6 +219,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
                                           backoff=backoff, streamable=streamable)
+            self._sched.lockstep_prefix_caching(self._prefix_caching)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
                             groups_desc(kv_cache_config))
@@ -359,7 +364,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM's prefix cache (scheduler.py)."""
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._sched is not None:
-            self._sched.bind_kv_cache_manager(kv_cache_manager, self._prefix_caching)
+            self._sched.bind_kv_cache_manager(kv_cache_manager)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         trace.event("finished", rid=request.request_id)

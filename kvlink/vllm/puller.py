@@ -558,10 +558,13 @@ class Puller:
         the blocks of those that failed are this step's load errors (vLLM then fails the requests)."""
         self.lockstep_wait([*rids, *shared], None)
         with self._lock:
-            if shared:
-                self._stats.add("lockstep_shared_steps")
             for rid in rids:
                 self._ls_errors.update(self._table.take_step(rid))
+            if shared:
+                self._stats.add("lockstep_shared_steps")
+                failed = self._table.take_failed_blocks(shared)
+                self._ls_errors |= failed
+                self._ls_evict |= failed
 
     def lockstep_step_time(self, step_s: float) -> None:
         """A step without lock-step waits took ``step_s``: decode's lead for arming follows it."""

@@ -198,7 +198,8 @@ class PullTable:
         self._new_armed: set[str] = set()  # armed since the last take_lockstep
         self._settled: dict[str, bool] = {}  # armed pulls that left the table since then: confirmed?
         self._freed: set[str] = set()  # finished armed requests whose blocks vLLM may free now
-        self._failed_blocks: set[int] = set()  # blocks of armed pulls that ended unconfirmed, since then
+        # armed pulls that ended unconfirmed -> their blocks, until a step that may have read them takes them
+        self._failed_blocks: dict[str, tuple[int, ...]] = {}
         self._pulls: dict[str, Pull] = {}  # running (not reported yet)
         self._batches: dict[int, Batch] = {}  # posted or being posted, not settled
         self._batch_ids = 0
@@ -531,6 +532,7 @@ class PullTable:
         if a.outcome is None:  # cannot happen after the wait; never trust bytes without an outcome
             return a.blocks
         del self._armed[rid]
+        self._failed_blocks.pop(rid, None)
         return () if a.outcome else a.blocks
 
     def free_armed(self, rid: str, now: float) -> list[CancelBatch]:
@@ -549,12 +551,14 @@ class PullTable:
         self._new_armed, self._settled, self._freed = set(), {}, set()
         return out
 
-    def take_failed_blocks(self) -> set[int]:
-        """Blocks of armed pulls that ended unconfirmed (failed, or stopped by an abort) since the last call.
-        vLLM may have put them in its prefix cache when it took the request: the step that hears of it
-        reports them as load errors (vLLM fails any request that ran on them) and the scheduler evicts them
-        (lockstep.py, prefix caching)."""
-        out, self._failed_blocks = self._failed_blocks, set()
+    def take_failed_blocks(self, rids) -> set[int]:
+        """The blocks of those armed requests ``rids`` whose pull ended unconfirmed (failed, or stopped by an
+        abort), each once. ``rids``: armed requests vLLM took (their blocks are in its prefix cache) that a
+        step which did not run them waited for: it reports these as load errors (vLLM fails whatever read
+        them) and the scheduler evicts them (lockstep.py, prefix caching)."""
+        out: set[int] = set()
+        for rid in rids:
+            out.update(self._failed_blocks.pop(rid, ()))
         return out
 
     def _maybe_arm(self, p: Pull, now: float) -> None:
@@ -692,7 +696,9 @@ class PullTable:
             armed = self._armed[p.rid]
             armed.outcome = state is State.DONE
             if not armed.outcome:
-                self._failed_blocks.update(b for b in armed.blocks if b)
+                self._failed_blocks[p.rid] = tuple(b for b in armed.blocks if b)
+                while len(self._failed_blocks) > 4096:  # never asked for (vLLM had not taken them): the oldest go
+                    self._failed_blocks.pop(next(iter(self._failed_blocks)))
             self._settled[p.rid] = armed.outcome
             if armed.outcome and p.final_at:
                 self._sample("tail_s", now - p.final_at)  # the record to the KV in place, as for any other

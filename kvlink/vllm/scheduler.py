@@ -106,8 +106,11 @@ class KVLinkScheduler:
         self._ls_unscheduled: set[str] = set()
         self._ls_freeing: set[str] = set()
         self._new_ls_frees: list[str] = []
-        # vLLM's KV cache manager (bind_kv_cache_manager): with prefix caching, an armed request's blocks are
-        # in its cache before their KV is confirmed; those of a pull that ended unconfirmed are evicted.
+        # With prefix caching: the requests of pulls (lock-step may arm them); armed ones vLLM has taken (its
+        # scheduler cached their blocks, before their KV is confirmed); vLLM's KV cache manager
+        # (bind_kv_cache_manager), which evicts the blocks of those whose pull ended unconfirmed.
+        self._ls_requests: dict[str, Any] = {}
+        self._ls_taken: set[str] = set()
         self._kv_cache_manager: Any = None
         self._prefix_caching = False
         # Decode requests sharing one prefill request (n > 1 samples); the release timers touch it too.
@@ -489,6 +492,8 @@ class KVLinkScheduler:
             tables.append(GroupTable(g, tuple(0 if b.is_null else b.block_id for b in group[:end]),
                                      local_hit // bs, end))
         self._pulls[rid] = src
+        if self._prefix_caching and self.cfg.stream_lockstep:
+            self._ls_requests[rid] = request
         t0 = tables[0]
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
@@ -614,8 +619,28 @@ class KVLinkScheduler:
             self._cancelled.discard(rid)
             self._release_shared(src, rid, pulled=not (cancelled or rid in failed))
 
-    def bind_kv_cache_manager(self, manager: Any, prefix_caching: bool) -> None:
-        self._kv_cache_manager, self._prefix_caching = manager, prefix_caching
+    def lockstep_prefix_caching(self, on: bool) -> None:
+        """Decode's vLLM caches prefixes (lock-step then tracks which armed requests vLLM took)."""
+        self._prefix_caching = on
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def _lockstep_shared(self, own: list[str]) -> list[str]:
+        """Armed requests whose pull may not have ended, that vLLM took (promoted from waiting for their KV:
+        their blocks are in its prefix cache, where any request of this step may have matched them), other
+        than those this step runs. A request is seen taken in the schedule that took it, before any abort."""
+        from vllm.v1.request import RequestStatus as VLLMStatus
+
+        live = self._ls_unsettled | self._ls_freeing
+        for rid in self._ls_unsettled - self._ls_taken:
+            req = self._ls_requests.get(rid)
+            if req is not None and not req.is_finished() and req.status != VLLMStatus.WAITING_FOR_REMOTE_KVS:
+                self._ls_taken.add(rid)
+        self._ls_taken &= live
+        for rid in [r for r in self._ls_requests if r not in live and r not in self._pulls]:
+            del self._ls_requests[rid]
+        return sorted(self._ls_taken - set(own))
 
     def _lockstep_output(self, output: Any) -> set[str]:
         """Lock-step: what the worker armed and settled this step (metadata.KVLinkWorkerMeta). An armed
@@ -740,11 +765,9 @@ class KVLinkScheduler:
             meta.lockstep = [rid for rid in new if rid in self._ls_unscheduled]
             self._ls_unscheduled.difference_update(meta.lockstep)
             meta.lockstep_frees, self._new_ls_frees = self._new_ls_frees, []
-        if self._prefix_caching and (self._ls_unsettled or self._ls_freeing):
-            # Armed requests vLLM took (their blocks entered its prefix cache) whose pull may not have ended:
-            # any request of this step may have matched those blocks, so the step waits for their KV and
-            # outcome as the armed request's own step would (lockstep.py).
-            meta.lockstep_shared = sorted((self._ls_unsettled | self._ls_freeing) - set(meta.lockstep))
+        if self._prefix_caching and (self._ls_unsettled or self._ls_freeing or self._ls_requests):
+            # the step waits for their KV and outcome as the armed request's own step would (lockstep.py)
+            meta.lockstep_shared = self._lockstep_shared(meta.lockstep)
         return meta
 
     def _stage_jobs(self, frees: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:

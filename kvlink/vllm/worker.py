@@ -129,6 +129,7 @@ class KVLinkWorker(Puller):
         self._wake = threading.Condition(self._lock)
         self._landed = threading.Condition(self._lock)  # lock-step: a table event (a READ ended, an outcome)
         self._ls_errors: set[int] = set()  # lock-step: blocks of armed pulls that failed, for this step
+        self._ls_evict: set[int] = set()  # ... of those, the ones vLLM has in its prefix cache
         self._ls_meta = None  # lock-step: what goes to the scheduler with this step (build_connector_worker_meta)
         self._ls_step_s = 0.0  # decode's step without lock-step waits (an average; 0: none measured yet)
         self._table = PullTable(cfg.pull_timeout_s)
@@ -439,8 +440,7 @@ class KVLinkWorker(Puller):
             sending, self._frees = self._frees, set()
             res = self._table.take_results(time.monotonic())
             armed, settled, freed = self._table.take_lockstep()
-            evict = self._table.take_failed_blocks()
-            self._ls_errors |= evict  # this step's load errors: vLLM fails any request that read them
+            evict, self._ls_evict = self._ls_evict, set()
             self._nudged = False
         if armed or settled or evict:
             from kvlink.vllm.metadata import KVLinkWorkerMeta

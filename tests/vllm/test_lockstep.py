@@ -77,7 +77,7 @@ def test_the_step_waits_per_layer_for_what_landed_then_for_the_record():
     assert not t.armed_blocking("a", 7) and not t.armed_blocking("a", None)
     assert t.take_results(0.06).done == set()  # reported once, when it was armed
     assert t.take_lockstep()[1] == {"a": True}
-    assert t.take_failed_blocks() == set()  # confirmed: its blocks stay in the prefix cache
+    assert t.take_failed_blocks(["a"]) == set()  # confirmed: its blocks stay in the prefix cache
     assert t.take_step("a") == () and not t.is_armed("a")
 
 
@@ -92,7 +92,8 @@ def test_an_armed_pull_that_fails_reports_its_blocks_to_its_step_never_to_finish
     assert r.done == set() and r.failed == {} and t.take_error_blocks() == set()
     assert not t.armed_blocking("a", None)
     assert t.take_lockstep()[1] == {"a": False}
-    assert t.take_failed_blocks() == {1, 2} and t.take_failed_blocks() == set()  # once: out of the prefix cache
+    assert t.take_failed_blocks(["b"]) == set()
+    assert t.take_failed_blocks(["a"]) == {1, 2} and t.take_failed_blocks(["a"]) == set()  # each once
     assert t.take_step("a") == (1, 2)  # the step that ran it fails it (invalid_block_ids)
 
 
@@ -118,7 +119,7 @@ def test_an_aborted_armed_request_is_freed_only_once_its_read_on_the_wire_settle
     t.cancel_settled(post.batch, 0.04)
     armed, settled, freed = t.take_lockstep()
     assert freed == {"a"} and settled == {"a": False} and not t.is_armed("a")
-    assert t.take_failed_blocks() == {1, 2}  # KV that may be partial: out of the prefix cache if it went in
+    assert t.take_failed_blocks(["a"]) == {1, 2}  # KV that may be partial: out of the prefix cache if it went in
     assert t.take_results(0.05).done == set()  # never a second report to finished_recving
 
 
@@ -169,12 +170,13 @@ def test_lockstep_is_allowed_with_fail_or_with_recompute_without_async_schedulin
 # ----- decode's scheduler side: what it does with the worker's arm and settle reports ----------------------
 
 
-def _sched_with_pull(rid: str = "d1"):
+def _sched_with_pull(rid: str = "d1", prefix_caching: bool = False):
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.scheduler import KVLinkScheduler
     from tests.vllm.test_scheduler import _blocks, _decode_request
 
     sched = KVLinkScheduler(ConnectorConfig(stream_lockstep=True), "dec", "kv_consumer", 32)
+    sched.lockstep_prefix_caching(prefix_caching)
     releases = []
     sched._release_shared = lambda src, r, pulled: releases.append((r, pulled))
     req = _decode_request(rid, 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
@@ -364,24 +366,49 @@ class _CacheManager:
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_with_prefix_caching_every_step_waits_for_armed_pulls_another_request_may_read(prefix_caching):
-    """An armed request's blocks enter vLLM's prefix cache when vLLM takes it; another request of any step
-    may match them before their pull ended. So, with prefix caching, each step names the armed requests it
-    does not run whose pull may not have ended (settled or not: an aborted one too, until its free is
-    reported); its layers and end wait for them as for its own. Without prefix caching, no other request
-    can read them: nothing is named."""
-    sched, req, releases = _sched_with_pull()
-    sched.bind_kv_cache_manager(_CacheManager(), prefix_caching)
+def test_with_prefix_caching_steps_wait_for_armed_pulls_vllm_took_but_does_not_run(prefix_caching):
+    """vLLM puts an armed request's blocks in its prefix cache when it takes the request (out of waiting for
+    its KV), and another request of any step may match them before the pull ended. So, with prefix
+    caching, each step names the armed requests vLLM took, that it does not run, whose pull may not have
+    ended (an aborted one too, until its free is heard of). Not one vLLM has not taken (nothing of it is
+    cached), nor without prefix caching."""
+    from vllm.v1.request import RequestStatus
+
+    sched, req, releases = _sched_with_pull(prefix_caching=prefix_caching)
+    sched.bind_kv_cache_manager(_CacheManager())
+    taken = ["d1"] if prefix_caching else []
     try:
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
-        meta = _step(sched, new=["x"])  # d1 not scheduled (no room): x may have matched its cached blocks
-        assert meta.lockstep == [] and meta.lockstep_shared == (["d1"] if prefix_caching else [])
+        assert _step(sched, new=["x"]).lockstep_shared == []  # not taken (engine full): not in the cache
+        req.status = RequestStatus.WAITING  # taken, not scheduled (no room in the token budget)
+        meta = _step(sched, new=["x"])
+        assert meta.lockstep == [] and meta.lockstep_shared == taken  # x may have matched its blocks
+        req.status = RequestStatus.RUNNING
         meta = _step(sched, new=["d1", "y"])
         assert meta.lockstep == ["d1"] and meta.lockstep_shared == []  # its own step waits already
+        req.status = RequestStatus.FINISHED_ABORTED
         assert sched.request_finished(req, [5, 6])[0]  # aborted before the outcome: freed once settled
-        assert _step(sched).lockstep_shared == (["d1"] if prefix_caching else [])  # until the free is heard of
+        assert _step(sched).lockstep_shared == taken  # its blocks still cached until the free is heard of
         sched.update_connector_output(_output(sending={"d1"}, settled={"d1": False}, evict={5, 6}))
         assert _step(sched).lockstep_shared == []
+        assert sched._ls_requests == {} and sched._ls_taken == set()  # nothing kept
+    finally:
+        sched.shutdown()
+
+
+def test_an_armed_request_aborted_before_vllm_took_it_is_waited_for_by_no_step():
+    """Aborted while waiting for its KV: never in the prefix cache, so no step waits for its pull (it may
+    be one of a dead prefill, failing only at stream_lockstep_max_wait_s)."""
+    from vllm.v1.request import RequestStatus
+
+    sched, req, releases = _sched_with_pull(prefix_caching=True)
+    try:
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert sched.request_finished(req, [5, 6])[0]
+        assert _step(sched, new=["x"]).lockstep_shared == []
     finally:
         sched.shutdown()
 
@@ -389,9 +416,9 @@ def test_with_prefix_caching_every_step_waits_for_armed_pulls_another_request_ma
 def test_the_blocks_of_an_armed_pull_that_ended_unconfirmed_leave_the_prefix_cache():
     """The worker's step that heard of the failure reported the blocks as load errors (vLLM fails what read
     them); the scheduler evicts them in the same output, before the next step can match them."""
-    sched, req, releases = _sched_with_pull()
+    sched, req, releases = _sched_with_pull(prefix_caching=True)
     cache = _CacheManager()
-    sched.bind_kv_cache_manager(cache, True)
+    sched.bind_kv_cache_manager(cache)
     try:
         sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
         sched.update_connector_output(_output(settled={"d1": False}, evict={5, 6}))
@@ -440,9 +467,12 @@ def test_a_step_that_may_read_another_armed_requests_blocks_waits_for_them_befor
     assert ends == [([], ["s"])]
 
 
-def test_the_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_asks_for_their_eviction():
-    """Through the worker: a failed armed pull's blocks are this step's load errors (whether or not the step
-    ran the request) and go to the scheduler in the worker meta; a confirmed one's do not."""
+def test_a_shared_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_asks_for_their_eviction():
+    """Through the worker: an armed pull vLLM took ends unconfirmed; the step that waited for it without
+    running it reports its blocks as load errors (vLLM fails whatever read them) and sends them to the
+    scheduler to evict, once. A step that did not name it reports nothing (vLLM had not taken the request:
+    reported then, vLLM would treat it as a failed async load and may give the blocks to another request
+    before the armed request's own step names them again); its own step reports them (take_step)."""
     import threading
 
     from kvlink.vllm.stats import KVLinkStats
@@ -451,17 +481,23 @@ def test_the_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_asks_fo
     worker = KVLinkWorker.__new__(KVLinkWorker)
     worker._table = table(lead=1.0)
     worker._lock, worker._frees, worker._staging, worker._nudged = threading.Lock(), set(), False, False
-    worker._ls_errors, worker._ls_meta, worker._num_groups, worker._stats = set(), None, 1, KVLinkStats()
+    worker._ls_errors, worker._ls_evict, worker._ls_meta = set(), set(), None
+    worker._num_groups, worker._stats, worker._closed = 1, KVLinkStats(), False
     worker._settle_finished = lambda: None
     t = worker._table
-    t.submit(spec("a", (1, 2)), 0.0)
-    drain(t, layer_piece(t, 1, 0.01), 0.01)
-    drain(t, layer_piece(t, 2, 0.02), 0.02)
-    assert worker.transfer_results()[1] == {"a"}  # armed: to vLLM
-    t.tick(6.0)  # no record: failed
+    for rid, blocks in (("a", (1, 2)), ("b", (3, 4))):
+        t.submit(spec(rid, blocks), 0.0)
+        for n in (1, 2):
+            drain(t, t.piece(rid, REMOTE, [(0, b, 10 + b, n) for b in blocks], 0, 0.01 * n), 0.01 * n)
+    assert worker.transfer_results()[1] == {"a", "b"}  # armed: to vLLM
+    t.tick(6.0)  # no record for either: both failed
+    worker.lockstep_end([], ["a"])  # a step that may have read a's blocks (vLLM took a, not b)
     worker.transfer_results()
     assert worker.take_load_error_blocks() == {1, 2}
     meta = worker.take_lockstep_meta()
-    assert meta.settled == {"a": False} and meta.evict == {1, 2}
+    assert meta.settled == {"a": False, "b": False} and meta.evict == {1, 2}
+    worker.lockstep_end([], ["a"])
     worker.transfer_results()
     assert worker.take_load_error_blocks() == set() and worker.take_lockstep_meta() is None  # once
+    worker.lockstep_end(["b"], [])  # b's own step
+    assert worker.take_load_error_blocks() == {3, 4}
