@@ -20,12 +20,12 @@ What vLLM does with an armed request, and why each refusal in ``why_not_lockstep
 - a failed armed pull is a failed "sync load" of a running request (vLLM's ``_handle_invalid_blocks``).
   With ``recompute`` and async scheduling the next step, already in flight, appends a token sampled
   from the failed one: only ``fail``, or ``recompute`` without async scheduling, are exact;
-- the blocks of a reported request enter the prefix cache when vLLM takes it, before their KV is confirmed,
-  and another request may match them. While an armed pull may not have ended, every step waits for it as
-  the armed request's own would (scheduler: ``lockstep_shared``); one that ends unconfirmed has its blocks
-  reported as the load errors of the step that hears of it (vLLM fails whatever read them) and evicted from
-  the cache (``bind_kv_cache_manager``). With async scheduling a request matching them could run in a step
-  scheduled before that report is processed: prefix caching with async scheduling is refused;
+- the blocks of a reported request enter the prefix cache when vLLM takes it, before their KV is
+  confirmed, and a request of that same step may match them: the step that takes it evicts them and waits
+  for the pull as the request's own would (scheduler ``_lockstep_shared``), reporting them as load errors
+  if it failed. With "recompute" vLLM may free a request that matched them as its local hit while its own
+  READs still land; with async scheduling a matching request could run before the failure is processed:
+  prefix caching is refused with either;
 - one KV cache group: vLLM refuses block-level load errors with several;
 - one rank (TP = PP = 1): each rank would confirm its own READs, nothing aggregates that yet;
 - no host staging on decode: the landing copy is not layer by layer;
@@ -49,6 +49,10 @@ def why_not_lockstep(policy: str, async_scheduling: bool, prefix_caching: bool, 
     if policy != "fail" and not (policy == "recompute" and not async_scheduling):
         return (f"kv_load_failure_policy {policy!r} with async scheduling (vLLM appends the next step's token "
                 "of a request whose load failed): use kv_load_failure_policy \"fail\"")
+    if prefix_caching and policy != "fail":
+        return ("prefix caching with kv_load_failure_policy \"recompute\" (vLLM may free the blocks of a request "
+                "that matched an armed request's while its own READs still land): use \"fail\", or start decode "
+                "with --no-enable-prefix-caching")
     if prefix_caching and async_scheduling:
         return ("prefix caching with async scheduling (a request matching an armed request's blocks in the "
                 "cache may be scheduled before the step that fails them is processed): start decode with "

@@ -559,7 +559,9 @@ class Puller:
         self.lockstep_wait([*rids, *shared], None)
         with self._lock:
             for rid in rids:
-                self._ls_errors.update(self._table.take_step(rid))
+                failed = self._table.take_step(rid)
+                self._ls_errors.update(failed)
+                self._ls_evict.update(failed)  # out of the prefix cache too, whatever vLLM does with them
             if shared:
                 self._stats.add("lockstep_shared_steps")
                 failed = self._table.take_failed_blocks(shared)

@@ -697,7 +697,7 @@ class PullTable:
             armed.outcome = state is State.DONE
             if not armed.outcome:
                 self._failed_blocks[p.rid] = tuple(b for b in armed.blocks if b)
-                while len(self._failed_blocks) > 4096:  # never asked for (vLLM had not taken them): the oldest go
+                while len(self._failed_blocks) > 1024:  # never asked for (vLLM had not taken them): the oldest go
                     self._failed_blocks.pop(next(iter(self._failed_blocks)))
             self._settled[p.rid] = armed.outcome
             if armed.outcome and p.final_at:

@@ -492,9 +492,9 @@ class KVLinkScheduler:
             tables.append(GroupTable(g, tuple(0 if b.is_null else b.block_id for b in group[:end]),
                                      local_hit // bs, end))
         self._pulls[rid] = src
-        if self._prefix_caching and self.cfg.stream_lockstep:
-            self._ls_requests[rid] = request
         t0 = tables[0]
+        if self._prefix_caching and self.cfg.stream_lockstep:  # (one group: lockstep.why_not_lockstep)
+            self._ls_requests[rid] = (request, tuple(b for b in t0.local_block_ids[t0.first_block:] if b))
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
 
@@ -627,16 +627,20 @@ class KVLinkScheduler:
         self._kv_cache_manager = manager
 
     def _lockstep_shared(self, own: list[str]) -> list[str]:
-        """Armed requests whose pull may not have ended, that vLLM took (promoted from waiting for their KV:
-        their blocks are in its prefix cache, where any request of this step may have matched them), other
-        than those this step runs. A request is seen taken in the schedule that took it, before any abort."""
+        """Armed requests vLLM took (out of waiting for their KV) whose outcome may not have reached a step,
+        other than those this step runs. A request is seen taken at the end of the schedule that took it
+        (before any abort): vLLM put its pulled blocks in the prefix cache then, and requests of this very
+        step may have matched them. Those blocks leave the cache here, so no later step can match them; this
+        step waits for their pull, and reports them as load errors if it ended unconfirmed (worker)."""
         from vllm.v1.request import RequestStatus as VLLMStatus
 
-        live = self._ls_unsettled | self._ls_freeing
-        for rid in self._ls_unsettled - self._ls_taken:
-            req = self._ls_requests.get(rid)
+        live = self._ls_unsettled | self._ls_unscheduled | self._ls_freeing
+        for rid in (self._ls_unsettled | self._ls_unscheduled) - self._ls_taken:
+            req, blocks = self._ls_requests.get(rid, (None, ()))
             if req is not None and not req.is_finished() and req.status != VLLMStatus.WAITING_FOR_REMOTE_KVS:
                 self._ls_taken.add(rid)
+                if blocks and self._kv_cache_manager is not None:
+                    self._kv_cache_manager.evict_blocks(set(blocks))  # unconfirmed: never matched again
         self._ls_taken &= live
         for rid in [r for r in self._ls_requests if r not in live and r not in self._pulls]:
             del self._ls_requests[rid]

@@ -149,6 +149,7 @@ def test_the_arm_clock_paces_on_the_layers_announced_since_all_positions_had_one
 @pytest.mark.parametrize("args, part", [
     (("recompute", True, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy"),
     (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching with async scheduling"),
+    (("recompute", False, True, 1, 1, 1, False, True, "layer"), "prefix caching with kv_load_failure_policy"),
     (("fail", False, False, 2, 1, 1, False, True, "layer"), "TP=2"),
     (("fail", False, False, 1, 2, 1, False, True, "layer"), "PP=2"),
     (("fail", False, False, 1, 1, 2, False, True, "layer"), "KV cache groups"),
@@ -164,7 +165,6 @@ def test_lockstep_is_allowed_with_fail_or_with_recompute_without_async_schedulin
     assert why_not_lockstep("fail", True, False, 1, 1, 1, False, True, "layer") is None
     assert why_not_lockstep("recompute", False, False, 1, 1, 1, False, True, "layer") is None
     assert why_not_lockstep("fail", False, True, 1, 1, 1, False, True, "layer") is None  # prefix caching
-    assert why_not_lockstep("recompute", False, True, 1, 1, 1, False, True, "layer") is None
 
 
 # ----- decode's scheduler side: what it does with the worker's arm and settle reports ----------------------
@@ -366,31 +366,31 @@ class _CacheManager:
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_with_prefix_caching_steps_wait_for_armed_pulls_vllm_took_but_does_not_run(prefix_caching):
+def test_an_armed_request_vllm_takes_leaves_the_prefix_cache_and_the_step_that_took_it_waits(prefix_caching):
     """vLLM puts an armed request's blocks in its prefix cache when it takes the request (out of waiting for
-    its KV), and another request of any step may match them before the pull ended. So, with prefix
-    caching, each step names the armed requests vLLM took, that it does not run, whose pull may not have
-    ended (an aborted one too, until its free is heard of). Not one vLLM has not taken (nothing of it is
-    cached), nor without prefix caching."""
+    its KV), and a request of that same step may match them. With prefix caching, the step that took it
+    evicts its pulled blocks (no later step can match KV not confirmed) and, if it does not run the armed
+    request, names it: it waits for that pull as the request's own step would. Not one vLLM has not taken
+    (nothing of it is cached), nor without prefix caching."""
     from vllm.v1.request import RequestStatus
 
     sched, req, releases = _sched_with_pull(prefix_caching=prefix_caching)
-    sched.bind_kv_cache_manager(_CacheManager())
+    cache = _CacheManager()
+    sched.bind_kv_cache_manager(cache)
     taken = ["d1"] if prefix_caching else []
     try:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
-        assert _step(sched, new=["x"]).lockstep_shared == []  # not taken (engine full): not in the cache
+        assert _step(sched, new=["x"]).lockstep_shared == [] and cache.evicted == []  # not taken: not cached
         req.status = RequestStatus.WAITING  # taken, not scheduled (no room in the token budget)
         meta = _step(sched, new=["x"])
         assert meta.lockstep == [] and meta.lockstep_shared == taken  # x may have matched its blocks
+        assert cache.evicted == ([{5, 6}] if prefix_caching else [])  # and no later request will
         req.status = RequestStatus.RUNNING
         meta = _step(sched, new=["d1", "y"])
         assert meta.lockstep == ["d1"] and meta.lockstep_shared == []  # its own step waits already
-        req.status = RequestStatus.FINISHED_ABORTED
-        assert sched.request_finished(req, [5, 6])[0]  # aborted before the outcome: freed once settled
-        assert _step(sched).lockstep_shared == taken  # its blocks still cached until the free is heard of
-        sched.update_connector_output(_output(sending={"d1"}, settled={"d1": False}, evict={5, 6}))
+        assert len(cache.evicted) == len(taken)  # once
+        sched.update_connector_output(_output(settled={"d1": True}))
         assert _step(sched).lockstep_shared == []
         assert sched._ls_requests == {} and sched._ls_taken == set()  # nothing kept
     finally:
@@ -409,6 +409,32 @@ def test_an_armed_request_aborted_before_vllm_took_it_is_waited_for_by_no_step()
         req.status = RequestStatus.FINISHED_ABORTED
         assert sched.request_finished(req, [5, 6])[0]
         assert _step(sched, new=["x"]).lockstep_shared == []
+    finally:
+        sched.shutdown()
+
+
+def test_a_pull_that_failed_before_vllm_took_its_request_is_named_by_the_step_that_takes_it():
+    """The pull failed while vLLM had no room for the request; vLLM then takes it (caching its blocks) but
+    does not run it in that step, and the client aborts it before it runs. The step that took it names it
+    (the worker reports the failed blocks: whatever matched them fails), its blocks leave the cache, and
+    it stays named until its free is heard of."""
+    from vllm.v1.request import RequestStatus
+
+    sched, req, releases = _sched_with_pull(prefix_caching=True)
+    cache = _CacheManager()
+    sched.bind_kv_cache_manager(cache)
+    try:
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        sched.update_connector_output(_output(recving={"d1"}, armed={"d1"}))
+        sched.update_connector_output(_output(settled={"d1": False}))  # failed: settled before vLLM took it
+        assert _step(sched, new=["x"]).lockstep_shared == []
+        req.status = RequestStatus.WAITING  # taken (cached), no room to run it
+        assert _step(sched, new=["x"]).lockstep_shared == ["d1"] and cache.evicted == [{5, 6}]
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert sched.request_finished(req, [5, 6])[0]  # its own step never comes
+        assert _step(sched).lockstep_shared == ["d1"]
+        sched.update_connector_output(_output(sending={"d1"}))
+        assert _step(sched).lockstep_shared == [] and sched._ls_requests == {}
     finally:
         sched.shutdown()
 
@@ -501,3 +527,5 @@ def test_a_shared_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_as
     assert worker.take_load_error_blocks() == set() and worker.take_lockstep_meta() is None  # once
     worker.lockstep_end(["b"], [])  # b's own step
     assert worker.take_load_error_blocks() == {3, 4}
+    worker.transfer_results()
+    assert worker.take_lockstep_meta().evict == {3, 4}  # out of the prefix cache whatever vLLM does

@@ -6,15 +6,16 @@ Prefill is tests.fakes_connector.SlowLayersConnector (each layer of a streaming 
 and on exit), computing 512-token chunks, so prompts of one chunk and of several stream, and lock-step
 engages every time, not when this host's timing allows. Decode runs ``stream_lockstep`` with
 ``kv_load_failure_policy: fail``, prefix caching on (vLLM's default: an armed request's blocks enter the
-cache before their KV is confirmed, so every step waits for the armed pulls it may read), and a stall
+cache when vLLM takes it, before their KV is confirmed; the step that takes it evicts them and waits for
+the pull), and a stall
 allowance large enough that it arms as soon as every position has a layer announced.
 
 Outputs must equal a single server's; a decode whose connector overwrites each landed layer of an armed
 request with noise in its step must change them (and proves lock-step engaged); the trace shows decode's
 engine collecting the request before prefill published it. A prefill that dies after the last layer's
 announcement fails decode's request with an error, never with tokens from KV that was not confirmed, and
-decode serves on with nothing held. Prompts that share a prefix match each other's blocks in decode's
-prefix cache, armed ones included, and still answer as a single server.
+decode serves on with nothing held. Prompts that share a prefix, matching each other's blocks in decode's
+prefix cache, answer as a single server; an armed request vLLM has no room for holds up no other step.
 """
 
 from __future__ import annotations
@@ -199,11 +200,12 @@ def test_a_decode_asked_for_lockstep_per_step_refuses_at_start_up(tiny_model, tm
         srv.stop()
 
 
-def test_prompts_sharing_a_prefix_match_armed_blocks_in_decodes_cache_and_answer_as_a_single_server(ls):
+def test_prompts_sharing_a_prefix_in_decodes_prefix_cache_answer_as_a_single_server(ls):
     """Twelve requests, four at a time, whose prompts share their first 256 tokens (sixteen blocks), two of
-    them the same prompt: decode's prefix cache matches blocks of earlier requests, some still armed (their
-    pull not ended), so steps wait for pulls of requests they do not run. Every answer is the single
-    server's; afterwards nothing is held, and the shared prefix on decode alone answers right too."""
+    them the same prompt, with decode's prefix cache on: a request vLLM takes in the same step as an armed
+    one may match its blocks (the step waits for that pull; the blocks then leave the cache), others match
+    blocks decode computed or pulled before. Every answer is the single server's; afterwards nothing is
+    held, and one of the prompts on decode alone answers right too."""
     import concurrent.futures as cf
 
     dec, pre = ls["dec"], ls["pre"]
@@ -214,7 +216,7 @@ def test_prompts_sharing_a_prefix_match_armed_blocks_in_decodes_cache_and_answer
     shared0, failed0 = metric(dec, "kvlink_lockstep_shared_steps_total"), metric(dec, "kvlink_lockstep_failed_total")
     with cf.ThreadPoolExecutor(4) as ex:
         got = list(ex.map(lambda p: text(complete(ls["pd"], p, timeout=240)), prompts))
-    print(f"steps that waited for others' armed pulls: {metric(dec, 'kvlink_lockstep_shared_steps_total') - shared0:.0f}")
+    print(f"steps that named others' armed pulls: {metric(dec, 'kvlink_lockstep_shared_steps_total') - shared0:.0f}")
     assert got == want
     assert metric(dec, "kvlink_lockstep_failed_total") == failed0
     assert wait_for(lambda: metric(pre, "kvlink_held_blocks") == 0), "prefill still holds blocks"
