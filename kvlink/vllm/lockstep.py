@@ -102,6 +102,7 @@ class Armed:
     blocks: tuple[int, ...]  # decode's blocks it fills: the step's load errors if it fails
     outcome: bool | None = None  # True: confirmed; False: failed or cancelled
     free_wanted: bool = False  # vLLM finished the request: report it freed once the pull settles
+    shared_reported: bool = False  # failed, and a step that took it without running it reported its blocks
 
 
 def lead_s(step_s: float, stall_ms: float) -> float:

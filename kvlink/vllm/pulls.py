@@ -198,8 +198,6 @@ class PullTable:
         self._new_armed: set[str] = set()  # armed since the last take_lockstep
         self._settled: dict[str, bool] = {}  # armed pulls that left the table since then: confirmed?
         self._freed: set[str] = set()  # finished armed requests whose blocks vLLM may free now
-        # armed pulls that ended unconfirmed -> their blocks, until a step that may have read them takes them
-        self._failed_blocks: dict[str, tuple[int, ...]] = {}
         self._pulls: dict[str, Pull] = {}  # running (not reported yet)
         self._batches: dict[int, Batch] = {}  # posted or being posted, not settled
         self._batch_ids = 0
@@ -532,7 +530,6 @@ class PullTable:
         if a.outcome is None:  # cannot happen after the wait; never trust bytes without an outcome
             return a.blocks
         del self._armed[rid]
-        self._failed_blocks.pop(rid, None)
         return () if a.outcome else a.blocks
 
     def free_armed(self, rid: str, now: float) -> list[CancelBatch]:
@@ -558,7 +555,10 @@ class PullTable:
         them) and the scheduler evicts them (lockstep.py, prefix caching)."""
         out: set[int] = set()
         for rid in rids:
-            out.update(self._failed_blocks.pop(rid, ()))
+            a = self._armed.get(rid)
+            if a is not None and a.outcome is False and not a.shared_reported:
+                a.shared_reported = True
+                out.update(b for b in a.blocks if b)
         return out
 
     def _maybe_arm(self, p: Pull, now: float) -> None:
@@ -695,10 +695,6 @@ class PullTable:
         if p.armed:  # never again to vLLM's finished_recving: the request runs (or ran) already
             armed = self._armed[p.rid]
             armed.outcome = state is State.DONE
-            if not armed.outcome:
-                self._failed_blocks[p.rid] = tuple(b for b in armed.blocks if b)
-                while len(self._failed_blocks) > 1024:  # never asked for (vLLM had not taken them): the oldest go
-                    self._failed_blocks.pop(next(iter(self._failed_blocks)))
             self._settled[p.rid] = armed.outcome
             if armed.outcome and p.final_at:
                 self._sample("tail_s", now - p.final_at)  # the record to the KV in place, as for any other

@@ -627,24 +627,26 @@ class KVLinkScheduler:
         self._kv_cache_manager = manager
 
     def _lockstep_shared(self, own: list[str]) -> list[str]:
-        """Armed requests vLLM took (out of waiting for their KV) whose outcome may not have reached a step,
-        other than those this step runs. A request is seen taken at the end of the schedule that took it
-        (before any abort): vLLM put its pulled blocks in the prefix cache then, and requests of this very
-        step may have matched them. Those blocks leave the cache here, so no later step can match them; this
-        step waits for their pull, and reports them as load errors if it ended unconfirmed (worker)."""
+        """Armed requests vLLM took (out of waiting for their KV) in this step's schedule, other than those
+        this step runs. A request is seen taken at the end of the schedule that took it (before any abort):
+        vLLM put its pulled blocks in the prefix cache then, and requests of this very step may have matched
+        them. Those blocks leave the cache here, so no later step can match them; this step waits for their
+        pull, and reports them as load errors if it ended unconfirmed (worker). Later steps need not wait:
+        what matched them ran in this one, which ends only once the outcome is known."""
         from vllm.v1.request import RequestStatus as VLLMStatus
 
         live = self._ls_unsettled | self._ls_unscheduled | self._ls_freeing
+        now_taken = set()
         for rid in (self._ls_unsettled | self._ls_unscheduled) - self._ls_taken:
             req, blocks = self._ls_requests.get(rid, (None, ()))
             if req is not None and not req.is_finished() and req.status != VLLMStatus.WAITING_FOR_REMOTE_KVS:
-                self._ls_taken.add(rid)
+                now_taken.add(rid)
                 if blocks and self._kv_cache_manager is not None:
                     self._kv_cache_manager.evict_blocks(set(blocks))  # unconfirmed: never matched again
-        self._ls_taken &= live
+        self._ls_taken = (self._ls_taken | now_taken) & live
         for rid in [r for r in self._ls_requests if r not in live and r not in self._pulls]:
             del self._ls_requests[rid]
-        return sorted(self._ls_taken - set(own))
+        return sorted(now_taken - set(own))
 
     def _lockstep_output(self, output: Any) -> set[str]:
         """Lock-step: what the worker armed and settled this step (metadata.KVLinkWorkerMeta). An armed

@@ -7,7 +7,8 @@ vLLM turns a request with ``n > 1`` into ``n`` child requests that all carry the
 - the first child to ask pulls; a sibling that asks while that pull runs is told to wait (vLLM asks it
   again every step). Once the first child's KV is in place, vLLM's prefix cache holds its full blocks, so
   a sibling asking then is offered those blocks locally and pulls only what the cache lacks (at most the
-  prompt's last block; the whole prompt again where decode runs without prefix caching);
+  prompt's last block; the whole prompt again where decode runs without prefix caching, or where the
+  first child's pull was armed in lock-step: its pulled blocks leave the cache, lockstep.py);
 - prefill is told decode is done with the request only when the last sibling that pulled or waited is
   done: "pulled" if any of them pulled, else "abandoned". A sibling that finishes early (aborted while it
   waited) does not release it under the others.

@@ -119,7 +119,9 @@ def test_an_aborted_armed_request_is_freed_only_once_its_read_on_the_wire_settle
     t.cancel_settled(post.batch, 0.04)
     armed, settled, freed = t.take_lockstep()
     assert freed == {"a"} and settled == {"a": False} and not t.is_armed("a")
-    assert t.take_failed_blocks(["a"]) == {1, 2}  # KV that may be partial: out of the prefix cache if it went in
+    # aborted before it settled: vLLM had not taken it (a step that takes one waits for its outcome), so
+    # nothing of it is in the prefix cache and no step reports its blocks
+    assert t.take_failed_blocks(["a"]) == set()
     assert t.take_results(0.05).done == set()  # never a second report to finished_recving
 
 
@@ -390,6 +392,7 @@ def test_an_armed_request_vllm_takes_leaves_the_prefix_cache_and_the_step_that_t
         meta = _step(sched, new=["d1", "y"])
         assert meta.lockstep == ["d1"] and meta.lockstep_shared == []  # its own step waits already
         assert len(cache.evicted) == len(taken)  # once
+        assert _step(sched, new=["z"]).lockstep_shared == []  # only the step that took it waits for it
         sched.update_connector_output(_output(settled={"d1": True}))
         assert _step(sched).lockstep_shared == []
         assert sched._ls_requests == {} and sched._ls_taken == set()  # nothing kept
@@ -416,8 +419,8 @@ def test_an_armed_request_aborted_before_vllm_took_it_is_waited_for_by_no_step()
 def test_a_pull_that_failed_before_vllm_took_its_request_is_named_by_the_step_that_takes_it():
     """The pull failed while vLLM had no room for the request; vLLM then takes it (caching its blocks) but
     does not run it in that step, and the client aborts it before it runs. The step that took it names it
-    (the worker reports the failed blocks: whatever matched them fails), its blocks leave the cache, and
-    it stays named until its free is heard of."""
+    (the worker reports the failed blocks: whatever matched them fails) and its blocks leave the cache;
+    later steps do not name it (nothing can match those blocks any more)."""
     from vllm.v1.request import RequestStatus
 
     sched, req, releases = _sched_with_pull(prefix_caching=True)
@@ -432,7 +435,7 @@ def test_a_pull_that_failed_before_vllm_took_its_request_is_named_by_the_step_th
         assert _step(sched, new=["x"]).lockstep_shared == ["d1"] and cache.evicted == [{5, 6}]
         req.status = RequestStatus.FINISHED_ABORTED
         assert sched.request_finished(req, [5, 6])[0]  # its own step never comes
-        assert _step(sched).lockstep_shared == ["d1"]
+        assert _step(sched).lockstep_shared == []
         sched.update_connector_output(_output(sending={"d1"}))
         assert _step(sched).lockstep_shared == [] and sched._ls_requests == {}
     finally:
@@ -529,3 +532,19 @@ def test_a_shared_step_that_hears_an_armed_pull_failed_reports_its_blocks_and_as
     assert worker.take_load_error_blocks() == {3, 4}
     worker.transfer_results()
     assert worker.take_lockstep_meta().evict == {3, 4}  # out of the prefix cache whatever vLLM does
+
+
+def test_a_failed_armed_pulls_blocks_stay_reportable_however_many_others_failed():
+    """The blocks a taking step must report live on the armed entry, not in a capped list: 1,100 armed
+    pulls failing (a dead prefill with a long queue) do not push out the first one's."""
+    t = table(lead=1.0)
+    n = 1100
+    for i in range(n):
+        rid, blocks = f"r{i}", (2 * i + 1, 2 * i + 2)
+        t.submit(spec(rid, blocks), 0.0)
+        for k in (1, 2):
+            drain(t, t.piece(rid, REMOTE, [(0, b, 10 + b, k) for b in blocks], 0, 0.01 * k), 0.01 * k)
+    assert len(t.take_results(0.03).done) == n  # all armed
+    t.tick(6.0)  # no record for any: all failed
+    assert t.take_failed_blocks(["r0"]) == {1, 2}
+    assert t.take_failed_blocks([f"r{n - 1}"]) == {2 * n - 1, 2 * n}
