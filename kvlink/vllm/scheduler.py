@@ -106,9 +106,10 @@ class KVLinkScheduler:
         self._ls_unscheduled: set[str] = set()
         self._ls_freeing: set[str] = set()
         self._new_ls_frees: list[str] = []
-        # With prefix caching: the requests of pulls (lock-step may arm them); armed ones vLLM has taken (its
-        # scheduler cached their blocks, before their KV is confirmed); vLLM's KV cache manager
-        # (bind_kv_cache_manager), which evicts the blocks of those whose pull ended unconfirmed.
+        # With prefix caching: the requests of pulls and their pulled blocks (lock-step may arm them); armed
+        # ones vLLM has taken (its scheduler cached their blocks before their KV was confirmed); vLLM's KV cache
+        # manager (bind_kv_cache_manager), which evicts those blocks when vLLM takes the request, and the
+        # blocks of a pull that ended unconfirmed.
         self._ls_requests: dict[str, Any] = {}
         self._ls_taken: set[str] = set()
         self._kv_cache_manager: Any = None
