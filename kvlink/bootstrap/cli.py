@@ -29,6 +29,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-wait-s", type=float, default=30.0, help="longest long poll (default 30 s)")
     parser.add_argument("--request-lease-s", type=float, default=30.0,
                         help="lease of a published request that gives none (default 30 s)")
+    parser.add_argument("--max-engines", type=int, default=4096,
+                        help="engines the server keeps at once; more registrations are refused (default 4096)")
+    parser.add_argument("--max-requests-per-engine", type=int, default=262_144,
+                        help="published requests one engine may have live; more publishes are refused and prefill "
+                        "frees their blocks at once (default 262144)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.set_defaults(func=run)
     return parser
@@ -44,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             allow_insecure=args.allow_insecure,
             max_wait_s=args.max_wait_s,
             default_request_lease_s=args.request_lease_s,
+            max_engines=args.max_engines,
+            max_requests_per_engine=args.max_requests_per_engine,
         )
     except BootstrapConfigError as err:
         print(f"kvlink bootstrap: {err}", file=sys.stderr)

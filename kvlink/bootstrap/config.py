@@ -31,6 +31,8 @@ class TableLimits:
     max_tombstones: int = 50_000
     tombstone_ttl_s: float = 600.0
     max_pending_outcomes: int = 200_000
+    max_engines: int = 4096
+    max_requests_per_engine: int = 262_144
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,8 @@ class BootstrapConfig:
     max_tombstones: int = 50_000
     tombstone_ttl_s: float = 600.0
     max_pending_outcomes: int = 200_000
+    max_engines: int = 4096
+    max_requests_per_engine: int = 262_144
     sweep_interval_s: float = 0.5
     shutdown_timeout_s: float = 2.0
 
@@ -86,7 +90,8 @@ class BootstrapConfig:
             )
         if not 1 <= self.max_lookup_ids <= MAX_IDS_PER_CALL:
             raise BootstrapConfigError(f"max_lookup_ids must be in 1..{MAX_IDS_PER_CALL}", field="max_lookup_ids")
-        for name in ("max_body_bytes", "max_waiters", "max_tombstones", "max_pending_outcomes"):
+        for name in ("max_body_bytes", "max_waiters", "max_tombstones", "max_pending_outcomes", "max_engines",
+                     "max_requests_per_engine"):
             if getattr(self, name) < 1:
                 raise BootstrapConfigError(f"{name} must be at least 1", field=name)
         if self.shutdown_timeout_s < 0:
@@ -112,4 +117,6 @@ class BootstrapConfig:
             max_tombstones=self.max_tombstones,
             tombstone_ttl_s=self.tombstone_ttl_s,
             max_pending_outcomes=self.max_pending_outcomes,
+            max_engines=self.max_engines,
+            max_requests_per_engine=self.max_requests_per_engine,
         )

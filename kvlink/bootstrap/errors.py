@@ -138,6 +138,14 @@ class TooManyWaiters(BootstrapError):
     code = "too_many_waiters"
 
 
+class TableFull(BootstrapError):
+    """The table keeps as many engines (``max_engines``) or as many published requests of this engine
+    (``max_requests_per_engine``) as the server allows: refused, nothing stored (429)."""
+
+    status = 429
+    code = "table_full"
+
+
 _BY_CODE: dict[str, type[BootstrapError]] = {
     cls.code: cls
     for cls in (
@@ -156,6 +164,7 @@ _BY_CODE: dict[str, type[BootstrapError]] = {
         PayloadTooLarge,
         MethodNotAllowed,
         TooManyWaiters,
+        TableFull,
     )
 }
 

@@ -34,6 +34,7 @@ from kvlink.bootstrap.errors import (
     Conflict,
     InvalidField,
     RequestExpired,
+    TableFull,
     UnknownEngine,
     UnknownRequest,
 )
@@ -96,6 +97,7 @@ class TableStats:
     transfers_abandoned: int = 0
     outcomes_dropped: int = 0
     conflicts: int = 0
+    refused_full: int = 0
 
 
 _LAYOUT_FIELDS = ("dp_size", "tp_size", "pp_size", "protocol_version", "compat_hash", "layers")
@@ -161,6 +163,11 @@ class PairingTable:
         rank_index = (registration.dp_rank, registration.tp_rank, registration.pp_rank)
         engine = self._engines.get(registration.engine_id)
         if engine is None:
+            if len(self._engines) >= self.limits.max_engines:
+                self.stats.refused_full += 1
+                raise TableFull(f"this server already keeps {len(self._engines)} engines (max_engines); engine "
+                                f"{registration.engine_id!r} is refused until one unregisters or expires",
+                                field="registration.engine_id")
             engine = self._engines[registration.engine_id] = _Engine(registration.engine_id)
         existing = engine.ranks.get(rank_index)
         if existing is not None:
@@ -256,6 +263,10 @@ class PairingTable:
         if transfer_id is not None and transfer_id in self._transfers:
             self.stats.conflicts += 1
             raise Conflict(f"transfer id {transfer_id!r} is bound to another live request", field="transfer_id")
+        if len(engine.requests) >= self.limits.max_requests_per_engine:
+            self.stats.refused_full += 1
+            raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "
+                            "(max_requests_per_engine): request refused, nothing stored", field="request_id")
         request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch)
         engine.requests[request_id] = request
         self._tombstones.pop((engine_id, request_id), None)

@@ -22,7 +22,7 @@ What vLLM does with an armed request, and why each refusal in ``why_not_lockstep
   from the failed one: only ``fail``, or ``recompute`` without async scheduling, are exact;
 - the blocks of a reported request enter the prefix cache when vLLM takes it, before their KV is
   confirmed, and a request of that same step may match them: the step that takes it evicts them and waits
-  for the pull as the request's own would (scheduler ``_lockstep_shared``), reporting them as load errors
+  for the pull as the request's own would (``LockstepBook.shared``), reporting them as load errors
   if it failed. With "recompute" vLLM may free a request that matched them as its local hit while its own
   READs still land; with async scheduling a matching request could run before the failure is processed:
   prefix caching is refused with either;
@@ -37,6 +37,7 @@ What vLLM does with an armed request, and why each refusal in ``why_not_lockstep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 DEFAULT_STEP_S = 0.02  # decode's step before one was measured
 STEP_EMA = 0.2  # weight of a new step in decode's step time
@@ -109,3 +110,101 @@ def lead_s(step_s: float, stall_ms: float) -> float:
     """How long before prefill's last layer ends a pull may be armed: decode's step and scheduling, and
     what the other requests of the step may wait."""
     return step_s + SCHEDULE_S + stall_ms / 1e3
+
+
+class LockstepBook:
+    """Decode's scheduler side of lock-step: which armed requests may still be written (their pull has not
+    settled), which vLLM has not scheduled yet (their first step waits for their KV), which vLLM finished
+    while armed (their blocks go back once the worker reports the pull stopped), and, with prefix caching,
+    which armed requests vLLM has taken out of waiting for their KV (it cached their pulled blocks then).
+    Pure: the scheduler's thread feeds it; vLLM's requests are read through ``is_taken`` and its prefix
+    cache reached through ``evict`` (``bind``)."""
+
+    def __init__(self) -> None:
+        self.unsettled: set[str] = set()
+        self.unscheduled: set[str] = set()
+        self.freeing: set[str] = set()
+        self.new_frees: list[str] = []
+        # With prefix caching: each pull's request and its pulled blocks (lock-step may arm it), and the
+        # armed ones vLLM has taken.
+        self.prefix_caching = False
+        self.requests: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        self.taken: set[str] = set()
+        self._evict: Callable[[set[int]], Any] | None = None
+
+    def bind(self, evict: Callable[[set[int]], Any]) -> None:
+        """How blocks leave vLLM's prefix cache (its KV cache manager's ``evict_blocks``)."""
+        self._evict = evict
+
+    def track(self, rid: str, request: Any, blocks: tuple[int, ...]) -> None:
+        """A pull that lock-step may arm (prefix caching only): its request and the blocks it fills."""
+        if self.prefix_caching:
+            self.requests[rid] = (request, tuple(b for b in blocks if b))
+
+    def is_armed(self, rid: str) -> bool:
+        return rid in self.unsettled or rid in self.unscheduled
+
+    def finish(self, rid: str, aborted: bool) -> tuple[bool, bool]:
+        """vLLM finished request ``rid``: (armed: its free waits for the worker's report that the pull
+        stopped; cancel: an abort while its pull may still write, which prefill hears of as abandoned)."""
+        if not self.is_armed(rid):
+            return False, False
+        cancel = rid in self.unsettled and aborted
+        self.unsettled.discard(rid)
+        self.unscheduled.discard(rid)
+        self.new_frees.append(rid)
+        self.freeing.add(rid)
+        return True, cancel
+
+    def worker_output(self, armed: set[str], settled: dict[str, bool], evict: set[int],
+                      finished_sending: Any, cancelled: set[str]) -> set[str]:
+        """What the worker armed, settled and wants out of the prefix cache this step
+        (metadata.KVLinkWorkerMeta). Returns the armed requests already cancelled: the caller keeps them
+        out of finished_recving, which would free their blocks under a READ still on the wire (the worker
+        reports them in finished_sending once the cancel settled)."""
+        if evict:
+            self.evict(evict)  # the step that heard of them reported them as load errors
+        gone = armed & cancelled
+        self.freeing |= gone
+        self.unsettled |= armed - gone
+        self.unscheduled |= armed - gone
+        self.freeing.difference_update(finished_sending or ())  # (after the arms: a free may come with its arm)
+        self.unsettled.difference_update(settled)
+        return gone
+
+    def schedule(self, new: list[str]) -> tuple[list[str], list[str]]:
+        """A step's schedule: (the armed requests among ``new``, which its step runs in lock-step; the
+        armed requests vLLM finished whose blocks the worker must stop writing)."""
+        own = [rid for rid in new if rid in self.unscheduled]
+        self.unscheduled.difference_update(own)
+        frees, self.new_frees = self.new_frees, []
+        return own, frees
+
+    def shared(self, own: list[str], pulling: Any, is_taken: Callable[[Any], bool]) -> list[str]:
+        """Prefix caching: armed requests vLLM took (out of waiting for their KV) in this step's schedule,
+        other than ``own``, the ones this step runs. A request is seen taken at the end of the schedule
+        that took it (before any abort): vLLM put its pulled blocks in the prefix cache then, and requests
+        of this very step may have matched them. Those blocks leave the cache here, so no later step can
+        match them; this step waits for their pull, and reports them as load errors if it ended
+        unconfirmed (worker). Later steps need not wait: what matched them ran in this one, which ends only
+        once the outcome is known. ``pulling``: the requests whose pulls the scheduler still tracks."""
+        live = self.unsettled | self.unscheduled | self.freeing
+        now_taken = set()
+        for rid in (self.unsettled | self.unscheduled) - self.taken:
+            req, blocks = self.requests.get(rid, (None, ()))
+            if req is not None and is_taken(req):
+                now_taken.add(rid)
+                if blocks:
+                    self.evict(set(blocks))  # unconfirmed: never matched again
+        self.taken = (self.taken | now_taken) & live
+        for rid in [r for r in self.requests if r not in live and r not in pulling]:
+            del self.requests[rid]
+        return sorted(now_taken - set(own))
+
+    def busy(self) -> bool:
+        """Prefix caching: something to look at in a step's schedule."""
+        return self.prefix_caching and bool(self.unsettled or self.freeing or self.requests)
+
+    def evict(self, blocks: set[int]) -> None:
+        if blocks and self._evict is not None:
+            self._evict(blocks)

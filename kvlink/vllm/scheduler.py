@@ -32,6 +32,7 @@ from kvlink.bootstrap.schema import Outcome, RequestStatus
 from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.held import COUNTER_OF, HeldTable
+from kvlink.vllm.lockstep import LockstepBook
 from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
 from kvlink.vllm.nudge import NudgeListener
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
@@ -99,21 +100,9 @@ class KVLinkScheduler:
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._new_cancels: list[str] = []
-        # Lock-step (lockstep.py), the scheduler's thread only: armed requests whose pull may still write
-        # (request_finished delays their free); armed requests not scheduled yet (their first step waits
-        # for their KV); finished armed requests whose free the worker has not reported yet.
-        self._ls_unsettled: set[str] = set()
-        self._ls_unscheduled: set[str] = set()
-        self._ls_freeing: set[str] = set()
-        self._new_ls_frees: list[str] = []
-        # With prefix caching: the requests of pulls and their pulled blocks (lock-step may arm them); armed
-        # ones vLLM has taken (its scheduler cached their blocks before their KV was confirmed); vLLM's KV cache
-        # manager (bind_kv_cache_manager), which evicts those blocks when vLLM takes the request, and the
-        # blocks of a pull that ended unconfirmed.
-        self._ls_requests: dict[str, Any] = {}
-        self._ls_taken: set[str] = set()
-        self._kv_cache_manager: Any = None
-        self._prefix_caching = False
+        # Lock-step (lockstep.py), the scheduler's thread only: armed requests and, with prefix caching,
+        # the pulled blocks vLLM cached before their KV was confirmed.
+        self._lockstep = LockstepBook()
         # Decode requests sharing one prefill request (n > 1 samples); the release timers touch it too.
         self._siblings = Siblings()
         self._siblings_lock = threading.Lock()
@@ -494,8 +483,8 @@ class KVLinkScheduler:
                                      local_hit // bs, end))
         self._pulls[rid] = src
         t0 = tables[0]
-        if self._prefix_caching and self.cfg.stream_lockstep:  # (one group: lockstep.why_not_lockstep)
-            self._ls_requests[rid] = (request, tuple(b for b in t0.local_block_ids[t0.first_block:] if b))
+        if self.cfg.stream_lockstep:  # (one group: lockstep.why_not_lockstep)
+            self._lockstep.track(rid, request, t0.local_block_ids[t0.first_block:])
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
 
@@ -546,16 +535,13 @@ class KVLinkScheduler:
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
         self._local_hit.pop(rid, None)  # offered a hit but finished before its blocks were allocated
-        if rid in self._ls_unsettled or rid in self._ls_unscheduled:
+        armed, cancel = self._lockstep.finish(rid, _aborted(request))
+        if armed:
             # Armed (lock-step), and its pull may still write or the worker still keeps its outcome for its
             # step: vLLM frees the blocks once the worker has stopped the pull and reports it in
             # finished_sending.
-            if rid in self._ls_unsettled and _aborted(request):
+            if cancel:
                 self._cancelled.add(rid)  # (its settle tells prefill: abandoned)
-            self._ls_unsettled.discard(rid)
-            self._ls_unscheduled.discard(rid)
-            self._new_ls_frees.append(rid)
-            self._ls_freeing.add(rid)
             self._processed.discard(rid)
             return True, None
         if rid in self._pulls:
@@ -605,8 +591,8 @@ class KVLinkScheduler:
         if self._planner is not None:
             for rid in output.finished_sending or ():
                 self._staged(rid)  # a staging job the worker finished (other sends are frees)
-        armed = self._lockstep_output(output) if self._ls_freeing or getattr(output, "kv_connector_worker_meta",
-                                                                             None) else set()
+        armed = (self._lockstep_output(output) if self._lockstep.freeing or getattr(output, "kv_connector_worker_meta",
+                                                                                   None) else set())
         failed = set(output.failed_recving or ())
         if output.finished_recving and trace.enabled():
             trace.event("recv_collected", rids=sorted(output.finished_recving))
@@ -622,32 +608,10 @@ class KVLinkScheduler:
 
     def lockstep_prefix_caching(self, on: bool) -> None:
         """Decode's vLLM caches prefixes (lock-step then tracks which armed requests vLLM took)."""
-        self._prefix_caching = on
+        self._lockstep.prefix_caching = on
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
-        self._kv_cache_manager = manager
-
-    def _lockstep_shared(self, own: list[str]) -> list[str]:
-        """Armed requests vLLM took (out of waiting for their KV) in this step's schedule, other than those
-        this step runs. A request is seen taken at the end of the schedule that took it (before any abort):
-        vLLM put its pulled blocks in the prefix cache then, and requests of this very step may have matched
-        them. Those blocks leave the cache here, so no later step can match them; this step waits for their
-        pull, and reports them as load errors if it ended unconfirmed (worker). Later steps need not wait:
-        what matched them ran in this one, which ends only once the outcome is known."""
-        from vllm.v1.request import RequestStatus as VLLMStatus
-
-        live = self._ls_unsettled | self._ls_unscheduled | self._ls_freeing
-        now_taken = set()
-        for rid in (self._ls_unsettled | self._ls_unscheduled) - self._ls_taken:
-            req, blocks = self._ls_requests.get(rid, (None, ()))
-            if req is not None and not req.is_finished() and req.status != VLLMStatus.WAITING_FOR_REMOTE_KVS:
-                now_taken.add(rid)
-                if blocks and self._kv_cache_manager is not None:
-                    self._kv_cache_manager.evict_blocks(set(blocks))  # unconfirmed: never matched again
-        self._ls_taken = (self._ls_taken | now_taken) & live
-        for rid in [r for r in self._ls_requests if r not in live and r not in self._pulls]:
-            del self._ls_requests[rid]
-        return sorted(now_taken - set(own))
+        self._lockstep.bind(manager.evict_blocks)
 
     def _lockstep_output(self, output: Any) -> set[str]:
         """Lock-step: what the worker armed and settled this step (metadata.KVLinkWorkerMeta). An armed
@@ -656,22 +620,11 @@ class KVLinkScheduler:
         once the cancel settled (it got the cancel)."""
         wm = getattr(output, "kv_connector_worker_meta", None)
         armed, settled = set(getattr(wm, "armed", ())), dict(getattr(wm, "settled", {}))
-        evict = set(getattr(wm, "evict", ()))
-        if evict and self._kv_cache_manager is not None:
-            # Unconfirmed KV out of the prefix cache before the next step can match it: the step that heard
-            # of it reported these blocks as load errors, failing whatever request read them already.
-            self._kv_cache_manager.evict_blocks(evict)
-        for rid in armed:
-            if rid in self._cancelled:
-                output.finished_recving.discard(rid)
-                self._ls_freeing.add(rid)
-            else:
-                self._ls_unsettled.add(rid)
-                self._ls_unscheduled.add(rid)
-        for rid in output.finished_sending or ():  # (after the arms: the free may come with its arm)
-            self._ls_freeing.discard(rid)
+        gone = self._lockstep.worker_output(armed, settled, set(getattr(wm, "evict", ())),
+                                            output.finished_sending, self._cancelled)
+        for rid in gone:
+            output.finished_recving.discard(rid)
         for rid, ok in settled.items():
-            self._ls_unsettled.discard(rid)
             src = self._pulls.pop(rid, None)
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
@@ -767,14 +720,13 @@ class KVLinkScheduler:
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
                               bootstrap_url=self.bootstrap_url if self.is_producer else None, streams=streams)
         self._new_pulls, self._new_cancels = [], []
-        if self._ls_unscheduled or self._new_ls_frees:
-            new = [r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", ())]
-            meta.lockstep = [rid for rid in new if rid in self._ls_unscheduled]
-            self._ls_unscheduled.difference_update(meta.lockstep)
-            meta.lockstep_frees, self._new_ls_frees = self._new_ls_frees, []
-        if self._prefix_caching and (self._ls_unsettled or self._ls_freeing or self._ls_requests):
+        book = self._lockstep
+        if book.unscheduled or book.new_frees:
+            meta.lockstep, meta.lockstep_frees = book.schedule(
+                [r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", ())])
+        if book.busy():
             # the step waits for their KV and outcome as the armed request's own step would (lockstep.py)
-            meta.lockstep_shared = self._lockstep_shared(meta.lockstep)
+            meta.lockstep_shared = book.shared(meta.lockstep, self._pulls, _taken)
         return meta
 
     def _stage_jobs(self, frees: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -826,7 +778,7 @@ class KVLinkScheduler:
     def has_pending_work(self) -> bool:
         """vLLM keeps stepping (paced by idle_step_wait_ms): requests held (their frees, and the gauges on
         /metrics, need steps), frees decided, or (staging) copies to start or to hear of."""
-        if self._ls_freeing:
+        if self._lockstep.freeing:
             return True  # decode, lock-step: an aborted armed request's free is still to be heard of
         with self._held_lock:
             return (bool(self._held) or bool(self._device_frees) or self._gauges_stale
@@ -863,6 +815,13 @@ class KVLinkScheduler:
                 if len(gauges) > 2:
                     stats.set_gauge("staging_used_blocks", gauges[2])
         return None if stats.is_empty() else stats
+
+
+def _taken(request: "Request") -> bool:
+    """vLLM took a request that waited for its KV (it cached the request's blocks then)."""
+    from vllm.v1.request import RequestStatus as VLLMStatus
+
+    return not request.is_finished() and request.status != VLLMStatus.WAITING_FOR_REMOTE_KVS
 
 
 def _aborted(request: "Request") -> bool:

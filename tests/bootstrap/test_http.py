@@ -22,6 +22,7 @@ from kvlink.bootstrap import (
     RequestRecord,
     RequestReleased,
     RequestStatus,
+    TableFull,
     TooManyWaiters,
     Unauthorized,
     UnknownEngine,
@@ -311,6 +312,30 @@ def test_waiters_are_bounded(server):
     assert err.value.status == 429
     waiting.join()
     assert len(results) == 1
+
+
+@pytest.mark.parametrize("config", [BootstrapConfig(max_requests_per_engine=1, max_engines=1)], ids=["full_at_1"])
+def test_a_full_table_refuses_over_http_and_in_process_and_counts_it(server, make_registration):
+    client = BootstrapClient(server.url)
+    client.register_engine(make_registration("P"), lease_s=600.0)
+    with pytest.raises(TableFull) as err:
+        client.register_engine(make_registration("Q"), lease_s=600.0)
+    assert err.value.status == 429 and err.value.field == "registration.engine_id"
+    client.publish("P", "r1", [[1]], 16, lease_s=30.0)
+    with pytest.raises(TableFull) as err:
+        client.publish("P", "r2", [[2]], 16, lease_s=30.0, transfer_id="t2")
+    assert "max_requests_per_engine" in str(err.value)
+    with pytest.raises(TableFull):
+        server.publish(_body("P", "r3"), timeout_s=5.0)
+    client.publish("P", "r1", [[1]], 16, lease_s=30.0)  # a renewal of the live one still goes through
+    assert client.lookup("P", ["r1", "r2", "r3"])["r2"] is RequestStatus.UNKNOWN
+    with pytest.raises(UnknownRequest):  # nothing stored under its transfer id either
+        client.lookup_transfer("t2")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert "kvlink_bootstrap_refused_full_total 3.0" in text
 
 
 @pytest.mark.parametrize("config", [BootstrapConfig(max_waiters=3)], ids=["max_waiters_3"])

@@ -62,6 +62,12 @@ def test_standalone_refuses_an_empty_token_file(tmp_path):
     assert proc.returncode == 2 and "empty" in err
 
 
+def test_standalone_refuses_a_zero_cap_naming_it():
+    proc = spawn("--max-requests-per-engine", "0")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "max_requests_per_engine must be at least 1" in err
+
+
 def test_add_parser_wires_a_subcommand():
     parser = argparse.ArgumentParser(prog="kvlink")
     add_parser(parser.add_subparsers(dest="command"))
@@ -83,6 +89,8 @@ def test_add_parser_wires_a_subcommand():
         ({"default_request_lease_s": 900.0}, "default_request_lease_s"),
         ({"max_lookup_ids": 0}, "max_lookup_ids"),
         ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"max_engines": 0}, "max_engines"),
+        ({"max_requests_per_engine": 0}, "max_requests_per_engine"),
     ],
 )
 def test_config_is_validated(kwargs, field):

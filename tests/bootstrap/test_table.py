@@ -14,6 +14,7 @@ from kvlink.bootstrap import (
     RequestExpired,
     RequestRecord,
     RequestStatus,
+    TableFull,
     TableLimits,
     UnknownEngine,
     UnknownRequest,
@@ -157,6 +158,40 @@ def test_publish_again_renews_and_other_content_conflicts(table, clock, engine):
     with pytest.raises(Conflict) as err:
         table.publish(engine, "r1", [[2]], 16, lease_s=10.0, transfer_id="t1")
     assert err.value.field == "request_id"
+
+
+def test_an_engine_publishes_at_most_max_requests_per_engine_live_requests(clock, make_registration):
+    table = PairingTable(TableLimits(max_requests_per_engine=2), clock=clock)
+    for e in ("E", "F"):
+        table.register_engine(make_registration(e), lease_s=600.0)
+    table.publish("E", "r1", [[1]], 16, lease_s=10.0)
+    table.publish("E", "r2", [[2]], 16, transfer_id="t2")
+    with pytest.raises(TableFull) as err:
+        table.publish("E", "r3", [[3]], 16, transfer_id="t3")
+    assert err.value.status == 429 and "max_requests_per_engine" in str(err.value)
+    assert table.lookup("E", ["r3"]).unknown == ["r3"] and table.lookup_transfer("t3") is RequestStatus.UNKNOWN
+    assert table.stats.refused_full == 1
+    table.publish("E", "r1", [[1]], 16, lease_s=10.0)  # a renewal of a live one still goes through
+    table.publish("F", "r3", [[3]], 16)  # another engine has room of its own
+    table.release("E", "r2", Outcome.PULLED)
+    table.publish("E", "r3", [[3]], 16)  # room again once one ended
+    clock.advance(11)  # r1's lease runs out
+    table.publish("E", "r4", [[4]], 16)
+    assert {r.request_id for r in table.lookup("E", ["r1", "r3", "r4"]).ready} == {"r3", "r4"}
+
+
+def test_the_table_keeps_at_most_max_engines(clock, make_registration):
+    table = PairingTable(TableLimits(max_engines=1), clock=clock)
+    table.register_engine(make_registration("E", tp_size=2), lease_s=10.0)
+    table.register_engine(make_registration("E", tp_rank=1, tp_size=2), lease_s=10.0)  # a rank of the same engine
+    with pytest.raises(TableFull) as err:
+        table.register_engine(make_registration("F"), lease_s=10.0)
+    assert err.value.field == "registration.engine_id" and "max_engines" in str(err.value)
+    with pytest.raises(UnknownEngine):
+        table.publish("F", "r1", [[1]], 16)
+    clock.advance(11)  # E's lease runs out: room for F
+    table.register_engine(make_registration("F"), lease_s=10.0)
+    table.publish("F", "r1", [[1]], 16)
 
 
 def test_transfer_id_is_bound_to_one_live_request(table, engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlink.vllm.lockstep import ArmClock, lead_s, why_not_lockstep
+from kvlink.vllm.lockstep import ArmClock, LockstepBook, lead_s, why_not_lockstep
 from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, PullTable, State
 from tests.vllm.test_stream import REMOTE, end_batch, lease, posts, spec
 
@@ -395,7 +395,7 @@ def test_an_armed_request_vllm_takes_leaves_the_prefix_cache_and_the_step_that_t
         assert _step(sched, new=["z"]).lockstep_shared == []  # only the step that took it waits for it
         sched.update_connector_output(_output(settled={"d1": True}))
         assert _step(sched).lockstep_shared == []
-        assert sched._ls_requests == {} and sched._ls_taken == set()  # nothing kept
+        assert sched._lockstep.requests == {} and sched._lockstep.taken == set()  # nothing kept
     finally:
         sched.shutdown()
 
@@ -437,7 +437,7 @@ def test_a_pull_that_failed_before_vllm_took_its_request_is_named_by_the_step_th
         assert sched.request_finished(req, [5, 6])[0]  # its own step never comes
         assert _step(sched).lockstep_shared == []
         sched.update_connector_output(_output(sending={"d1"}))
-        assert _step(sched).lockstep_shared == [] and sched._ls_requests == {}
+        assert _step(sched).lockstep_shared == [] and sched._lockstep.requests == {}
     finally:
         sched.shutdown()
 
@@ -548,3 +548,52 @@ def test_a_failed_armed_pulls_blocks_stay_reportable_however_many_others_failed(
     t.tick(6.0)  # no record for any: all failed
     assert t.take_failed_blocks(["r0"]) == {1, 2}
     assert t.take_failed_blocks([f"r{n - 1}"]) == {2 * n - 1, 2 * n}
+
+
+def test_the_book_follows_an_armed_request_from_its_arm_to_its_free():
+    book = LockstepBook()
+    assert book.worker_output({"a", "b"}, {}, set(), (), cancelled={"b"}) == {"b"}  # b: vLLM already let it go
+    assert book.is_armed("a") and not book.is_armed("b") and book.freeing == {"b"}
+    assert book.schedule(["x", "a"]) == (["a"], [])  # a's first step: the one that schedules it
+    assert book.schedule(["a"]) == ([], [])  # named once
+    assert book.finish("a", aborted=True) == (True, True)  # unsettled and aborted: prefill hears abandoned
+    assert book.finish("a", aborted=True) == (False, False)  # once
+    assert book.schedule([]) == ([], ["a"]) and book.schedule([]) == ([], [])
+    book.worker_output(set(), {}, set(), ("a", "b"), cancelled=set())  # the worker freed both
+    assert book.freeing == set()
+
+
+def test_the_book_frees_a_settled_armed_request_without_a_cancel():
+    book = LockstepBook()
+    book.worker_output({"a"}, {}, set(), (), cancelled=set())
+    book.worker_output(set(), {"a": True}, set(), (), cancelled=set())
+    assert book.finish("a", aborted=True) == (True, False)  # still unscheduled: its free waits for the worker
+
+
+def test_the_book_evicts_a_taken_requests_blocks_once_and_names_it_for_that_step_only():
+    evicted = []
+    book = LockstepBook()
+    book.prefix_caching = True
+    book.bind(evicted.append)
+    book.track("a", "req-a", (0, 5, 6))  # null block 0 is nobody's
+    book.track("b", "req-b", (7,))
+    book.worker_output({"a", "b"}, {}, {9}, (), cancelled=set())  # 9: a failed pull's block
+    assert evicted == [{9}]
+    taken = {"req-a"}
+    assert book.shared([], pulling={"a", "b"}, is_taken=lambda r: r in taken) == ["a"]
+    assert evicted == [{9}, {5, 6}]
+    assert book.shared([], pulling={"a", "b"}, is_taken=lambda r: r in taken) == []  # taken once
+    taken.add("req-b")
+    assert book.shared(["b"], pulling={"a", "b"}, is_taken=lambda r: r in taken) == []  # b runs in its own step
+    assert evicted[-1] == {7}
+    book.worker_output(set(), {"a": True, "b": True}, set(), (), cancelled=set())
+    book.schedule(["a", "b"])
+    book.shared([], pulling=set(), is_taken=lambda r: True)
+    assert book.requests == {} and book.taken == set() and not book.busy()
+
+
+def test_the_book_tracks_nothing_without_prefix_caching():
+    book = LockstepBook()
+    book.track("a", "req-a", (5,))
+    book.worker_output({"a"}, {}, {5}, (), cancelled=set())  # nothing bound: nothing to evict from
+    assert book.requests == {} and not book.busy()

@@ -563,3 +563,29 @@ def test_prefill_publishes_into_its_embedded_server_without_http():
             assert "r9" in held_requests(sched)
     finally:
         sched.shutdown()
+
+
+def test_a_publish_the_bootstrap_server_refuses_as_full_frees_the_blocks_at_once():
+    """A server that keeps no more of this engine's requests (max_requests_per_engine) answers 429: it stored
+    nothing, so prefill frees the blocks now and tells decode to compute; the live request stays held."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, max_requests_per_engine=1)).start()
+    reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
+                             protocol_version=1, compat_hash="x")
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(reg, 60.0)
+            keep, answer = sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
+            assert keep and answer["remote_request_id"] == "r1"
+            keep, answer = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
+            assert not keep and "max_requests_per_engine" in answer["kvlink_error"]
+            assert set(held_requests(sched)) == {"r1"}
+            assert cli.lookup_transfer("t-1").request_id == "r1"
+    finally:
+        sched.shutdown()
+        srv.stop()
