@@ -85,6 +85,9 @@ class KVLayerSpec(_Strict, kw_only=True):
     block_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
     segment_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
     group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0  # the layer's KV cache group (hybrid models)
+    # fp8 KV caches: the layer's K and V scales (the bytes mean value / scale); None where the cache is not fp8
+    k_scale: Annotated[float, Meta(gt=0.0, lt=1e30)] | None = None
+    v_scale: Annotated[float, Meta(gt=0.0, lt=1e30)] | None = None
 
 
 class EngineRegistration(_Strict, kw_only=True):

@@ -61,6 +61,23 @@ def kv_format(cache_dtype: object) -> str:
     return "fp8_e4m3" if cd == "fp8" else cd
 
 
+def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float, float]]:
+    """fp8 KV caches: each layer's (K scale, V scale) as vLLM loaded them (the checkpoint's, else 1.0). A
+    block's fp8 bytes are value / scale: moved to an engine with other scales they decode to other values,
+    and no hash of the model's name sees that (same path, other files or quantization config). Per layer,
+    so PP stages and TP ranks that hold other layers still agree; compared at first contact."""
+    out = {}
+    for n in names:
+        layer = forward_context.get(n)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if k is None or v is None:
+            raise RuntimeError(f"kvlink: fp8 KV cache layer {n} has no K/V scales in vLLM's forward context "
+                               "(this vLLM keeps them elsewhere): kvlink cannot check that both engines decode "
+                               "its bytes alike")
+        out[n] = (float(k), float(v))
+    return out
+
+
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
                   kv_heads: int, groups: str = "", kv_format: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may

@@ -251,7 +251,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
     # ----- worker side -------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        # (fp8: each layer's K/V scales are read from its attention module there: compat.kv_scales)
+        self._worker.register_kv_caches(kv_caches, self._vllm_config.compilation_config.static_forward_context)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

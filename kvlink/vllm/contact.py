@@ -46,6 +46,7 @@ class LocalKV:
     compat_hash: str
     groups: dict[str, int]  # layer name -> KV cache group
     layouts: dict[str, BlockLayout] | None = None  # per layer where they differ (state layers); else ``layout``
+    scales: dict[str, tuple[float, float]] | None = None  # fp8 caches: each layer's (K, V) scale (compat.kv_scales)
 
 
 
@@ -114,6 +115,11 @@ def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[Laye
             raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
                              f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "
                              f"head(s) of this model's layout take {want} B", "block_bytes")
+        if local.scales and n in local.scales and (spec.k_scale, spec.v_scale) != local.scales[n]:
+            k, v = local.scales[n]
+            raise PullFailed(f"prefill engine {engine_id} has fp8 K/V scales {spec.k_scale}/{spec.v_scale} in layer "
+                             f"{n}, this engine {k}/{v}: its KV bytes would decode to other values here (load "
+                             "both engines from the same checkpoint and quantization config)", "kv_scales")
         remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)
         if sl.whole:
             out.append(LayerMap(n, local.geoms[n], spec.region_id, remote, lay.segments, lay.segment_bytes))

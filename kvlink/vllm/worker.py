@@ -46,7 +46,7 @@ from typing import Any
 from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
-from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
+from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash, kv_scales
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
                                 tokens_per_block)
@@ -101,6 +101,7 @@ class KVLinkWorker(Puller):
         self.engine = None
         self.kv_caches: dict[str, Any] = {}
         self.layer_names: list[str] = []
+        self.kv_scales: dict[str, tuple[float, float]] = {}  # fp8 caches: (K, V) scale per layer (compat.kv_scales)
         self._layer_ids: dict[str, int] | None = None  # the model's index of each layer (plan.layer_indices)
         self._layer_rank: dict[str, int] = {}  # ... and its place among this rank's layers, by that index
         self.compat: dict = {}
@@ -165,7 +166,8 @@ class KVLinkWorker(Puller):
 
     # ----- start-up ----------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], forward_context: dict | None = None) -> None:
+        """``forward_context``: vLLM's attention modules by layer name (fp8 caches: their K/V scales)."""
         import torch
 
         if not kv_caches:
@@ -178,6 +180,7 @@ class KVLinkWorker(Puller):
         if not attn:
             raise RuntimeError(f"kvlink: no attention KV cache among {list(kv_caches)[:3]}")
         first = next(iter(attn.values()))
+        self.kv_scales = kv_scales(forward_context or {}, list(attn)) if self.rank.kv_format else {}
         for name, t in [*attn.items(), *((n, x) for n, ts in states.items() for x in ts)]:
             if not isinstance(t, torch.Tensor):
                 raise RuntimeError(f"kvlink: KV cache {name} is not a tensor ({type(t).__name__})")
@@ -360,7 +363,9 @@ class KVLinkWorker(Puller):
                               layout=self.compat["layout"], offset=self._source_geoms[n].offset,
                               block_stride=self._source_geoms[n].block_stride,
                               segment_stride=self._source_geoms[n].segment_stride,
-                              group=self._layer_group.get(n, 0))
+                              group=self._layer_group.get(n, 0),
+                              k_scale=self.kv_scales.get(n, (None, None))[0],
+                              v_scale=self.kv_scales.get(n, (None, None))[1])
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,

@@ -84,7 +84,8 @@ def test_legs_one_per_remote_rank_and_refusals():
         plan_legs(RankView(0, 1, 0, 1, names), [], 4)
 
 
-def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", compat=None, group=0, protocol=None):
+def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", compat=None, group=0, protocol=None,
+         scales=None):
     from kvlink.bootstrap import EngineRegistration, KVLayerSpec
     from kvlink.vllm.compat import PROTOCOL_VERSION
 
@@ -93,7 +94,8 @@ def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", comp
         transport_addr="127.0.0.1:9", protocol_version=protocol or PROTOCOL_VERSION, compat_hash=compat_hash,
         compat={"protocol_version": PROTOCOL_VERSION} if compat is None else compat,
         layers=[KVLayerSpec(name=n, region_id=1, block_bytes=block_bytes, num_blocks=8, tokens_per_block=16,
-                            dtype="bfloat16", layout="x", group=group) for n in layers])
+                            dtype="bfloat16", layout="x", group=group,
+                            **(dict(zip(("k_scale", "v_scale"), scales[n])) if scales else {})) for n in layers])
 
 
 def _local(tp_rank, tp_size, heads_per_rank=2):
@@ -448,3 +450,37 @@ def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
         assert len(calls) == 3 and time.monotonic() - t0 < 20  # the pull's deadline is 30 s
     finally:
         _close(pre, dec)
+
+
+def test_first_contact_refuses_fp8_layers_whose_scales_differ_naming_the_layer():
+    """fp8 bytes are value / scale: read with other scales they decode to other values (tests/vllm/test_fp8.py
+    shows the wrong tokens). Every layer decode reads must carry prefill's scales equal to its own."""
+    import dataclasses
+
+    from kvlink.vllm.contact import PullFailed, legs_for
+
+    per_head = 16 * 64 * 2
+    local = dataclasses.replace(_local(0, 1, heads_per_rank=4), scales={"a": (0.5, 0.25), "b": (1.0, 2.0)})
+    same = {"a": (0.5, 0.25), "b": (1.0, 2.0)}
+    [(_, maps)] = legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, scales=same)], local)
+    assert [m.name for m in maps] == ["a", "b"]
+    with pytest.raises(PullFailed, match=r"fp8 K/V scales 1.0/2.5 in layer b, this engine 1.0/2.0") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, scales={"a": (0.5, 0.25), "b": (1.0, 2.5)})], local)
+    assert e.value.reason == "kv_scales"
+    with pytest.raises(PullFailed, match="scales None/None in layer a") as e:  # a prefill that sent none
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head)], local)
+    assert e.value.reason == "kv_scales"
+    legs_for("pre", [_reg(0, 1, "ab", 4 * per_head)], _local(0, 1, heads_per_rank=4))  # not fp8: no scales
+
+
+def test_kv_scales_are_read_from_each_attention_module_or_refused():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.compat import kv_scales
+
+    ctx = {"a": SimpleNamespace(_k_scale_float=0.5, _v_scale_float=2), "b": SimpleNamespace()}
+    assert kv_scales(ctx, ["a"]) == {"a": (0.5, 2.0)}
+    with pytest.raises(RuntimeError, match="fp8 KV cache layer b has no K/V scales"):
+        kv_scales(ctx, ["a", "b"])
+    with pytest.raises(RuntimeError, match="layer c"):
+        kv_scales(ctx, ["c"])
