@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,22 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
     return out
 
 
+def rope_desc(hf_config: Any) -> str:
+    """How the model rotates its keys before they are cached: every entry of its (text) config about rotary
+    embeddings and the positions they are scaled for, as compact JSON (a digest past 200 characters). The
+    model's path says nothing of it: the same path served with ``--hf-overrides`` (another ``rope_theta``,
+    a YaRN scaling) caches other keys for the same tokens, and decode reading them answers wrong."""
+    to_dict = getattr(hf_config, "to_dict", None)
+    if to_dict is None:
+        return ""
+    d = to_dict()
+    sel = {k: d[k] for k in sorted(d) if "rope" in k or "rotary" in k or "max_position" in k}
+    s = json.dumps(sel, sort_keys=True, separators=(",", ":"), default=str)
+    return s if len(s) <= 200 else "sha256:" + hashlib.sha256(s.encode()).hexdigest()[:24]
+
+
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
-                  kv_heads: int, groups: str = "", kv_format: str = "") -> dict:
+                  kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
@@ -91,6 +106,8 @@ def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: i
            "protocol_version": PROTOCOL_VERSION}
     if kv_format:  # only where it says more than kv_dtype (fp8), so other setups keep their hash
         out["kv_format"] = kv_format
+    if rope:
+        out["rope"] = rope
     return out
 
 

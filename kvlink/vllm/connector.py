@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvlink.vllm.compat import check_vllm_api, kv_format
+from kvlink.vllm.compat import check_vllm_api, kv_format, rope_desc
 
 check_vllm_api()  # a clear message at start-up instead of an AttributeError mid-request
 
@@ -240,7 +240,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             pp_size=pc.pipeline_parallel_size, mla=mla,
                             kv_heads=0 if mla else mc.get_total_num_kv_heads(),
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config),
-                            kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", "")))
+                            kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", "")),
+                            rope=rope_desc(getattr(mc, "hf_text_config", None)))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},

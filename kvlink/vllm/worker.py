@@ -79,6 +79,7 @@ class RankInfo:
     num_layers: int = 0  # the model's KV layers, all PP stages (0: the layers this rank registers)
     groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
     kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (fp8 variants share the uint8 tensor dtype)
+    rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
 
     @property
     def port_index(self) -> int:
@@ -234,7 +235,7 @@ class KVLinkWorker(Puller):
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups,
-                                    kv_format=self.rank.kv_format)
+                                    kv_format=self.rank.kv_format, rope=self.rank.rope)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(

@@ -183,6 +183,7 @@ def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
     torch = pytest.importorskip("torch")
     from kvlink.vllm.compat import compat_diff, compat_hash, kv_format
     from kvlink.vllm.worker import KVLinkWorker, RankInfo
+    from types import SimpleNamespace
 
     assert (kv_format("auto"), kv_format("bfloat16"), kv_format("fp8"), kv_format("fp8_e5m2")) == (
         "", "", "fp8_e4m3", "fp8_e5m2")
@@ -191,8 +192,10 @@ def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
         w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("e", 0, 1, 0, 1, "m", kv_format=fmt),
                          "kv_consumer")
         try:
-            w.register_kv_caches({"l0": torch.zeros(4, 2, 16, 64, dtype=torch.uint8)})
+            scales = {"l0": SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)}  # vLLM's attention module
+            w.register_kv_caches({"l0": torch.zeros(4, 2, 16, 64, dtype=torch.uint8)}, scales)
             compats[fmt] = w.compat
+            assert w.kv_scales == ({"l0": (1.0, 1.0)} if fmt else {})
         finally:
             w.shutdown()
     assert compat_hash(compats["fp8_e4m3"]) != compat_hash(compats["fp8_e5m2"])
@@ -300,3 +303,24 @@ def test_why_not_streamable_names_each_reason_and_refuses_micro_batching():
     # written), each on a CUDA stream of its own
     assert "micro-batching" in why_not_streamable(layer, False, 0, (None,), True)
     assert "micro-batching" in why_not_streamable(step, False, 0, (None,), True)
+
+
+def test_the_rotary_settings_are_described_compactly_and_digested_when_long():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.compat import compat_diff, compat_fields, rope_desc
+
+    def cfg(**d):
+        return SimpleNamespace(to_dict=lambda: dict(d, hidden_size=256, vocab_size=1024))
+
+    a = rope_desc(cfg(rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, max_position_embeddings=4096))
+    assert a == '{"max_position_embeddings":4096,"rope_parameters":{"rope_theta":10000.0,"rope_type":"default"}}'
+    b = rope_desc(cfg(rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0},
+                      max_position_embeddings=4096))
+    assert compat_diff(compat_fields(model="m", kv_dtype="bf16", layout="x", tokens_per_block=16, num_layers=2,
+                                     kv_heads=2, rope=a),
+                       compat_fields(model="m", kv_dtype="bf16", layout="x", tokens_per_block=16, num_layers=2,
+                                     kv_heads=2, rope=b)) == {"rope": (b, a)}
+    long = rope_desc(cfg(rope_parameters={"rope_theta": 1.0, "long_factor": [1.0] * 64}))
+    assert long.startswith("sha256:") and len(long) == 31
+    assert rope_desc(None) == "" and rope_desc(cfg()) == "{}"

@@ -1,0 +1,72 @@
+"""Two engines of the same model path whose keys are rotated differently (``hf_overrides``: another
+``rope_theta``), through real vLLM engines in one process: decode refuses prefill at first contact (compat
+field ``rope``) and computes the prompt itself, where reading prefill's keys would answer wrong; an
+engine with the same rotary settings pulls and answers as a single engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.vllm.helpers import BLOCK, Engines, decode, greedy, prefill, recording_kv_config, token_prompts
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+OTHER_ROPE = {"rope_parameters": {"rope_theta": 50.0, "rope_type": "default"}}
+SHARPEN = 30.0
+
+
+def sharp(src: str, dst) -> str:
+    """A copy of model ``src`` whose queries and keys are scaled up: its attention is peaked, so where each key
+    sits in rotary terms decides the answer (the tiny model's near-uniform attention barely notices)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(f"{dst}/model.safetensors")
+    for name in weights:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            weights[name] = weights[name] * SHARPEN
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    e = Engines(sharp(tiny_model, tmp_path_factory.mktemp("rope") / "model"))
+    e.make("base", None)
+    e.make("base_other", None, hf_overrides=OTHER_ROPE)
+    e.make("pre", recording_kv_config("kv_producer"))
+    e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    e.make("dec_other", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"),
+           hf_overrides=OTHER_ROPE)
+    yield e
+    e.close()
+
+
+def want(engines, name, prompts):
+    return [list(o.outputs[0].token_ids) for o in engines.generate(name, prompts, greedy())]
+
+
+def test_the_rotary_settings_are_a_compat_field(engines):
+    pre, other = engines.agents["pre"]._worker, engines.agents["dec_other"]._worker
+    assert '"rope_theta":10000.0' in pre.compat["rope"] and '"rope_theta":50.0' in other.compat["rope"]
+    assert pre.compat_hash == engines.agents["dec"]._worker.compat_hash != other.compat_hash
+
+
+def test_decode_with_other_rotary_settings_is_refused_and_computes_the_prompt_itself(engines):
+    prompts = token_prompts([BLOCK * 6, BLOCK * 2 + 3], seed=81)
+    assert want(engines, "base", prompts) != want(engines, "base_other", prompts)  # the setting matters here
+    params = prefill(engines, prompts)
+    before = engines.agents["dec_other"].recorded_now()
+    got = decode(engines, "dec_other", prompts, params)
+    after = engines.agents["dec_other"].recorded_now()
+    assert after.get("compat_refused.rope", 0) - before.get("compat_refused.rope", 0) == len(prompts)
+    assert after.get("pulls_ok", 0) == before.get("pulls_ok", 0)
+    assert got == want(engines, "base_other", prompts)
+    # the same settings: pulled, and the single engine's answer
+    params = prefill(engines, prompts)
+    assert decode(engines, "dec", prompts, params) == want(engines, "base", prompts)
+    assert engines.agents["dec"].recorded_now()["pulls_ok"] == len(prompts)
