@@ -54,6 +54,25 @@ def engine_kwargs(model: str, **kw) -> dict:
     return base
 
 
+def position_sensitive_model(src: str, dst, factor: float = 30.0) -> str:
+    """A copy of model ``src`` at ``dst`` with its query and key projections scaled by ``factor``. The tiny
+    preset's attention is nearly uniform: its greedy answer depends on which tokens the prompt holds, hardly
+    on their order (reversing the first 100 of 192 tokens leaves it unchanged), so keys rotated otherwise
+    (other rotary settings) would not show in its output. Scaled up, attention peaks and each key's rotation
+    counts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(f"{dst}/model.safetensors")
+    for name in weights:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            weights[name] = weights[name] * factor
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
 def token_prompts(n_tokens: list[int], seed: int = 0) -> list[list[int]]:
     import random
 

@@ -1,7 +1,9 @@
 """Two engines of the same model path whose keys are rotated differently (``hf_overrides``: another
 ``rope_theta``), through real vLLM engines in one process: decode refuses prefill at first contact (compat
 field ``rope``) and computes the prompt itself, where reading prefill's keys would answer wrong; an
-engine with the same rotary settings pulls and answers as a single engine."""
+engine with the same rotary settings pulls and answers as a single engine. The model is the tiny preset
+made position-sensitive (helpers.position_sensitive_model): the tiny one's answer hardly depends on where
+its keys sit, so another rotation would not show."""
 
 from __future__ import annotations
 
@@ -9,33 +11,17 @@ import os
 
 import pytest
 
-from tests.vllm.helpers import BLOCK, Engines, decode, greedy, prefill, recording_kv_config, token_prompts
+from tests.vllm.helpers import (BLOCK, Engines, decode, greedy, position_sensitive_model, prefill, recording_kv_config,
+                                token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 OTHER_ROPE = {"rope_parameters": {"rope_theta": 50.0, "rope_type": "default"}}
-SHARPEN = 30.0
-
-
-def sharp(src: str, dst) -> str:
-    """A copy of model ``src`` whose queries and keys are scaled up: its attention is peaked, so where each key
-    sits in rotary terms decides the answer (the tiny model's near-uniform attention barely notices)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = load_file(f"{dst}/model.safetensors")
-    for name in weights:
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            weights[name] = weights[name] * SHARPEN
-    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    return str(dst)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
-    e = Engines(sharp(tiny_model, tmp_path_factory.mktemp("rope") / "model"))
+    e = Engines(position_sensitive_model(tiny_model, tmp_path_factory.mktemp("rope") / "model"))
     e.make("base", None)
     e.make("base_other", None, hf_overrides=OTHER_ROPE)
     e.make("pre", recording_kv_config("kv_producer"))
