@@ -198,10 +198,13 @@ class BootstrapClient:
         lease_s: float,
         transfer_id: str | None = None,
         epoch: int = 0,
+        prompt_sha: str | None = None,
     ) -> None:
-        """Publish a finished prefill request (the same publish again renews it; other content conflicts)."""
+        """Publish a finished prefill request (the same publish again renews it; other content conflicts).
+        ``prompt_sha``: the digest of the prompt tokens it computed, which decode compares with its own."""
         body = s.checked(s.PublishBody, engine_id=engine_id, request_id=request_id, transfer_id=transfer_id,
-                         block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s, epoch=epoch)
+                         block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s, epoch=epoch,
+                         prompt_sha=prompt_sha)
         self._call("/v1/request/publish", body, s.OkAnswer)
 
     def lookup(

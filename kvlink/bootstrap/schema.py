@@ -37,6 +37,7 @@ BlockId = Annotated[int, Meta(ge=0, lt=1 << 62)]
 BlockGroup = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 BlockIds = Annotated[list[BlockGroup], Meta(max_length=MAX_KV_GROUPS)]
 RequestIds = Annotated[list[RequestId], Meta(min_length=1, max_length=MAX_IDS_PER_CALL)]
+PromptSha = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
 
 _ADDR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
@@ -68,7 +69,7 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     pass
 
 
-class KVLayerSpec(_Strict, kw_only=True):
+class KVLayerSpec(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire (older servers)
     """One KV cache layer as the prefill engine registered it."""
 
     name: Name
@@ -153,6 +154,9 @@ class RequestRecord(_Strict, kw_only=True, omit_defaults=True):  # an older clie
     # after ``block_ids``, hold their KV in every layer whose index is below ``layers``.
     step_block_ids: BlockIds = []
     layers: Annotated[int, Meta(ge=0, lt=1 << 20)] = 0
+    # A digest of the first ``num_tokens`` prompt token ids prefill computed (kvlink.vllm.params.prompt_digest):
+    # decode compares its own before it trusts the KV (the same prompt, the same tokenization).
+    prompt_sha: PromptSha | None = None
 
 
 class ReleasedRequest(_Strict, kw_only=True):
@@ -182,7 +186,7 @@ class EngineRanksBody(_Strict, kw_only=True):
     engine_id: EngineId
 
 
-class PublishBody(_Strict, kw_only=True):
+class PublishBody(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire (older servers)
     engine_id: EngineId
     request_id: RequestId
     transfer_id: RequestId | None = None
@@ -190,6 +194,7 @@ class PublishBody(_Strict, kw_only=True):
     num_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)]
     lease_s: LeaseS | None = None
     epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+    prompt_sha: PromptSha | None = None
 
 
 class StreamPiece(_Strict, kw_only=True, omit_defaults=True):

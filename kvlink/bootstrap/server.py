@@ -185,7 +185,7 @@ class BootstrapApp:
 
     def _publish(self, body: s.PublishBody) -> s.OkAnswer:
         self.table.publish(body.engine_id, body.request_id, body.block_ids, body.num_tokens, body.lease_s,
-                           body.transfer_id, body.epoch)
+                           body.transfer_id, body.epoch, body.prompt_sha)
         return s.OkAnswer()
 
     def _check_ids(self, ids: list[str]) -> None:

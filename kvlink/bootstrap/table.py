@@ -72,6 +72,7 @@ class _Request:
     num_tokens: int
     expires_at: float
     epoch: int = 0
+    prompt_sha: str | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -241,6 +242,7 @@ class PairingTable:
         lease_s: float | None = None,
         transfer_id: str | None = None,
         epoch: int = 0,
+        prompt_sha: str | None = None,
     ) -> RequestRecord:
         """Publish a finished prefill request. The same publish again renews it; a different one conflicts.
         It ends the request's stream of pieces, if it had one (streams.py)."""
@@ -249,10 +251,11 @@ class PairingTable:
         lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
         existing = engine.requests.get(request_id)
         if existing is not None:
-            if (existing.transfer_id, existing.block_ids, existing.num_tokens) != (
+            if (existing.transfer_id, existing.block_ids, existing.num_tokens, existing.prompt_sha) != (
                 transfer_id,
                 block_ids,
                 num_tokens,
+                prompt_sha,
             ):
                 self.stats.conflicts += 1
                 raise Conflict(f"request {request_id!r} is already published with other content", field="request_id")
@@ -267,7 +270,8 @@ class PairingTable:
             self.stats.refused_full += 1
             raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "
                             "(max_requests_per_engine): request refused, nothing stored", field="request_id")
-        request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch)
+        request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch,
+                           prompt_sha)
         engine.requests[request_id] = request
         self._tombstones.pop((engine_id, request_id), None)
         if transfer_id is not None:
@@ -481,6 +485,7 @@ class PairingTable:
             num_tokens=request.num_tokens,
             lease_remaining_s=max(0.0, request.expires_at - now),
             epoch=request.epoch,
+            prompt_sha=request.prompt_sha,
         )
 
     def _sweep(self) -> float:

@@ -10,7 +10,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # Bump when the meaning of kv_transfer_params, the registration or the block layout changes.
-PROTOCOL_VERSION = 3  # 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal
+# 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal; 4: rotary settings in
+# the compat fields, fp8 K/V scales per layer, the prompt digest (an older peer is refused by version, not by
+# a field it never sent)
+PROTOCOL_VERSION = 4
 
 # vLLM symbols the connector cannot work without: (module, attribute).
 REQUIRED_VLLM_API = (
@@ -79,16 +82,26 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
     return out
 
 
-def rope_desc(hf_config: Any) -> str:
+def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
     """How the model rotates its keys before they are cached: every entry of its (text) config about rotary
-    embeddings and the positions they are scaled for, as compact JSON (a digest past 200 characters). The
-    model's path says nothing of it: the same path served with ``--hf-overrides`` (another ``rope_theta``,
-    a YaRN scaling) caches other keys for the same tokens, and decode reading them answers wrong."""
+    embeddings (and dual-chunk attention), as compact JSON (a digest past 200 characters); with a scaled
+    rope, the positions it is scaled for, and for LongRoPE which factors vLLM picks (the long ones where
+    ``max_model_len`` exceeds the original context). The model's path says nothing of it: the same path
+    served with ``--hf-overrides`` (another ``rope_theta``, a YaRN scaling) caches other keys for the same
+    tokens, and decode reading them answers wrong. Both sides must describe it alike: another transformers
+    that spells the same rope otherwise (``rope_scaling`` for ``rope_parameters``) is refused, not guessed."""
     to_dict = getattr(hf_config, "to_dict", None)
     if to_dict is None:
         return ""
     d = to_dict()
-    sel = {k: d[k] for k in sorted(d) if "rope" in k or "rotary" in k or "max_position" in k}
+    sel = {k: d[k] for k in sorted(d) if "rope" in k or "rotary" in k or "dual_chunk" in k}
+    types = {str(v.get("rope_type") or v.get("type")) for v in sel.values() if isinstance(v, dict)}
+    if types - {"default", "None"}:  # scaled: the context it is scaled for moves the frequencies
+        sel |= {k: d[k] for k in sorted(d) if "max_position" in k}
+        if "longrope" in types and max_model_len is not None:
+            orig = next((v.get("original_max_position_embeddings") for v in sel.values() if isinstance(v, dict)
+                         and v.get("original_max_position_embeddings")), d.get("original_max_position_embeddings"))
+            sel["kvlink_longrope_long"] = bool(orig and max_model_len > int(orig))
     s = json.dumps(sel, sort_keys=True, separators=(",", ":"), default=str)
     return s if len(s) <= 200 else "sha256:" + hashlib.sha256(s.encode()).hexdigest()[:24]
 

@@ -241,7 +241,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             kv_heads=0 if mla else mc.get_total_num_kv_heads(),
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config),
                             kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", "")),
-                            rope=rope_desc(getattr(mc, "hf_text_config", None)))
+                            rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},

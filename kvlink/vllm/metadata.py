@@ -40,6 +40,8 @@ class PullSpec:
     num_blocks: int | None = None  # positions the loaded tokens cover; local_block_ids must have as many
     others: tuple[GroupTable, ...] = ()  # the other KV cache groups' tables (hybrid models)
     num_tokens: int | None = None  # set with Mamba groups: prefill must have computed exactly these tokens
+    prompt_sha: str | None = None  # concurrent pairing: params.prompt_digest of the tokens loaded, to compare
+    prompt_tokens: int = 0  # ... how many tokens it covers (compared where the record has as many)
 
     @property
     def tables(self) -> tuple[GroupTable, ...]:

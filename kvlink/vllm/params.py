@@ -107,6 +107,7 @@ RULES: dict[str, Rule] = {
     "remote_num_tokens": _typed(_PUBLISHED["num_tokens"], "a non-negative integer"),
     "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
     "remote_bootstrap_addr": _bootstrap_url,
+    "remote_prompt_sha": _typed(_PUBLISHED["prompt_sha"], "32 lowercase hex digits (kvlink's prompt digest)"),
     "kvlink_error": _typed(Annotated[str, Meta(max_length=MAX_ERROR_LEN)], "a string"),
 }
 
@@ -162,7 +163,7 @@ class PrefillRequest:
 _SOURCE_FIELDS = (("bootstrap_url", "remote_bootstrap_addr"), ("engine_id", "remote_engine_id"),
                   ("request_id", "remote_request_id"), ("block_ids", "remote_block_ids"),
                   ("num_tokens", "remote_num_tokens"), ("transfer_id", "transfer_id"),
-                  ("lease_s", "remote_lease_s"))
+                  ("lease_s", "remote_lease_s"), ("prompt_sha", "remote_prompt_sha"))
 _SEQUENTIAL = ("remote_engine_id", "remote_request_id", "remote_block_ids")
 
 
@@ -182,6 +183,7 @@ class RemoteSource:
     num_tokens: int | None = None
     transfer_id: str | None = None
     lease_s: float | None = None  # prefill's lease; decode renews it while pulling
+    prompt_sha: str | None = None  # prompt_digest of the tokens prefill computed: decode checks its own
 
     def __post_init__(self) -> None:
         for attr, name in _SOURCE_FIELDS:
@@ -215,6 +217,28 @@ class RemoteSource:
     @property
     def key(self) -> str:
         return self.transfer_id or f"{self.engine_id}/{self.request_id}"
+
+
+def prompt_digest(token_ids: Any, extras: tuple[str, ...] = ()) -> str | None:
+    """A digest of a prompt's token ids and of ``extras``, what else decides the KV of those tokens (the
+    LoRA adapter, each image's identifier and place; None for no ids: a prompt of embeddings). Prefill
+    publishes the one of the tokens it computed; decode computes its own over as many of its prompt's tokens
+    and pulls only where they agree: another prompt, or the same text tokenized otherwise (another chat
+    template or tokenizer revision on one side), would hand decode KV of other tokens, and its answer would
+    be fluent and wrong."""
+    import array
+    import hashlib
+    import sys
+
+    if token_ids is None:
+        return None
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    h = hashlib.sha256(ids.tobytes())
+    for e in extras:
+        h.update(b"\0" + e.encode())
+    return h.hexdigest()[:32]
 
 
 def refusal(why: str) -> dict[str, Any]:

@@ -235,6 +235,13 @@ class Puller:
                 if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
                     raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
                                        f"{spec.num_tokens}: a Mamba state continues only from the tokens it saw")
+                if (spec.prompt_sha is not None and rec.prompt_sha is not None and rec.num_tokens == spec.prompt_tokens
+                        and rec.prompt_sha != spec.prompt_sha):
+                    with self._lock:
+                        self._stats.add("prompt_mismatch")
+                    raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} prompt tokens that are not "
+                                       "decode's (another prompt under this transfer id, or the same text tokenized "
+                                       "otherwise): its KV is not used")
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)

@@ -36,7 +36,7 @@ from kvlink.vllm.lockstep import LockstepBook
 from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
 from kvlink.vllm.nudge import NudgeListener
 from kvlink.vllm.plan import NULL_BLOCK, window_start_lost
-from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource
+from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, prompt_digest
 from kvlink.vllm.siblings import SIBLING_GRACE_S, Siblings, is_sample
 from kvlink.vllm.staging import SlotPool, StagePlanner
 from kvlink.vllm.stats import KVLinkStats
@@ -99,6 +99,7 @@ class KVLinkScheduler:
         self._bad: dict[str, str] = {}  # request id -> why its kv_transfer_params were refused
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
+        self._prompt_ok: dict[str, bool] = {}  # sequential pairing: the prompt digest compared (until allocated)
         self._new_cancels: list[str] = []
         # Lock-step (lockstep.py), the scheduler's thread only: armed requests and, with prefix caching,
         # the pulled blocks vLLM cached before their KV was confirmed.
@@ -209,18 +210,19 @@ class KVLinkScheduler:
         return freed
 
     def _publish(self, rid: str, groups: list[list[int]], num_tokens: int, transfer_id: str | None,
-                 epoch: int) -> None:
+                 epoch: int, prompt_sha: str | None = None) -> None:
         """The record out, on vLLM's thread between the step and its output: into the embedded server's table
         directly when this process runs it (server.py ``BootstrapServer.publish``), else over HTTP."""
         server = self._server  # (None once shut down: the HTTP client then fails as it would)
         if server is None:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, groups, num_tokens, self.cfg.lease_s,
-                                                         transfer_id=transfer_id, epoch=epoch)
+                                                         transfer_id=transfer_id, epoch=epoch, prompt_sha=prompt_sha)
             return
         from kvlink.bootstrap import schema
 
         body = schema.checked(schema.PublishBody, engine_id=self.engine_id, request_id=rid, transfer_id=transfer_id,
-                              block_ids=groups, num_tokens=num_tokens, lease_s=self.cfg.lease_s, epoch=epoch)
+                              block_ids=groups, num_tokens=num_tokens, lease_s=self.cfg.lease_s, epoch=epoch,
+                              prompt_sha=prompt_sha)
         server.publish(body, self.cfg.bootstrap_timeout_s)
 
     def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):
@@ -251,16 +253,19 @@ class KVLinkScheduler:
             return False, None
         rid = request.request_id
         num_tokens = request.num_computed_tokens
+        sha = request_digest(request, num_tokens)
         if self._planner is not None:  # one group (connector.py)
-            return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch)
+            return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch, sha)
         nblocks = sum(1 for g in groups for b in g if b != NULL_BLOCK)  # nulls hold nothing
         try:
-            self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch)
+            self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch, sha)
         except Exception as e:  # noqa: BLE001 - decode recomputes
             self._count("publish_failures")
             if not _maybe_applied(e):  # the server answered no: nobody can find these blocks
                 logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
                                self.bootstrap_url, e)
+                if transfer_id is not None:
+                    self._abandon_transfer(rid, transfer_id)  # a decode long-polling it stops now
                 return False, kvparams.refusal(f"publish failed: {e}")
             # No answer (a timeout): the server may apply it late, and a decode long-polling the transfer id
             # would then read these blocks. They stay held, as if published, until the server's outcome or a
@@ -277,10 +282,10 @@ class KVLinkScheduler:
         trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
                                   block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
-                                  lease_s=self.cfg.lease_s).to_params()
+                                  lease_s=self.cfg.lease_s, prompt_sha=sha).to_params()
 
     def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None,
-                         epoch: int = 0):
+                         epoch: int = 0, prompt_sha: str | None = None):
         """Host staging: keep the device blocks until the worker has copied them into the pool, then publish
         the slots (update_connector_output). Decode learns the slots from the bootstrap server, so its
         params carry a transfer id (one of ours when the router gave none) and no block ids: decode's
@@ -291,11 +296,12 @@ class KVLinkScheduler:
         transfer_id = transfer_id or f"kvlink-{uuid.uuid4().hex}"
         try:  # before admitting: what decode cannot be told (a request id too long for the params) is refused
             answer = RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
-                                  num_tokens=num_tokens, transfer_id=transfer_id, lease_s=self.cfg.lease_s).to_params()
+                                  num_tokens=num_tokens, transfer_id=transfer_id, lease_s=self.cfg.lease_s,
+                                  prompt_sha=prompt_sha).to_params()
         except BadParams as e:
             return self._refuse_published(rid, transfer_id, str(e))
         with self._held_lock:
-            refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens, epoch))
+            refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens, epoch, prompt_sha))
         if refused:
             logger.warning("kvlink: request %s: %s; decode will compute it", rid, refused)
             return False, kvparams.refusal(refused)
@@ -314,7 +320,7 @@ class KVLinkScheduler:
             job = self._planner.staged(rid)
         if job is None:
             return
-        transfer_id, num_tokens, epoch = job.extra
+        transfer_id, num_tokens, epoch, prompt_sha = job.extra
         if job.restaged:  # its streamed slots went back to the pool: what decode read of them is stale
             epoch += 1
         with self._held_lock:
@@ -325,7 +331,8 @@ class KVLinkScheduler:
             self._publishing.add(rid)
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
-                                                         self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch)
+                                                         self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch,
+                                                         prompt_sha=prompt_sha)
         except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
             # The slots stay held until the server says it does not hold the request (lookups, from the next
             # poll on) or its lease ends. Abandoned only when the server answered no: one that may have taken
@@ -443,6 +450,8 @@ class KVLinkScheduler:
         count = n - num_computed_tokens
         if count <= 0:
             return 0, False
+        if src.prompt_sha is not None and src.num_tokens is not None and not self._same_prompt(request, src):
+            return 0, False  # (asked again while the request waits: decided once, _prompt_ok)
         for g, w in enumerate(self.windows):
             if w and n == request.num_tokens and window_start_lost(n, self.block_size, w[0], w[1]):
                 # vLLM would recompute the last prompt token over a block neither side keeps: compute it here.
@@ -455,6 +464,22 @@ class KVLinkScheduler:
         trace.event("admit", rid=request.request_id, tokens=count)
         return count, True
 
+    def _same_prompt(self, request: "Request", src: RemoteSource) -> bool:
+        """Sequential pairing: prefill's params carry the digest of the tokens it computed; decode's first as
+        many prompt tokens must give the same (params.prompt_digest), or decode computes the prompt itself."""
+        rid = request.request_id
+        if rid in self._prompt_ok:
+            return self._prompt_ok[rid]
+        mine = request_digest(request, src.num_tokens)
+        self._prompt_ok[rid] = ok = mine is None or mine == src.prompt_sha  # None: embeddings, no ids to compare
+        if ok:
+            return True
+        self._count("prompt_mismatch")
+        logger.warning("kvlink: request %s: its first %d prompt tokens are not the ones prefill computed (another "
+                       "prompt, or the same text tokenized otherwise): computing the prompt locally",
+                       request.request_id, src.num_tokens)
+        return False
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         if self._stream is not None:
@@ -464,6 +489,7 @@ class KVLinkScheduler:
             return
         rid = request.request_id
         self._processed.add(rid)
+        self._prompt_ok.pop(rid, None)
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: prefill may free its copy (unless a sibling needs it).
@@ -485,8 +511,12 @@ class KVLinkScheduler:
         t0 = tables[0]
         if self.cfg.stream_lockstep:  # (one group: lockstep.why_not_lockstep)
             self._lockstep.track(rid, request, t0.local_block_ids[t0.first_block:])
+        # Concurrent pairing: the record prefill publishes carries its digest; the worker compares this one
+        # (where the record covers as many tokens: vLLM may load fewer than prefill computed).
+        sha = request_digest(request, tokens) if src.prompt_sha is None else None
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
-                                        others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None))
+                                        others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None,
+                                        prompt_sha=sha, prompt_tokens=tokens))
 
     def _track_stream(self, request: "Request") -> None:
         """Prefill: a request of concurrent pairing (a transfer id) was given blocks (again after a
@@ -535,6 +565,7 @@ class KVLinkScheduler:
     def _finished_consumer(self, request: "Request", params: dict):
         rid = request.request_id
         self._local_hit.pop(rid, None)  # offered a hit but finished before its blocks were allocated
+        self._prompt_ok.pop(rid, None)
         armed, cancel = self._lockstep.finish(rid, _aborted(request))
         if armed:
             # Armed (lock-step), and its pull may still write or the worker still keeps its outcome for its
@@ -815,6 +846,22 @@ class KVLinkScheduler:
                 if len(gauges) > 2:
                     stats.set_gauge("staging_used_blocks", gauges[2])
         return None if stats.is_empty() else stats
+
+
+def request_digest(request: "Request", n: int) -> str | None:
+    """params.prompt_digest of a request's first ``n`` prompt tokens, with what else decides their KV: the
+    LoRA adapter and the multimodal inputs placed among them (identifier, offset, length). None where vLLM
+    feeds embeddings (prompt_embeds, also mixed with ids): their bytes are not hashed, nothing is compared."""
+    ids = request.prompt_token_ids
+    if ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    extras = [f"lora:{lora.lora_name}"] if lora is not None else []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        if pos.offset < n:
+            extras.append(f"{f.modality}:{f.identifier}@{pos.offset}+{pos.length}")
+    return prompt_digest(ids[:n], tuple(extras))  # fewer than n ids: another prompt, another digest
 
 
 def _taken(request: "Request") -> bool:

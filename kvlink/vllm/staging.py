@@ -115,7 +115,7 @@ class StageJob:
     request_id: str
     table: tuple[int, ...]  # vLLM's block table by position (null blocks included)
     since: float
-    extra: Any = None  # what the scheduler publishes once staged (transfer id, tokens)
+    extra: Any = None  # what the scheduler publishes once staged (transfer id, tokens, epoch, prompt digest)
     slots: tuple[int, ...] = ()  # one per non-null entry of ``table``, once allocated
     waited: bool = False  # counted as a pool-full event already
     # Streamed into slots it could not keep (the pool had no room to grow them): pieces named slots another

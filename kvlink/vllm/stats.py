@@ -19,6 +19,7 @@ COUNTERS = (
     "lease_proof_waits",  # READs that finished before the renewal proving the lease held
     "bytes_local",  # of bytes_pulled, copied same-host by the transport (process_vm_readv)
     "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
+    "prompt_mismatch",  # decode: prefill computed other prompt tokens than decode's (params.prompt_digest); not used
     "pull_waits_nudged",  # decode: step waits (pull_step_wait_ms) a worker's nudge ended (nudge.py)
     # decode, streamed KV: pieces read, or dropped (not waited for); block reads before the record (a block
     # read in several layer ranges counts once per range)

@@ -490,3 +490,11 @@ def test_a_server_from_before_layer_wise_progress_is_asked_for_whole_blocks(conf
             assert cli.lookup_transfer("t1", after=progress.version, layers=True).partial is False
     finally:
         old.stop()
+
+
+def test_the_prompt_digest_travels_over_http_and_a_malformed_one_is_refused(client, engine):
+    client.publish(engine, "r1", [[1]], 16, lease_s=30.0, transfer_id="pd-1", prompt_sha="ab" * 16)
+    assert client.lookup_transfer("pd-1").prompt_sha == "ab" * 16
+    with pytest.raises(InvalidField) as err:
+        client.publish(engine, "r2", [[2]], 16, lease_s=30.0, prompt_sha="not-hex")
+    assert "prompt_sha" in str(err.value)

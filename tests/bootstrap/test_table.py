@@ -194,6 +194,18 @@ def test_the_table_keeps_at_most_max_engines(clock, make_registration):
     table.publish("F", "r1", [[1]], 16)
 
 
+def test_the_prompt_digest_is_kept_returned_and_part_of_the_content(table, engine):
+    sha = "0123456789abcdef" * 2
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t1", prompt_sha=sha)
+    assert table.lookup_transfer("t1").prompt_sha == sha
+    assert table.lookup(engine, ["r1"]).ready[0].prompt_sha == sha
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t1", prompt_sha=sha)  # a retry renews
+    with pytest.raises(Conflict):
+        table.publish(engine, "r1", [[1]], 16, transfer_id="t1", prompt_sha="f" * 32)
+    table.publish(engine, "r2", [[2]], 16)
+    assert table.lookup(engine, ["r2"]).ready[0].prompt_sha is None
+
+
 def test_transfer_id_is_bound_to_one_live_request(table, engine):
     # n > 1 sampling must not share one pairing key (sglang#26486)
     table.publish(engine, "r1", [[1]], 16, transfer_id="t1")

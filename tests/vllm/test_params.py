@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from kvlink.vllm.params import (
     RemoteSource,
     decode_params,
     flag,
+    prompt_digest,
     read,
     refusal,
 )
@@ -39,6 +41,7 @@ sources = st.builds(
     num_tokens=st.none() | st.integers(0, (1 << 40) - 1),
     transfer_id=st.none() | ids,
     lease_s=st.none() | st.floats(min_value=1e-3, max_value=86_400.0),
+    prompt_sha=st.none() | st.lists(st.integers(0, 1000), max_size=50).map(prompt_digest),
 )
 concurrent_sources = st.builds(RemoteSource, bootstrap_url=st.just(URL), engine_id=st.none() | ids, transfer_id=ids)
 json_values = st.recursive(
@@ -64,7 +67,8 @@ def test_what_is_built_parses_back_to_the_same_source(src):
 def test_a_prefill_answer_accepted_here_is_accepted_by_the_bootstrap_server(src):
     """The fields prefill publishes share the bootstrap's bounds: nothing parses here and fails there."""
     checked(PublishBody, engine_id=src.engine_id, request_id=src.request_id, transfer_id=src.transfer_id,
-            block_ids=[list(g) for g in src.block_ids], num_tokens=src.num_tokens or 0, lease_s=src.lease_s)
+            block_ids=[list(g) for g in src.block_ids], num_tokens=src.num_tokens or 0, lease_s=src.lease_s,
+            prompt_sha=src.prompt_sha)
 
 
 @given(st.none() | ids)
@@ -174,6 +178,7 @@ BAD_VALUES = {
     "remote_num_tokens": [-1, True, 1.5, "64", 1 << 40],
     "remote_lease_s": [0, -1.0, True, "30", float("nan"), float("inf"), 86_401.0],
     "transfer_id": [5, "", "t" * 513],
+    "remote_prompt_sha": [5, "", "A" * 32, "0" * 31, "0" * 33, "g" * 32, ["0" * 32]],
 }
 
 
@@ -237,3 +242,13 @@ def test_fuzz_one_field_replaced_by_anything(field, value):
 def test_the_proxy_can_import_params_without_vllm():
     code = "import sys, kvlink.vllm.params, kvlink.proxy.router; assert 'vllm' not in sys.modules, 'vllm'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_prompt_digest_is_of_the_token_ids_in_order():
+    assert prompt_digest(None) is None
+    d = prompt_digest([1, 2, 3])
+    assert len(d) == 32 and int(d, 16) >= 0 and d == prompt_digest((1, 2, 3))
+    assert len({d, prompt_digest([1, 3, 2]), prompt_digest([1, 2]), prompt_digest([1, 2, 3, 0]),
+                prompt_digest([1, 2, 3 + (1 << 32)])}) == 5
+    assert prompt_digest([]) == "e3b0c44298fc1c149afbf4c8996fb924"  # sha256 of no bytes
+    assert prompt_digest([1]) == hashlib.sha256((1).to_bytes(8, "little")).hexdigest()[:32]  # int64 LE, any host

@@ -217,14 +217,16 @@ def test_a_publish_with_no_answer_keeps_the_blocks_and_a_refused_one_frees_them(
 
 
 def test_a_finished_request_is_published_held_and_answered_with_params_decode_parses(prefill):
-    from kvlink.vllm.params import PrefillRequest, RemoteSource
+    from kvlink.vllm.params import PrefillRequest, RemoteSource, prompt_digest
 
     sched, cli, reg = prefill
     keep, answer = sched.request_finished(_finished("r10", PrefillRequest("t-10").to_params()), [0, 4, 5])
+    sha = prompt_digest(range(64))  # of the 64 prompt tokens it computed
     assert keep and RemoteSource.from_params(answer) == RemoteSource(
         bootstrap_url=sched.bootstrap_url, engine_id="pre", request_id="r10", block_ids=(0, 4, 5), num_tokens=64,
-        transfer_id="t-10", lease_s=2.0)
-    assert cli.lookup_transfer("t-10").block_ids == [[0, 4, 5]]  # the null block kept by position
+        transfer_id="t-10", lease_s=2.0, prompt_sha=sha)
+    rec = cli.lookup_transfer("t-10")
+    assert rec.block_ids == [[0, 4, 5]] and rec.prompt_sha == sha  # the null block kept by position
     assert held_requests(sched) == {"r10": 2}  # the null block holds nothing
     cli.release("pre", "r10", Outcome.PULLED)
     assert _freed(sched, {"r10"}) == {"r10"}
@@ -457,9 +459,9 @@ def test_a_streamed_request_restaged_from_scratch_is_published_at_the_next_epoch
             pl = pre._planner
             with pre._held_lock:
                 assert pl.reserve("d", 1) is not None  # streamed into one slot
-                assert pl.admit("e", (9,), 0.0, ("t-e", 32, 0)) is None
+                assert pl.admit("e", (9,), 0.0, ("t-e", 32, 0, None)) is None
                 pl.take_jobs(0.0)  # e takes the other slot: the pool is full
-                assert pl.admit("d", (31, 32), 0.0, ("t-d", 64, 0)) is None  # cannot grow in place
+                assert pl.admit("d", (31, 32), 0.0, ("t-d", 64, 0, None)) is None  # cannot grow in place
                 pl.staged("e")
                 pl.release("e")
                 (job,), _ = pl.take_jobs(0.0)
@@ -586,6 +588,74 @@ def test_a_publish_the_bootstrap_server_refuses_as_full_frees_the_blocks_at_once
             assert not keep and "max_requests_per_engine" in answer["kvlink_error"]
             assert set(held_requests(sched)) == {"r1"}
             assert cli.lookup_transfer("t-1").request_id == "r1"
+    finally:
+        sched.shutdown()
+        srv.stop()
+
+
+def test_a_sequential_prompt_mismatch_is_decided_once_and_the_prompt_computed():
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import prompt_digest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1", "remote_engine_id": "pre",
+              "remote_request_id": "p1", "remote_block_ids": [1, 2, 3, 4], "remote_num_tokens": 64}
+    try:
+        same = _decode_request("d1", 64, params | {"remote_prompt_sha": prompt_digest(range(10, 74))})
+        assert sched.get_num_new_matched_tokens(same, 0) == (64, True)
+        other = _decode_request("d2", 64, params | {"remote_prompt_sha": prompt_digest(range(11, 75))})
+        assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(other, 0) == (0, False)  # asked again while it waits: once
+        assert sched.get_kv_connector_stats().data["prompt_mismatch"] == 1
+        longer = _decode_request("d3", 80, params | {"remote_prompt_sha": prompt_digest(range(10, 74))})
+        assert sched.get_num_new_matched_tokens(longer, 0) == (64, True)  # prefill's 64 tokens begin its prompt
+        shorter = _decode_request("d4", 40, params | {"remote_prompt_sha": prompt_digest(range(10, 74))})
+        assert sched.get_num_new_matched_tokens(shorter, 0) == (0, False)
+    finally:
+        sched.shutdown()
+
+
+def test_the_request_digest_covers_the_lora_adapter_and_the_images_among_its_tokens():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.params import prompt_digest
+    from kvlink.vllm.scheduler import request_digest
+
+    def req(lora=None, mm=(), embeds=None, ids=tuple(range(32))):
+        return SimpleNamespace(prompt_token_ids=list(ids), prompt_embeds=embeds, mm_features=[
+            SimpleNamespace(modality="image", identifier=i, mm_position=SimpleNamespace(offset=o, length=4))
+            for i, o in mm], lora_request=None if lora is None else SimpleNamespace(lora_name=lora))
+
+    plain = request_digest(req(), 32)
+    assert plain == prompt_digest(range(32))
+    assert len({plain, request_digest(req(lora="a"), 32), request_digest(req(lora="b"), 32),
+                request_digest(req(mm=[("img1", 4)]), 32), request_digest(req(mm=[("img2", 4)]), 32),
+                request_digest(req(mm=[("img1", 8)]), 32)}) == 6
+    assert request_digest(req(mm=[("img1", 40)]), 32) == plain  # an image after the tokens covered
+    assert request_digest(req(embeds=object()), 32) is None  # embeddings: nothing to compare
+    assert request_digest(req(ids=range(20)), 32) != prompt_digest(range(32))  # fewer tokens: another prompt
+
+
+def test_a_publish_refused_as_full_under_a_transfer_id_tells_a_waiting_decode_at_once():
+    from kvlink.bootstrap import (BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration,
+                                  RequestReleased)
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, max_requests_per_engine=1)).start()
+    reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
+                             protocol_version=1, compat_hash="x")
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(reg, 60.0)
+            assert sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])[0]
+            keep, _ = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
+            assert not keep
+            with pytest.raises(RequestReleased):  # abandoned: a decode long-polling t-2 is answered now
+                cli.lookup_transfer("t-2", wait_s=10.0)
     finally:
         sched.shutdown()
         srv.stop()

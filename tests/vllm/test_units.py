@@ -313,14 +313,25 @@ def test_the_rotary_settings_are_described_compactly_and_digested_when_long():
     def cfg(**d):
         return SimpleNamespace(to_dict=lambda: dict(d, hidden_size=256, vocab_size=1024))
 
-    a = rope_desc(cfg(rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, max_position_embeddings=4096))
-    assert a == '{"max_position_embeddings":4096,"rope_parameters":{"rope_theta":10000.0,"rope_type":"default"}}'
-    b = rope_desc(cfg(rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0},
-                      max_position_embeddings=4096))
-    assert compat_diff(compat_fields(model="m", kv_dtype="bf16", layout="x", tokens_per_block=16, num_layers=2,
-                                     kv_heads=2, rope=a),
-                       compat_fields(model="m", kv_dtype="bf16", layout="x", tokens_per_block=16, num_layers=2,
-                                     kv_heads=2, rope=b)) == {"rope": (b, a)}
-    long = rope_desc(cfg(rope_parameters={"rope_theta": 1.0, "long_factor": [1.0] * 64}))
-    assert long.startswith("sha256:") and len(long) == 31
+    def fields(rope):
+        return compat_fields(model="m", kv_dtype="bf16", layout="x", tokens_per_block=16, num_layers=2, kv_heads=2,
+                             rope=rope)
+
+    default = {"rope_theta": 10000.0, "rope_type": "default"}
+    a = rope_desc(cfg(rope_parameters=default, max_position_embeddings=4096))
+    assert a == '{"rope_parameters":{"rope_theta":10000.0,"rope_type":"default"}}'
+    assert rope_desc(cfg(rope_parameters=default, max_position_embeddings=8192)) == a  # unscaled: no matter
+    yarn = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}
+    b = rope_desc(cfg(rope_parameters=yarn, max_position_embeddings=4096))
+    assert compat_diff(fields(a), fields(b)) == {"rope": (b, a)}
+    assert rope_desc(cfg(rope_parameters=yarn, max_position_embeddings=8192)) != b  # scaled for another context
+    # LongRoPE: vLLM takes the long factors where max_model_len exceeds the original context
+    long = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+            "original_max_position_embeddings": 4096}
+    short_side = rope_desc(cfg(rope_parameters=long, max_position_embeddings=131072), max_model_len=4096)
+    long_side = rope_desc(cfg(rope_parameters=long, max_position_embeddings=131072), max_model_len=32768)
+    assert '"kvlink_longrope_long":false' in short_side and '"kvlink_longrope_long":true' in long_side
+    many = rope_desc(cfg(rope_parameters={"rope_theta": 1.0, "long_factor": [1.0] * 64}))
+    assert many.startswith("sha256:") and len(many) == 31
     assert rope_desc(None) == "" and rope_desc(cfg()) == "{}"
+    assert '"dual_chunk_attention_config"' in rope_desc(cfg(dual_chunk_attention_config={"chunk_size": 8}))

@@ -1,0 +1,96 @@
+"""Decode uses prefill's KV only for the prompt tokens prefill computed (params.prompt_digest), through real
+vLLM engines in one process. A router that sends decode another prompt than prefill (or two servers that
+tokenize the same text otherwise: another chat template, another tokenizer revision) would otherwise hand
+decode the KV of other tokens, and it would answer fluently and wrong. Both ways prefill's digest reaches
+decode are covered: in sequential pairing's kv_transfer_params (the scheduler compares), and in the record
+decode looks up by transfer id (the worker compares)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.vllm.helpers import (BLOCK, Engines, decode, greedy, held_requests, prefill, recording_kv_config,
+                                token_prompts)
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    e = Engines(tiny_model)
+    e.make("base", None)
+    e.make("pre", recording_kv_config("kv_producer"))
+    e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
+    yield e
+    e.close()
+
+
+def want(engines, prompts):
+    return [list(o.outputs[0].token_ids) for o in engines.generate("base", prompts, greedy())]
+
+
+def two_prompts(seed: int) -> tuple[list[int], list[int]]:
+    """Two prompts of one length that differ in one token in the middle: what a tokenizer that splits one
+    word otherwise would give."""
+    a = token_prompts([BLOCK * 5 + 3], seed=seed)[0]
+    b = list(a)
+    b[len(b) // 2] = 4 if a[len(a) // 2] != 4 else 5
+    return a, b
+
+
+def released(engines) -> bool:
+    """Prefill frees what it held once decode reports it (its engine must step to hear it)."""
+    deadline = time.monotonic() + 20
+    while held_requests(engines.scheduler_side("pre")) and time.monotonic() < deadline:
+        engines.generate("pre", token_prompts([4], seed=99), greedy(1))
+        time.sleep(0.05)
+    return held_requests(engines.scheduler_side("pre")) == {}
+
+
+def by_transfer_id(engines, prompt: list[int], transfer_id: str) -> dict:
+    """Prefill computes ``prompt`` under ``transfer_id``; decode's params name only the transfer id (as in
+    concurrent pairing), so decode learns blocks and digest from the published record."""
+    out = engines.generate("pre", [prompt], greedy(1, {"do_remote_decode": True, "transfer_id": transfer_id}))
+    kp = out[0].kv_transfer_params
+    assert kp["remote_prompt_sha"]
+    return {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_bootstrap_addr": kp["remote_bootstrap_addr"],
+            "remote_engine_id": kp["remote_engine_id"]}
+
+
+def test_prefill_answers_with_the_digest_of_the_prompt_it_computed(engines):
+    from kvlink.vllm.params import prompt_digest
+
+    a, b = two_prompts(seed=61)
+    [kp] = prefill(engines, [a])
+    assert kp["remote_prompt_sha"] == prompt_digest(a) != prompt_digest(b)
+    assert decode(engines, "dec", [a], [kp]) == want(engines, [a])  # the same prompt: pulled as always
+    assert released(engines)
+
+
+def test_decode_given_another_prompts_params_computes_its_own(engines):
+    a, b = two_prompts(seed=62)
+    [kp] = prefill(engines, [a])
+    sched_before = engines.scheduler_connector("dec").recorded_now()
+    before = engines.agents["dec"].recorded_now()
+    assert decode(engines, "dec", [b], [kp]) == want(engines, [b])
+    assert engines.scheduler_connector("dec").recorded_now()["prompt_mismatch"] > sched_before["prompt_mismatch"]
+    assert engines.agents["dec"].recorded_now()["pulls_ok"] == before["pulls_ok"]  # nothing pulled
+    assert released(engines)  # prefill told at once, not left to its lease
+
+
+def test_decode_looking_another_prompt_up_by_transfer_id_does_not_use_its_kv(engines):
+    a, b = two_prompts(seed=63)
+    params = by_transfer_id(engines, a, "digest-t1")
+    before = engines.agents["dec"].recorded_now()
+    assert decode(engines, "dec", [b], [params]) == want(engines, [b])
+    after = engines.agents["dec"].recorded_now()
+    assert after["prompt_mismatch"] - before["prompt_mismatch"] == 1
+    assert after["pulls_ok"] == before["pulls_ok"]
+    assert released(engines)
+    # the same prompt by transfer id: the record's digest agrees, and the KV is pulled
+    params = by_transfer_id(engines, a, "digest-t2")
+    assert decode(engines, "dec", [a], [params]) == want(engines, [a])
+    assert engines.agents["dec"].recorded_now()["pulls_ok"] == after["pulls_ok"] + 1
