@@ -54,6 +54,23 @@ def engine_kwargs(model: str, **kw) -> dict:
     return base
 
 
+def assert_refused_and_computed(engines: Engines, dec: str, base: str, other_base: str,
+                                prompts: list[list[int]], reason: str) -> None:
+    """Decode engine ``dec`` differs from prefill ("pre") in a way that changes the answer (``base`` and
+    ``other_base`` are single engines of each side's setup and answer otherwise): every pull is refused at
+    first contact with ``reason``, nothing is pulled, and decode answers as its own single engine."""
+    want = [[list(o.outputs[0].token_ids) for o in engines.generate(b, prompts, greedy())] for b in (base, other_base)]
+    assert want[0] != want[1]  # the difference matters for these prompts
+    params = prefill(engines, prompts)
+    before = engines.agents[dec].recorded_now()
+    got = decode(engines, dec, prompts, params)
+    after = engines.agents[dec].recorded_now()
+    key = f"compat_refused.{reason}"
+    assert after.get(key, 0) - before.get(key, 0) == len(prompts)
+    assert after.get("pulls_ok", 0) == before.get("pulls_ok", 0)
+    assert got == want[1]  # its own setup, its own compute
+
+
 def position_sensitive_model(src: str, dst, factor: float = 30.0) -> str:
     """A copy of model ``src`` at ``dst`` with its query and key projections scaled by ``factor``. The tiny
     preset's attention is nearly uniform: its greedy answer depends on which tokens the prompt holds, hardly

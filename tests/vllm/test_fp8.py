@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, greedy, prefill, recording_kv_config,
-                                token_prompts)
+from tests.vllm.helpers import (BLOCK, Engines, assert_refused_and_computed, corrupting_kv_config, decode, greedy,
+                                prefill, recording_kv_config, token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -93,12 +93,5 @@ def test_fp8_corrupted_blocks_change_the_output(engines):
 
 
 def test_an_engine_with_other_kv_scales_is_refused_and_computes_the_prompt_itself(engines):
-    prompts = token_prompts([BLOCK * 6, BLOCK * 3 + 5], seed=73)
-    assert want(engines, "base", prompts) != want(engines, "base_other", prompts)  # the scales matter here
-    params = prefill(engines, prompts)
-    before = engines.agents["dec_other"].recorded_now()
-    got = decode(engines, "dec_other", prompts, params)
-    after = engines.agents["dec_other"].recorded_now()
-    assert after.get("compat_refused.kv_scales", 0) - before.get("compat_refused.kv_scales", 0) == len(prompts)
-    assert after.get("pulls_ok", 0) == before.get("pulls_ok", 0)
-    assert got == want(engines, "base_other", prompts)  # its own scales, its own compute
+    assert_refused_and_computed(engines, "dec_other", "base", "base_other",
+                                token_prompts([BLOCK * 6, BLOCK * 3 + 5], seed=73), "kv_scales")

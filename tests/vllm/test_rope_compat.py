@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from tests.vllm.helpers import (BLOCK, Engines, decode, greedy, position_sensitive_model, prefill, recording_kv_config,
-                                token_prompts)
+from tests.vllm.helpers import (BLOCK, Engines, assert_refused_and_computed, decode, greedy, position_sensitive_model,
+                                prefill, recording_kv_config, token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -44,14 +44,7 @@ def test_the_rotary_settings_are_a_compat_field(engines):
 
 def test_decode_with_other_rotary_settings_is_refused_and_computes_the_prompt_itself(engines):
     prompts = token_prompts([BLOCK * 6, BLOCK * 2 + 3], seed=81)
-    assert want(engines, "base", prompts) != want(engines, "base_other", prompts)  # the setting matters here
-    params = prefill(engines, prompts)
-    before = engines.agents["dec_other"].recorded_now()
-    got = decode(engines, "dec_other", prompts, params)
-    after = engines.agents["dec_other"].recorded_now()
-    assert after.get("compat_refused.rope", 0) - before.get("compat_refused.rope", 0) == len(prompts)
-    assert after.get("pulls_ok", 0) == before.get("pulls_ok", 0)
-    assert got == want(engines, "base_other", prompts)
+    assert_refused_and_computed(engines, "dec_other", "base", "base_other", prompts, "rope")
     # the same settings: pulled, and the single engine's answer
     params = prefill(engines, prompts)
     assert decode(engines, "dec", prompts, params) == want(engines, "base", prompts)

@@ -3,6 +3,7 @@ loses their outcomes (it dropped the engine after missed heartbeats, or restarte
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -13,16 +14,17 @@ from tests.vllm.helpers import held_requests
 pytest.importorskip("vllm")
 
 
-@pytest.fixture
-def prefill():
+@contextlib.contextmanager
+def _prefill_scheduler(lease_s: float = 2.0, **server):
+    """A prefill scheduler registered with a real bootstrap server (``server``: its BootstrapConfig limits)."""
     from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.scheduler import KVLinkScheduler
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, **server)).start()
     reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
                              protocol_version=1, compat_hash="x")
-    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=2.0), "pre", "kv_producer", 32)
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=lease_s), "pre", "kv_producer", 32)
     try:
         with BootstrapClient(srv.url) as cli:
             cli.register_engine(reg, 60.0)
@@ -30,6 +32,12 @@ def prefill():
     finally:
         sched.shutdown()
         srv.stop()
+
+
+@pytest.fixture
+def prefill():
+    with _prefill_scheduler() as it:
+        yield it
 
 
 def _hold(sched, cli, rid: str) -> None:
@@ -567,30 +575,22 @@ def test_prefill_publishes_into_its_embedded_server_without_http():
         sched.shutdown()
 
 
-def test_a_publish_the_bootstrap_server_refuses_as_full_frees_the_blocks_at_once():
-    """A server that keeps no more of this engine's requests (max_requests_per_engine) answers 429: it stored
-    nothing, so prefill frees the blocks now and tells decode to compute; the live request stays held."""
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
-    from kvlink.vllm.config import ConnectorConfig
+def test_a_publish_the_bootstrap_server_refuses_as_full_frees_the_blocks_and_tells_decode_at_once():
+    """A server that keeps no more of this engine's requests answers 429: it stored nothing, so prefill frees
+    the blocks now, answers decode with a refusal and abandons the transfer id (a decode long-polling it
+    stops waiting); the live request stays held."""
+    from kvlink.bootstrap import RequestReleased
     from kvlink.vllm.params import PrefillRequest
-    from kvlink.vllm.scheduler import KVLinkScheduler
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, max_requests_per_engine=1)).start()
-    reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
-                             protocol_version=1, compat_hash="x")
-    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32)
-    try:
-        with BootstrapClient(srv.url) as cli:
-            cli.register_engine(reg, 60.0)
-            keep, answer = sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
-            assert keep and answer["remote_request_id"] == "r1"
-            keep, answer = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
-            assert not keep and "max_requests_per_engine" in answer["kvlink_error"]
-            assert set(held_requests(sched)) == {"r1"}
-            assert cli.lookup_transfer("t-1").request_id == "r1"
-    finally:
-        sched.shutdown()
-        srv.stop()
+    with _prefill_scheduler(lease_s=30.0, max_requests_per_engine=1) as (sched, cli, _):
+        keep, answer = sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
+        assert keep and answer["remote_request_id"] == "r1"
+        keep, answer = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
+        assert not keep and "max_requests_per_engine" in answer["kvlink_error"]
+        assert set(held_requests(sched)) == {"r1"}
+        assert cli.lookup_transfer("t-1").request_id == "r1"
+        with pytest.raises(RequestReleased):  # abandoned: a decode long-polling t-2 is answered now
+            cli.lookup_transfer("t-2", wait_s=10.0)
 
 
 def test_a_sequential_prompt_mismatch_is_decided_once_and_the_prompt_computed():
@@ -635,27 +635,3 @@ def test_the_request_digest_covers_the_lora_adapter_and_the_images_among_its_tok
     assert request_digest(req(mm=[("img1", 40)]), 32) == plain  # an image after the tokens covered
     assert request_digest(req(embeds=object()), 32) is None  # embeddings: nothing to compare
     assert request_digest(req(ids=range(20)), 32) != prompt_digest(range(32))  # fewer tokens: another prompt
-
-
-def test_a_publish_refused_as_full_under_a_transfer_id_tells_a_waiting_decode_at_once():
-    from kvlink.bootstrap import (BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration,
-                                  RequestReleased)
-    from kvlink.vllm.config import ConnectorConfig
-    from kvlink.vllm.params import PrefillRequest
-    from kvlink.vllm.scheduler import KVLinkScheduler
-
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, max_requests_per_engine=1)).start()
-    reg = EngineRegistration(engine_id="pre", tp_rank=0, tp_size=1, transport_addr="127.0.0.1:9", layers=[],
-                             protocol_version=1, compat_hash="x")
-    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32)
-    try:
-        with BootstrapClient(srv.url) as cli:
-            cli.register_engine(reg, 60.0)
-            assert sched.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])[0]
-            keep, _ = sched.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
-            assert not keep
-            with pytest.raises(RequestReleased):  # abandoned: a decode long-polling t-2 is answered now
-                cli.lookup_transfer("t-2", wait_s=10.0)
-    finally:
-        sched.shutdown()
-        srv.stop()
