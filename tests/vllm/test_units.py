@@ -187,6 +187,10 @@ def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
 
     assert (kv_format("auto"), kv_format("bfloat16"), kv_format("fp8"), kv_format("fp8_e5m2")) == (
         "", "", "fp8_e4m3", "fp8_e5m2")
+    # ROCm's fnuz e4m3 means other values than NVIDIA's (and CPU's) fn: told apart by the platform's fp8 dtype
+    assert [kv_format(cd, "torch.float8_e4m3fnuz") for cd in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto")] == [
+        "fp8_e4m3fnuz", "fp8_e4m3fnuz", "fp8_e5m2", ""]
+    assert kv_format("fp8", "torch.float8_e4m3fn") == "fp8_e4m3"
     compats = {}
     for fmt in ("fp8_e4m3", "fp8_e5m2", ""):
         w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("e", 0, 1, 0, 1, "m", kv_format=fmt),
