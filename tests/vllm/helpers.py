@@ -54,6 +54,12 @@ def engine_kwargs(model: str, **kw) -> dict:
     return base
 
 
+def without_digest(params: dict) -> dict:
+    """Prefill's answer without its prompt digest (a router that drops it): the one way left to make decode
+    read another prompt's KV, for negative controls."""
+    return {k: v for k, v in params.items() if k != "remote_prompt_sha"}
+
+
 def assert_refused_and_computed(engines: Engines, dec: str, base: str, other_base: str,
                                 prompts: list[list[int]], reason: str) -> None:
     """Decode engine ``dec`` differs from prefill ("pre") in a way that changes the answer (``base`` and

@@ -134,6 +134,7 @@ def test_decode_sent_another_prompt_than_prefill_does_not_use_the_streamed_kv(sd
     want = baseline(sd, [b])[0]
     pre_params, dec_params = concurrent_legs(sd["bootstrap"], "prefill-s", "other-" + uuid.uuid4().hex)
     mismatch0, ok0 = metric(dec, "kvlink_prompt_mismatch_total"), metric(dec, "kvlink_pulls_ok_total")
+    streamed0 = metric(dec, "kvlink_blocks_streamed_total")
     abandoned0 = metric(pre, "kvlink_released_abandoned_total")
     with cf.ThreadPoolExecutor(1) as ex:
         prefill_leg = ex.submit(complete, pre.url, a, pre_params, 1, 120.0)
@@ -142,6 +143,7 @@ def test_decode_sent_another_prompt_than_prefill_does_not_use_the_streamed_kv(sd
     assert got == want
     assert metric(dec, "kvlink_prompt_mismatch_total") == mismatch0 + 1
     assert metric(dec, "kvlink_pulls_ok_total") == ok0
+    assert metric(dec, "kvlink_blocks_streamed_total") > streamed0  # it did read prefill's pieces meanwhile
     assert wait_for(lambda: metric(pre, "kvlink_released_abandoned_total") > abandoned0)
     assert_nothing_held(sd)
 

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.ports import free_port
-from tests.vllm.helpers import pull_outcome, submit_pull
+from tests.vllm.helpers import pull_outcome, submit_pull, without_digest
 
 torch = pytest.importorskip("torch")
 
@@ -60,12 +60,19 @@ def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
         # both ranks pulled their shard of every block: 2 layers x block_bytes per rank
         assert srv.metric("kvlink_pulls_failed_total") == 0.0
         assert srv.metric("kvlink_bytes_pulled_total") == pulled * 2 * block_bytes * 2
-        # negative control: prompt A decoded on prompt B's KV (same length) gives another answer
+        # prompt A sent with prompt B's params (same length): prefill's digest of B tells decode the KV is not
+        # A's, and decode computes A itself
         a, b = token_prompts([300, 300], seed=99)
         want = text(complete(srv.url, a))
         failed = srv.metric("kvlink_pulls_failed_total")
+        mismatch = srv.metric("kvlink_prompt_mismatch_total") or 0.0
         params_b = complete(srv.url, b, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-        assert text(complete(srv.url, a, params_b)) != want
+        assert text(complete(srv.url, a, params_b)) == want
+        assert srv.metric("kvlink_prompt_mismatch_total") == mismatch + 1
+        # negative control: the same without the digest (a router that drops it) decodes A on B's KV: another
+        # answer, so decode's answer does come from the KV it pulls
+        params_b = complete(srv.url, b, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+        assert text(complete(srv.url, a, without_digest(params_b))) != want
         params_a = complete(srv.url, a, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
         assert text(complete(srv.url, a, params_a)) == want
         assert srv.metric("kvlink_pulls_failed_total") == failed  # both pulled, neither recomputed
@@ -168,11 +175,12 @@ def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
         assert dec.metric("kvlink_pulls_failed_total") == 0.0
         # both decode ranks pulled their own head of every block of both layers, once
         assert dec.metric("kvlink_bytes_pulled_total") == pulled * 2 * block_bytes * 2
-        # negative control: prompt A decoded on prompt B's KV (same length) gives another answer
+        # negative control: prompt A decoded on prompt B's KV (same length, B's digest dropped: with it decode
+        # computes A itself) gives another answer
         a, b = token_prompts([300, 300], seed=98)
         want = text(complete(dec.url, a, timeout=300))
         params_b = complete(pre.url, b, {"do_remote_decode": True}, max_tokens=1, timeout=300)["kv_transfer_params"]
-        assert text(complete(dec.url, a, params_b, timeout=300)) != want
+        assert text(complete(dec.url, a, without_digest(params_b), timeout=300)) != want
         deadline = time.monotonic() + 30
         while pre.metric("kvlink_held_blocks") != 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
