@@ -155,8 +155,10 @@ class RequestRecord(_Strict, kw_only=True, omit_defaults=True):  # an older clie
     step_block_ids: BlockIds = []
     layers: Annotated[int, Meta(ge=0, lt=1 << 20)] = 0
     # A digest of the first ``num_tokens`` prompt token ids prefill computed (kvlink.vllm.params.prompt_digest):
-    # decode compares its own before it trusts the KV (the same prompt, the same tokenization).
+    # decode compares its own before it trusts the KV (the same prompt, the same tokenization). In a partial
+    # record, of the whole prompt being computed, ``prompt_tokens`` tokens.
     prompt_sha: PromptSha | None = None
+    prompt_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
 
 
 class ReleasedRequest(_Strict, kw_only=True):
@@ -214,6 +216,9 @@ class StreamPiece(_Strict, kw_only=True, omit_defaults=True):
     block_ids: BlockIds
     step_block_ids: BlockIds = []
     layers: Annotated[int, Meta(ge=0, lt=1 << 20)] = 0
+    # The digest of the request's whole prompt (``prompt_tokens`` tokens): decode compares it before it reads
+    prompt_sha: PromptSha | None = None
+    prompt_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
 
     def __post_init__(self) -> None:
         if self.step_block_ids and len(self.step_block_ids) != len(self.block_ids):

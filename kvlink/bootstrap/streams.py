@@ -54,6 +54,8 @@ class Progress:
     block_version: int = 0
     step_block_ids: tuple[tuple[int, ...], ...] = ()
     layers: int = 0
+    prompt_sha: str | None = None  # the whole prompt's digest, as the stream's first piece gave it
+    prompt_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,6 +82,7 @@ class _Stream:
     progress: Progress | None = None
     version: int = 0
     block_version: int = 0
+    prompt: tuple[str | None, int] = (None, 0)  # (digest, tokens) of the prompt, from the first piece with one
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,7 +112,8 @@ class StreamBook:
 
     def piece(self, engine_id: str, rank: int, ranks: int, transfer_id: str, request_id: str, index: int,
               epoch: int, num_tokens: int, block_ids: list[list[int]], now: float,
-              step_block_ids: list[list[int]] = (), layers: int = 0) -> PieceStatus:
+              step_block_ids: list[list[int]] = (), layers: int = 0, prompt_sha: str | None = None,
+              prompt_tokens: int = 0) -> PieceStatus:
         """Apply one piece of rank ``rank`` (of ``ranks``); see the module docstring for the rules."""
         if transfer_id in self._ended:
             self.stats.dropped += 1
@@ -126,6 +130,8 @@ class StreamBook:
                                  f"{stream.engine_id!r} ({stream.ranks} ranks)")
         stream.touched = now
         self._live.move_to_end(transfer_id)
+        if prompt_sha is not None and stream.prompt[0] is None:
+            stream.prompt = (prompt_sha, prompt_tokens)
         last = stream.by_rank.get(rank)
         if last is not None and index <= last.index:
             self.stats.duplicates += 1
@@ -196,7 +202,7 @@ class StreamBook:
         stream.version += 1
         stream.progress = Progress(stream.engine_id, stream.request_id, stream.version, low.epoch,
                                    low.num_tokens, low.block_ids, stream.block_version, low.step_block_ids,
-                                   low.layers)
+                                   low.layers, *stream.prompt)
 
     def _sweep(self, now: float) -> None:
         # Live streams nobody touched for ttl_s: prefill died without abandoning them (oldest first: the loop

@@ -343,7 +343,8 @@ class PairingTable:
                 self.streams.end(tid, now)  # published (or abandoned) already: the piece came late
             try:
                 status = self.streams.piece(engine_id, rank, ranks, tid, p.request_id, p.index, p.epoch,
-                                            p.num_tokens, p.block_ids, now, p.step_block_ids, p.layers)
+                                            p.num_tokens, p.block_ids, now, p.step_block_ids, p.layers,
+                                            p.prompt_sha, p.prompt_tokens)
             except StreamConflict as e:
                 self.stats.conflicts += 1
                 raise Conflict(str(e), field="transfer_id") from None
@@ -570,4 +571,5 @@ def _partial(transfer_id: str, progress: Progress, layers: bool) -> RequestRecor
     return RequestRecord(engine_id=progress.engine_id, request_id=progress.request_id, transfer_id=transfer_id,
                          block_ids=[list(g) for g in progress.block_ids], num_tokens=progress.num_tokens,
                          lease_remaining_s=0.0, partial=True, epoch=progress.epoch,
-                         version=progress.version if layers else progress.block_version, **step)
+                         version=progress.version if layers else progress.block_version,
+                         prompt_sha=progress.prompt_sha, prompt_tokens=progress.prompt_tokens, **step)

@@ -285,6 +285,13 @@ class Puller:
                                       layers=layers)
             trace.event("answer", rid=rid, transfer_id=src.transfer_id, partial=rec.partial, layers=rec.layers,
                         version=rec.version, asked=round(asked, 6))
+            if (rec.partial and spec.prompt_sha is not None and rec.prompt_sha is not None
+                    and rec.prompt_tokens == spec.prompt_tokens and rec.prompt_sha != spec.prompt_sha):
+                with self._lock:  # before anything of it is read (or armed): the same refusal as at the record
+                    self._stats.add("prompt_mismatch")
+                raise PairingError(f"request {rid}: prefill streams a prompt of {rec.prompt_tokens} tokens that "
+                                   "are not decode's (another prompt under this transfer id, or the same text "
+                                   "tokenized otherwise): its KV is not used")
             if not rec.partial:
                 return rec, asked
             after = rec.version

@@ -538,7 +538,8 @@ class KVLinkScheduler:
             if slots is None:
                 return  # no room in the pool now: staged at the end, not streamed
             self._stream_slots[request.request_id] = slots
-        self._stream.track(request.request_id, transfer_id, request.num_prompt_tokens)
+        self._stream.track(request.request_id, transfer_id, request.num_prompt_tokens,
+                           request_digest(request, request.num_prompt_tokens))
 
     def _stream_pieces(self, so: Any) -> list:
         """This step's streamed pieces, from vLLM's scheduler output (blocks of one KV cache group)."""

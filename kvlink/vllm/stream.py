@@ -73,6 +73,8 @@ class StreamSpec:
     # host staging: ``block_ids`` are the request's pool slots (what decode reads) and these its device
     # blocks, by position; the worker copies each layer of the step's new ones into the slots as it goes
     device_ids: tuple[int, ...] = ()
+    prompt_sha: str | None = None  # the whole prompt's digest (params.prompt_digest), ``prompt_tokens`` tokens
+    prompt_tokens: int = 0
     block_size: int = field(kw_only=True)
 
 
@@ -95,6 +97,8 @@ class Piece:
     def fields(self) -> dict[str, Any]:
         sp = self.spec
         out = dict(transfer_id=sp.transfer_id, request_id=sp.request_id, index=self.index, epoch=sp.epoch)
+        if sp.prompt_sha is not None:
+            out.update(prompt_sha=sp.prompt_sha, prompt_tokens=sp.prompt_tokens)
         if not self.layers:
             return dict(out, num_tokens=sp.num_tokens, block_ids=[list(sp.block_ids)])
         return dict(out, num_tokens=sp.whole * sp.block_size, block_ids=[list(sp.block_ids[:sp.whole])],
@@ -120,6 +124,7 @@ def layer_pieces(specs: list[StreamSpec], layers: int) -> list[Piece]:
 class _Streamed:
     transfer_id: str
     prompt_tokens: int
+    prompt_sha: str | None = None
     epoch: int = 0
     index: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -137,11 +142,12 @@ class StreamPlanner:
     def __contains__(self, rid: str) -> bool:
         return rid in self._reqs
 
-    def track(self, rid: str, transfer_id: str, prompt_tokens: int) -> None:
-        """A streamed request was allocated blocks (again, after a preemption: a new epoch)."""
+    def track(self, rid: str, transfer_id: str, prompt_tokens: int, prompt_sha: str | None = None) -> None:
+        """A streamed request was allocated blocks (again, after a preemption: a new epoch). ``prompt_sha``:
+        its whole prompt's digest, which every piece carries (decode compares it before it reads)."""
         r = self._reqs.get(rid)
         if r is None:
-            self._reqs[rid] = _Streamed(transfer_id, prompt_tokens)
+            self._reqs[rid] = _Streamed(transfer_id, prompt_tokens, prompt_sha)
             return
         r.epoch += 1  # restarted: its blocks may be others, and what was announced may be stale
         r.blocks, r.sent_blocks, r.scheduled = [], 0, False
@@ -163,7 +169,7 @@ class StreamPlanner:
             r = self._reqs.get(rid)
             if r is not None:
                 if r.scheduled:  # scheduled as new again without a track(): a restart all the same
-                    self.track(rid, r.transfer_id, r.prompt_tokens)
+                    self.track(rid, r.transfer_id, r.prompt_tokens, r.prompt_sha)
                 r.blocks, r.scheduled = list(blocks), True
                 seen[rid] = computed
         for rid, blocks, resumed, computed in cached:
@@ -172,7 +178,7 @@ class StreamPlanner:
                 continue
             if resumed:
                 if r.scheduled:
-                    self.track(rid, r.transfer_id, r.prompt_tokens)
+                    self.track(rid, r.transfer_id, r.prompt_tokens, r.prompt_sha)
                 r.blocks = list(blocks or ())
             elif blocks:
                 r.blocks.extend(blocks)
@@ -197,7 +203,7 @@ class StreamPlanner:
             r.sent_blocks = full
             out.append(StreamSpec(rid, r.transfer_id, r.index, r.epoch,
                                   min(full * self.block_size, r.prompt_tokens), tuple(r.blocks[:full]), whole, last,
-                                  block_size=self.block_size))
+                                  prompt_sha=r.prompt_sha, prompt_tokens=r.prompt_tokens, block_size=self.block_size))
         return out
 
 

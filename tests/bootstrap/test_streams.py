@@ -215,3 +215,17 @@ def test_the_sweep_forgets_streams_untouched_for_the_ttl_oldest_first_and_a_piec
     book.piece("E", 0, 1, "new", "r", 1, 0, 16, [[1]], now=12.0)  # t1..t199 are 10 s old: swept
     assert "t0" in book._live and "t200" not in book._live and "t201" in book._live
     assert list(book._live)[-2:] == ["t0", "new"]
+
+
+def test_the_prompt_digest_of_a_stream_reaches_decode_with_its_first_progress(table, engine):
+    sha = "c0ffee" * 5 + "00"
+    first = StreamPiece(transfer_id="t", request_id="r", index=1, num_tokens=32, block_ids=[[5]], prompt_sha=sha,
+                        prompt_tokens=500)
+    table.stream_pieces(engine, 0, 1, [first])
+    rec = partial(table)
+    assert (rec.prompt_sha, rec.prompt_tokens) == (sha, 500)
+    table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 9])])  # a later piece without it: kept from the first
+    assert (partial(table, 1).prompt_sha, partial(table, 1).prompt_tokens) == (sha, 500)
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [7], tid="u", rid="q")])  # a stream without one: none
+    found = table.lookup_transfer("u", 0)
+    assert found.prompt_sha is None and found.prompt_tokens == 0

@@ -508,3 +508,20 @@ def test_a_record_from_another_engine_object_does_not_trust_the_read_on_the_wire
     assert t.take_results(0.5).done == set()
     end_batch(t, again, 0.6)
     assert t.take_results(1.0).done == {"a"}
+
+
+def test_every_piece_of_a_streamed_request_carries_its_whole_prompts_digest():
+    from kvlink.vllm.stream import StreamPlanner
+
+    pl = StreamPlanner(32)
+    pl.track("r", "t", 100, prompt_sha="ab" * 16)
+    pl.track("s", "u", 100)
+    specs = pl.step([("r", [1, 2, 3, 4], 0), ("s", [5, 6, 7, 8], 0)], [], {"r": 64, "s": 64})
+    assert [(sp.request_id, sp.prompt_sha, sp.prompt_tokens) for sp in specs] == [("r", "ab" * 16, 100),
+                                                                                  ("s", None, 100)]
+    fields = [Piece(sp, sp.index).fields() for sp in specs]
+    assert (fields[0]["prompt_sha"], fields[0]["prompt_tokens"]) == ("ab" * 16, 100)
+    assert "prompt_sha" not in fields[1] and "prompt_tokens" not in fields[1]
+    pl.track("r", "t", 100)  # restarted (preempted): a new epoch, the same prompt
+    specs = pl.step([("r", [9, 10, 11, 12], 0)], [], {"r": 64})
+    assert specs[0].prompt_sha == "ab" * 16 and specs[0].epoch == 1
