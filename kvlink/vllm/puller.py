@@ -235,13 +235,7 @@ class Puller:
                 if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
                     raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
                                        f"{spec.num_tokens}: a Mamba state continues only from the tokens it saw")
-                if (spec.prompt_sha is not None and rec.prompt_sha is not None and rec.num_tokens == spec.prompt_tokens
-                        and rec.prompt_sha != spec.prompt_sha):
-                    with self._lock:
-                        self._stats.add("prompt_mismatch")
-                    raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} prompt tokens that are not "
-                                       "decode's (another prompt under this transfer id, or the same text tokenized "
-                                       "otherwise): its KV is not used")
+                self._check_prompt(spec, rec.prompt_sha, rec.num_tokens)
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)
@@ -267,6 +261,17 @@ class Puller:
             return (pull is not None and not self._closed
                     and pull.deadline - time.monotonic() > self.cfg.bootstrap_timeout_s + 1.0)
 
+    def _check_prompt(self, spec: PullSpec, sha: str | None, tokens: int) -> None:
+        """Concurrent pairing: prefill's digest of its first ``tokens`` prompt tokens against decode's own
+        (params.prompt_digest), where both cover as many; PairingError (the KV is not used) if they differ."""
+        if spec.prompt_sha is None or sha is None or tokens != spec.prompt_tokens or sha == spec.prompt_sha:
+            return
+        with self._lock:
+            self._stats.add("prompt_mismatch")
+        raise PairingError(f"request {spec.request_id}: prefill computes {tokens} prompt tokens that are not decode's "
+                           "(another prompt under this transfer id, or the same text tokenized otherwise): its KV is "
+                           "not used")
+
     def _await_record(self, cli, spec: PullSpec, engine_id: str | None):
         """Concurrent pairing: long-poll the bootstrap server until prefill publishes the request, and
         meanwhile read the blocks it reports finished (streamed KV: pulls.py, ``piece``). Returns (the
@@ -285,13 +290,8 @@ class Puller:
                                       layers=layers)
             trace.event("answer", rid=rid, transfer_id=src.transfer_id, partial=rec.partial, layers=rec.layers,
                         version=rec.version, asked=round(asked, 6))
-            if (rec.partial and spec.prompt_sha is not None and rec.prompt_sha is not None
-                    and rec.prompt_tokens == spec.prompt_tokens and rec.prompt_sha != spec.prompt_sha):
-                with self._lock:  # before anything of it is read (or armed): the same refusal as at the record
-                    self._stats.add("prompt_mismatch")
-                raise PairingError(f"request {rid}: prefill streams a prompt of {rec.prompt_tokens} tokens that "
-                                   "are not decode's (another prompt under this transfer id, or the same text "
-                                   "tokenized otherwise): its KV is not used")
+            if rec.partial:  # every piece carries the whole prompt's digest: refused before anything is read
+                self._check_prompt(spec, rec.prompt_sha, rec.prompt_tokens)
             if not rec.partial:
                 return rec, asked
             after = rec.version
