@@ -262,15 +262,20 @@ class Puller:
                     and pull.deadline - time.monotonic() > self.cfg.bootstrap_timeout_s + 1.0)
 
     def _check_prompt(self, spec: PullSpec, sha: str | None, tokens: int) -> None:
-        """Concurrent pairing: prefill's digest of its first ``tokens`` prompt tokens against decode's own
-        (params.prompt_digest), where both cover as many; PairingError (the KV is not used) if they differ."""
-        if spec.prompt_sha is None or sha is None or tokens != spec.prompt_tokens or sha == spec.prompt_sha:
+        """Concurrent pairing: prefill's digest of its first ``tokens`` prompt tokens (params.prompt_digest)
+        must be decode's own over as many: the tokens decode loads, or its whole prompt. A count that is
+        neither is another prompt too. PairingError (the KV is not used) otherwise; nothing to compare where
+        either side has no token ids (prompt embeddings) or the scheduler compared already (sequential)."""
+        mine = {n: d for n, d in ((spec.prompt_tokens, spec.prompt_sha), (spec.whole_tokens, spec.whole_sha))
+                if d is not None}
+        if sha is None or not mine or mine.get(tokens) == sha:
             return
         with self._lock:
             self._stats.add("prompt_mismatch")
-        raise PairingError(f"request {spec.request_id}: prefill computes {tokens} prompt tokens that are not decode's "
-                           "(another prompt under this transfer id, or the same text tokenized otherwise): its KV is "
-                           "not used")
+        what = (f"{tokens} prompt tokens that are not decode's" if tokens in mine else
+                f"a prompt of {tokens} tokens, decode's has {spec.whole_tokens}")
+        raise PairingError(f"request {spec.request_id}: prefill computes {what} (another prompt under this transfer "
+                           "id, or the same text tokenized otherwise): its KV is not used")
 
     def _await_record(self, cli, spec: PullSpec, engine_id: str | None):
         """Concurrent pairing: long-poll the bootstrap server until prefill publishes the request, and

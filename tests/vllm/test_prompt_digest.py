@@ -94,3 +94,74 @@ def test_decode_looking_another_prompt_up_by_transfer_id_does_not_use_its_kv(eng
     params = by_transfer_id(engines, a, "digest-t2")
     assert decode(engines, "dec", [a], [params]) == want(engines, [a])
     assert engines.agents["dec"].recorded_now()["pulls_ok"] == after["pulls_ok"] + 1
+
+
+def test_decode_with_a_shorter_other_prompt_by_transfer_id_does_not_use_its_kv(engines):
+    """Prefill's record covers its whole prompt; decode's prompt is another one, a few tokens shorter but
+    needing no more blocks than prefill published (so block pairing alone would accept it). Digests cover
+    as many tokens only on the same count: a prompt of another length is another prompt."""
+    a, b = two_prompts(seed=64)
+    b = b[:-5]  # 5 blocks + 3 tokens -> 4 blocks + 30 tokens: still within prefill's blocks
+    params = by_transfer_id(engines, a, "digest-t3")
+    before = engines.agents["dec"].recorded_now()
+    assert decode(engines, "dec", [b], [params]) == want(engines, [b])
+    after = engines.agents["dec"].recorded_now()
+    assert after["prompt_mismatch"] - before["prompt_mismatch"] == 1
+    assert after["pulls_ok"] == before["pulls_ok"]
+    assert released(engines)
+
+
+class _Answers:
+    """A bootstrap client answering decode's long polls from a list (partial records, then the record)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def lookup_transfer(self, *args, **kwargs):
+        return self.answers.pop(0)
+
+
+@pytest.mark.parametrize("decode_tokens,read", [(64, True), (40, False), (60, False)])
+def test_a_streamed_pull_reads_nothing_of_a_prompt_of_another_length(decode_tokens, read):
+    """Decode's worker, driven without sockets: prefill streams a 64-token prompt (a piece of its first two
+    blocks, then the record). Decode's prompt of 40 or 60 other tokens needs no more blocks than prefill has,
+    so only the prompt digest can tell: nothing may be read, at the first piece. 64: decode's own prompt,
+    whose piece is read (the control)."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import prompt_digest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+    from tests.vllm.test_scheduler import _blocks, _decode_request
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1", "transfer_id": "tx"}
+        req = _decode_request("d1", decode_tokens, params)  # token ids 10, 11, ...
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, _blocks(list(range(1, -(-decode_tokens // 16) + 1))), n)
+        (spec,) = sched._new_pulls
+    finally:
+        sched.shutdown()
+    sha = prompt_digest(range(10, 74))  # prefill's prompt: 64 tokens, the first 40/60 of them decode's own
+    common = dict(prompt_sha=sha, prompt_tokens=64, engine_id="pre", request_id="p1", epoch=0, layers=0)
+    piece = SimpleNamespace(partial=True, block_ids=[[11, 12]], step_block_ids=[], version=1, **common)
+    record = SimpleNamespace(partial=False, block_ids=[[11, 12, 13, 14]], num_tokens=64, lease_remaining_s=30.0,
+                             version=2, **common)
+    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        w._layer_ids, w._layer_rank = None, {}
+        w._clients_for = lambda url: _Answers([piece, record])
+        w._remote = lambda cli, url, engine_id: "prefill"
+        carried = []
+        w._carry_out = carried.extend
+        w._table.submit(spec, 0.0)
+        w._resolve(spec)
+        posts = [a for a in carried if type(a).__name__ == "Post"]
+        assert bool(posts) == read, posts
+        assert w._stats.data.get("prompt_mismatch", 0) == (0 if read else 1)
+        if not read:
+            assert "d1" in w._table.take_results(time.monotonic()).failed
+    finally:
+        w.shutdown()
