@@ -68,6 +68,9 @@ class KVLinkMetadata(KVConnectorMetadata):
     frees: list[str] = field(default_factory=list)  # prefill: report as finished_sending
     # prefill with host staging: (request id, device blocks, pool slots) to copy, then report as finished_sending
     stages: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    # prefill with host staging and streamed KV: requests whose streamed slots went back to the pool (before
+    # ``stages``: a restaged request's slots may be its old ones again, holding another request's KV by then)
+    unstreamed: list[str] = field(default_factory=list)
     bootstrap_url: str | None = None  # prefill: where workers register
     streams: list = field(default_factory=list)  # prefill: stream.StreamSpec pieces to send after this step
     # decode, lock-step (lockstep.py): armed requests this step runs (its layers wait for their KV, its end

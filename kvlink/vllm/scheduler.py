@@ -528,11 +528,11 @@ class KVLinkScheduler:
         """Prefill: a request of concurrent pairing (a transfer id) was given blocks (again after a
         preemption): stream its finished blocks from now on."""
         params = request.kv_transfer_params
-        if not isinstance(params, dict):
+        if not isinstance(params, dict) or request.request_id in self._bad:
             return
         try:
-            if not kvparams.flag(params, "do_remote_decode"):
-                return
+            if not kvparams.flag(params, "do_remote_decode") or kvparams.flag(params, "do_remote_prefill"):
+                return  # (both flags: refused, request_finished ends it as a decode request)
             transfer_id = PrefillRequest.from_params(params).transfer_id
         except BadParams:
             return  # request_finished refuses it
@@ -754,8 +754,13 @@ class KVLinkScheduler:
         if trace.enabled() and not self.is_producer:
             trace.event("step", tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None))
         stages = self._stage_jobs(frees) if self._planner is not None else []
+        unstreamed = []
+        if self._planner is not None and self._stream is not None:
+            with self._held_lock:
+                unstreamed = self._planner.take_dropped()
         streams = self._stream_pieces(scheduler_output) if self._stream is not None else []
         meta = KVLinkMetadata(pulls=self._new_pulls, cancels=self._new_cancels, frees=frees, stages=stages,
+                              unstreamed=unstreamed,
                               bootstrap_url=self.bootstrap_url if self.is_producer else None, streams=streams)
         self._new_pulls, self._new_cancels = [], []
         book = self._lockstep

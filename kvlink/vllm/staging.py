@@ -146,6 +146,9 @@ class StagePlanner:
     _staged: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> its slots
     _reserved: dict[str, tuple[int, ...]] = field(default_factory=dict)  # streamed requests still computing
     _started: list[StageJob] = field(default_factory=list)  # streamed ones admitted, with their slots
+    # Streamed requests whose reserved slots went back to the pool (aborted, refused, restaged): what the
+    # worker copied into them layer by layer is another request's from now on (``take_dropped``).
+    _dropped: list[str] = field(default_factory=list)
 
     def reserve(self, rid: str, n: int) -> tuple[int, ...] | None:
         """Slots for the ``n`` block positions of a streamed request that starts computing (the same ones
@@ -164,6 +167,13 @@ class StagePlanner:
         slots = self._reserved.pop(rid, None)
         if slots is not None:
             self.pool.free(slots)
+            self._dropped.append(rid)
+
+    def take_dropped(self) -> list[str]:
+        """Streamed requests whose slots were given back since the last call (the worker forgets which of
+        their positions it copied: the same slots may come back to them holding another request's KV)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def admit(self, rid: str, table: tuple[int, ...], now: float, extra: Any = None) -> str | None:
         """Queue a finished request; the reason it cannot be staged at all (larger than the pool), or None.
@@ -181,6 +191,7 @@ class StagePlanner:
                 self._started.append(job)
                 return None
             self.pool.free(slots)  # cannot grow it in place: staged from scratch, like any other
+            self._dropped.append(rid)
             job.restaged = True
         if need > self.pool.capacity:
             self._count("staging_refused")

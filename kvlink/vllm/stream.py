@@ -265,7 +265,7 @@ class StagedCopies:
                 self._prefix[sp.request_id] = (sp.epoch, tuple(sp.block_ids))
                 whole.add(sp.request_id)
         self._step.clear()
-        while len(self._prefix) > 65536:  # requests aborted after streaming (never staged): the oldest go
+        while len(self._prefix) > 65536:  # a backstop: the scheduler names the ones to forget (unstreamed)
             self._prefix.pop(next(iter(self._prefix)))
         return whole
 
@@ -275,6 +275,7 @@ class StagedCopies:
         return len(done) if tuple(slots[:len(done)]) == done else 0
 
     def forget(self, rid: str) -> None:
+        """The request's slots went back to the pool: nothing copied into them counts for it any more."""
         self._prefix.pop(rid, None)
 
 

@@ -396,6 +396,8 @@ class KVLinkWorker(Puller):
         if meta.frees:
             with self._lock:
                 self._frees.update(meta.frees)
+        if meta.unstreamed:
+            self._forget_streamed(meta.unstreamed)
         if meta.stages:
             self._stage(meta.stages)
         if meta.pulls and self._stager is not None:
@@ -458,6 +460,13 @@ class KVLinkWorker(Puller):
             for rid in res.done:
                 trace.event("pull_done", rid=rid, failed=rid in failed)
         return sending | staged, res.done | failed, failed
+
+    def _forget_streamed(self, rids: list[str]) -> None:
+        """Prefill, host staging: these streamed requests' slots went back to the pool (aborted, refused, or
+        restaged from scratch): which positions were copied into them no longer says anything."""
+        if self._streamer is not None and self._streamer.copies is not None:
+            for rid in rids:
+                self._streamer.copies.forget(rid)
 
     def _stage(self, jobs: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Prefill, vLLM's thread: copy finished requests' blocks into the slots the scheduler gave them. On

@@ -635,3 +635,27 @@ def test_the_request_digest_covers_the_lora_adapter_and_the_images_among_its_tok
     assert request_digest(req(mm=[("img1", 40)]), 32) == plain  # an image after the tokens covered
     assert request_digest(req(embeds=object()), 32) is None  # embeddings: nothing to compare
     assert request_digest(req(ids=range(20)), 32) != prompt_digest(range(32))  # fewer tokens: another prompt
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_both"])
+def test_a_request_asking_both_to_pull_and_to_publish_is_never_streamed(role):
+    """Refused as a pull (both flags) and ended as one by request_finished: were it streamed, its stream,
+    its pool slots and the transfer at the server would stay taken for good."""
+    from vllm.v1.request import RequestStatus
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(stream_kv=True), "pre", role, 32, staging_slots=4)
+    try:
+        params = {"do_remote_decode": True, "do_remote_prefill": True, "remote_bootstrap_addr": "http://p:1",
+                  "transfer_id": "t-both"}
+        req = _decode_request("both-1", 100, params)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 0)
+        req.status = RequestStatus.FINISHED_ABORTED
+        sched.request_finished(req, [1, 2, 3, 4])
+        assert "both-1" not in sched._stream and "both-1" not in sched._stream_slots
+        assert sched._planner.pool.in_use == 0
+    finally:
+        sched.shutdown()

@@ -107,6 +107,8 @@ def test_a_streamed_request_that_ends_otherwise_gives_its_slots_back_and_one_tha
     # its pieces named slots that are free now (another request may get them before decode's READs end):
     # the job says so, and the scheduler publishes it at the next epoch (decode reads it all again)
     assert pl._queued["d"].restaged and not job.restaged
+    # the streamed slots given back (a unreserved, d restaged; not b and c, staged in theirs) are named once
+    assert pl.take_dropped() == ["a", "d"] and pl.take_dropped() == []
 
 
 def test_staging_decision():
@@ -371,3 +373,46 @@ def test_on_cuda_a_request_streamed_whole_into_the_pool_is_staged_only_once_its_
     assert w._staged_done() == set()
     stager.markers[-1].set()
     assert w._staged_done() == {"r"}
+
+
+def test_a_restaged_request_whose_old_slots_came_back_is_copied_whole_not_from_anothers_kv():
+    """A streamed request X cannot grow its slots at the end (the pool is full) and is staged from scratch;
+    meanwhile another streamed request Y copies its own KV into X's old slots, then ends; X's job gets the
+    same slots back. What the worker copied for X into them is Y's now: the scheduler names X as given
+    back (metadata ``unstreamed``, before the job), and X is copied whole."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.stream import StreamSpec
+
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    pl = StagePlanner(SlotPool(3), wait_s=60.0)
+    copies = StagedCopies(names)
+
+    def stream(rid, slots, devs):  # one whole step of a streamed request, copied into its slots layer by layer
+        sp = StreamSpec(rid, "t-" + rid, 1, 0, 32 * len(slots), tuple(slots), 0, True, tuple(devs), block_size=32)
+        copies.start(sp)
+        for n in names:
+            copies.layer_copied(sp, n)
+        assert copies.step_done([sp]) == {rid}
+
+    stream("X", pl.reserve("X", 2), (100, 101))
+    assert pl.admit("Z", (300,), 0.0) is None and pl.take_jobs(0.0)[0]  # Z fills the pool's last slot
+    assert pl.admit("X", (100, 101, 102), 0.0) is None  # X needs 3 slots: given back, queued from scratch
+    stream("Y", pl.reserve("Y", 2), (200, 201))  # Y streams into X's old slots 1-2
+    pl.unreserve("Y")
+    pl.staged("Z")
+    pl.release("Z")
+    (job,), _ = pl.take_jobs(0.0)
+    assert job.request_id == "X" and job.slots == (1, 2, 3)
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"), W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    try:
+        stager = CudaLikeStager()
+        w._stager, w._streamer = stager, SimpleNamespace(copies=copies)
+        w._forget_streamed(pl.take_dropped())  # what start_load_kv does with meta.unstreamed, before the jobs
+        w._stage([(job.request_id, job.blocks, job.slots)])
+        assert stager.copies[-1][:2] == ((100, 101, 102), (1, 2, 3))  # all of X, not only its third block
+    finally:
+        w._streamer = None
+        w.shutdown()
