@@ -41,7 +41,8 @@
   X(ENOPEER, -19, "unknown peer")                                               \
   X(EFULL, -20, "queue full")                                                   \
   X(EREMOTE, -21, "peer reported an error")                                     \
-  X(ELOCAL, -22, "same-host access not possible")
+  X(ELOCAL, -22, "same-host access not possible")                              \
+  X(EPEERCHANGED, -23, "another engine answers at the peer's address")
 
 enum {
 #define KVL__ERR_ENUM(name, val, msg) KVL_##name = val,

@@ -30,6 +30,12 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
     close(fd);
     return rc;
   }
+  if (strcmp(name, p->name) != 0) {
+    /* A restarted process at the same address: its region ids name other memory. */
+    snprintf(why, cap, "%s:%u now answers as engine \"%s\", not \"%s\"", p->host, p->port, name, p->name);
+    close(fd);
+    return KVL_EPEERCHANGED;
+  }
   s->fd = fd;
   return 0;
 }

@@ -244,7 +244,14 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
       snprintf(last_msg, sizeof last_msg, "connecting to %s:%u: %s", host, port, kvl_strerror(rc));
       break;
     }
-    rc = kvl__handshake_client(e, s->fd, p->name, last_msg, sizeof last_msg);
+    char name[KVL_MAX_NAME + 1];
+    rc = kvl__handshake_client(e, s->fd, name, last_msg, sizeof last_msg);
+    if (rc == 0 && k == 0) {
+      memcpy(p->name, name, sizeof name);
+    } else if (rc == 0 && strcmp(name, p->name) != 0) {
+      snprintf(last_msg, sizeof last_msg, "%s:%u answered as engine \"%s\", then \"%s\"", host, port, p->name, name);
+      rc = KVL_EPEERCHANGED;
+    }
   }
   if (rc == 0 && e->cfg.same_host) {
     rc = kvl__local_probe(e, p->streams[0].fd, p);

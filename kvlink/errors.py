@@ -113,6 +113,13 @@ class SameHostUnavailable(KVLinkError):
     kvl_name = "KVL_ELOCAL"
 
 
+class PeerChanged(KVLinkError, ConnectionError):
+    """A connection to a peer was reopened and another engine answered at its address (a restarted process:
+    its region ids and offsets name other memory, so nothing is read from or written to it)."""
+
+    kvl_name = "KVL_EPEERCHANGED"
+
+
 BY_NAME: dict[str, type[KVLinkError]] = {
     cls.kvl_name: cls for cls in KVLinkError.__subclasses__()  # type: ignore[misc]
 }

@@ -31,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="lease of a published request that gives none (default 30 s)")
     parser.add_argument("--max-engines", type=int, default=4096,
                         help="engines the server keeps at once; more registrations are refused (default 4096)")
+    parser.add_argument("--max-ranks-per-engine", type=int, default=4096,
+                        help="live ranks (dp x tp x pp) one engine may register; more registrations are refused "
+                        "(default 4096)")
     parser.add_argument("--max-requests-per-engine", type=int, default=262_144,
                         help="published requests one engine may have live; more publishes are refused and prefill "
                         "frees their blocks at once (default 262144)")
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             max_wait_s=args.max_wait_s,
             default_request_lease_s=args.request_lease_s,
             max_engines=args.max_engines,
+            max_ranks_per_engine=args.max_ranks_per_engine,
             max_requests_per_engine=args.max_requests_per_engine,
         )
     except BootstrapConfigError as err:

@@ -4,7 +4,8 @@ Built on ``http.client`` with a small pool of keep-alive connections shared by t
 deadline (``timeout_s``, plus the wait of a long poll): connection errors and 5xx answers are retried with
 exponential backoff until the retries or the deadline run out, then :class:`BootstrapUnavailable` is raised;
 4xx answers are never retried and raise the matching :mod:`kvlink.bootstrap.errors` class. Every call is
-idempotent on the server, so a retry after a lost answer is safe.
+idempotent on the server, so a retry after a lost answer is safe (a publish retried after its request ended
+is refused 410 and stores nothing: docs/bootstrap.md, "what a repeat answers").
 """
 
 from __future__ import annotations
@@ -200,7 +201,9 @@ class BootstrapClient:
         epoch: int = 0,
         prompt_sha: str | None = None,
     ) -> None:
-        """Publish a finished prefill request (the same publish again renews it; other content conflicts).
+        """Publish a finished prefill request (the same publish again renews it while it is live; other content
+        conflicts). RequestReleased / RequestExpired when its request id or transfer id already ended
+        (released, abandoned, expired): nothing stored, the blocks are nobody's any more.
         ``prompt_sha``: the digest of the prompt tokens it computed, which decode compares with its own."""
         body = s.checked(s.PublishBody, engine_id=engine_id, request_id=request_id, transfer_id=transfer_id,
                          block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s, epoch=epoch,
@@ -278,10 +281,16 @@ class BootstrapClient:
         body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome)
         return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
 
-    def abandon_transfer(self, engine_id: str, transfer_id: str) -> bool:
-        """Give up a transfer id (prefill's request was aborted): waiting and later lookups of it answer
-        RequestReleased at once. Idempotent (True if it had already ended)."""
-        body = s.checked(s.AbandonTransferBody, engine_id=engine_id, transfer_id=transfer_id)
+    def abandon_transfer(self, engine_id: str | None, transfer_id: str, request_id: str | None = None) -> bool:
+        """Give up a transfer id: waiting and later lookups of it answer RequestReleased at once. Idempotent
+        (True if it had already ended).
+
+        Prefill (its request was aborted, or its publish refused) names its ``engine_id`` and its own
+        ``request_id``: a live request of the engine bound to the id is released as abandoned, unless it is
+        another request (Conflict, field ``request_id``, nothing released). Without ``engine_id`` (a proxy
+        that does not know prefill's engine) it succeeds only while nothing is bound to or streamed under
+        the id (else Conflict, field ``engine_id``, naming the engine that owns it)."""
+        body = s.checked(s.AbandonTransferBody, engine_id=engine_id, transfer_id=transfer_id, request_id=request_id)
         return self._call("/v1/transfer/abandon", body, s.ReleaseAnswer).already_released
 
     def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: list[s.StreamPiece]) -> list[str]:

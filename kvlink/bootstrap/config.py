@@ -32,6 +32,7 @@ class TableLimits:
     tombstone_ttl_s: float = 600.0
     max_pending_outcomes: int = 200_000
     max_engines: int = 4096
+    max_ranks_per_engine: int = 4096
     max_requests_per_engine: int = 262_144
 
 
@@ -57,6 +58,7 @@ class BootstrapConfig:
     tombstone_ttl_s: float = 600.0
     max_pending_outcomes: int = 200_000
     max_engines: int = 4096
+    max_ranks_per_engine: int = 4096
     max_requests_per_engine: int = 262_144
     sweep_interval_s: float = 0.5
     shutdown_timeout_s: float = 2.0
@@ -91,7 +93,7 @@ class BootstrapConfig:
         if not 1 <= self.max_lookup_ids <= MAX_IDS_PER_CALL:
             raise BootstrapConfigError(f"max_lookup_ids must be in 1..{MAX_IDS_PER_CALL}", field="max_lookup_ids")
         for name in ("max_body_bytes", "max_waiters", "max_tombstones", "max_pending_outcomes", "max_engines",
-                     "max_requests_per_engine"):
+                     "max_ranks_per_engine", "max_requests_per_engine"):
             if getattr(self, name) < 1:
                 raise BootstrapConfigError(f"{name} must be at least 1", field=name)
         if self.shutdown_timeout_s < 0:
@@ -118,5 +120,6 @@ class BootstrapConfig:
             tombstone_ttl_s=self.tombstone_ttl_s,
             max_pending_outcomes=self.max_pending_outcomes,
             max_engines=self.max_engines,
+            max_ranks_per_engine=self.max_ranks_per_engine,
             max_requests_per_engine=self.max_requests_per_engine,
         )

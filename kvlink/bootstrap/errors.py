@@ -111,7 +111,7 @@ class RequestReleased(RequestGone):
 
 
 class Conflict(BootstrapError):
-    """A registration or publish disagrees with a live one (409)."""
+    """A registration, publish or abandon disagrees with a live one (409)."""
 
     status = 409
     code = "conflict"
@@ -139,8 +139,9 @@ class TooManyWaiters(BootstrapError):
 
 
 class TableFull(BootstrapError):
-    """The table keeps as many engines (``max_engines``) or as many published requests of this engine
-    (``max_requests_per_engine``) as the server allows: refused, nothing stored (429)."""
+    """The table keeps as many engines (``max_engines``), ranks of this engine (``max_ranks_per_engine``) or
+    published requests of this engine (``max_requests_per_engine``) as the server allows: refused, nothing
+    stored (429)."""
 
     status = 429
     code = "table_full"

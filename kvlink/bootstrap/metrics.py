@@ -53,9 +53,10 @@ class _Collector:
         yield counter("expired", "Requests whose lease ran out.", stats.expired)
         yield counter("transfers_abandoned", "Transfer ids abandoned by prefill (aborted requests).",
                       stats.transfers_abandoned)
-        yield counter("conflicts", "Refused conflicting registrations and publishes.", stats.conflicts)
-        yield counter("refused_full", "Registrations and publishes refused: max_engines or max_requests_per_engine "
-                      "reached.", stats.refused_full)
+        yield counter("conflicts", "Refused conflicting registrations, publishes, abandons and streamed pieces.",
+                      stats.conflicts)
+        yield counter("refused_full", "Registrations and publishes refused: max_engines, max_ranks_per_engine or "
+                      "max_requests_per_engine reached.", stats.refused_full)
         yield counter("outcomes_dropped", "Outcomes dropped because prefill never acknowledged.",
                       stats.outcomes_dropped)
         st = table.streams.stats

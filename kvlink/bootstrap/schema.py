@@ -91,8 +91,12 @@ class KVLayerSpec(_Strict, kw_only=True, omit_defaults=True):  # unset fields st
     v_scale: Annotated[float, Meta(gt=0.0, lt=1e30)] | None = None
 
 
-class EngineRegistration(_Strict, kw_only=True):
-    """One rank of a prefill engine: where to reach it and how its KV cache is laid out."""
+class EngineRegistration(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire
+    """One rank of a prefill engine: where to reach it and how its KV cache is laid out.
+
+    ``instance`` names the process (random per start): a rank registered again by another instance is a
+    new process, whose block ids mean nothing of the old one's (the table drops what the old one published).
+    """
 
     engine_id: EngineId
     dp_rank: Rank = 0
@@ -108,6 +112,7 @@ class EngineRegistration(_Strict, kw_only=True):
     # What compat_hash digests, so a decode that refuses the engine can name both sides' values.
     compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)] | int],
                       Meta(max_length=32)] = {}
+    instance: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         for rank, size in (("dp_rank", "dp_size"), ("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
@@ -121,7 +126,7 @@ class EngineRegistration(_Strict, kw_only=True):
             raise ValueError("invalid `layers`: layer names repeat")
 
     def same_layout(self, other: EngineRegistration) -> bool:
-        """True when only the transport address may differ (what a re-registration may change)."""
+        """True when only the transport address or instance may differ (what a re-registration may change)."""
         return (
             self.dp_size == other.dp_size
             and self.tp_size == other.tp_size
@@ -279,9 +284,14 @@ class ReleaseBody(_Strict, kw_only=True):
             raise ValueError(f"invalid `outcome`: {self.outcome.value!r} is not pulled or abandoned")
 
 
-class AbandonTransferBody(_Strict, kw_only=True):
-    engine_id: EngineId
+class AbandonTransferBody(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire
+    """Give up a transfer id. ``engine_id`` None: by one that does not know the prefill engine (the proxy),
+    only while nothing is bound to or streamed under the id. ``request_id``: prefill's own request, so the
+    call never releases another request bound to the id."""
+
+    engine_id: EngineId | None = None
     transfer_id: RequestId
+    request_id: RequestId | None = None
 
 
 class PollReleasedBody(_Strict, kw_only=True):

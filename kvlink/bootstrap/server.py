@@ -92,7 +92,7 @@ class BootstrapApp:
         self._post("/v1/request/release", s.ReleaseBody, lambda b: s.ReleaseAnswer(
             already_released=t.release(b.engine_id, b.request_id, b.outcome)))
         self._post("/v1/transfer/abandon", s.AbandonTransferBody, lambda b: s.ReleaseAnswer(
-            already_released=t.abandon_transfer(b.engine_id, b.transfer_id)))
+            already_released=t.abandon_transfer(b.engine_id, b.transfer_id, b.request_id)))
         self._post("/v1/stream/pieces", s.StreamPiecesBody, lambda b: s.StreamPiecesAnswer(
             ended=t.stream_pieces(b.engine_id, b.rank, b.ranks, b.pieces)))
         self._post("/v1/stream/stop", s.StreamStopBody, lambda b: s.ReleaseAnswer(

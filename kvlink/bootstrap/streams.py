@@ -11,7 +11,10 @@ lost piece costs nothing and a late one is stale. Per rank:
 - an ``epoch`` below the rank's is stale: counted, ignored;
 - a piece for a transfer whose stream has ended (prefill published the whole request, or abandoned it,
   or decode stopped waiting) is dropped and counted, and the answer names the transfer, so prefill stops
-  sending for it.
+  sending for it;
+- a piece naming a transfer id that another request (or engine) streams under is refused
+  (``StreamConflict``): the pairing table counts it and answers that transfer "ended" too, while the other
+  pieces of the call apply.
 
 Layer-wise pieces (sent per layer while a step computes) add the running step's further blocks
 (``step_block_ids``: full ones, and in the step that completes the prompt its last, partial one) and ``layers``: those blocks hold their KV in every layer whose index (the model's,
@@ -153,10 +156,10 @@ class StreamBook:
     def ended(self, transfer_id: str) -> bool:
         return transfer_id in self._ended
 
-    def owner(self, transfer_id: str) -> str | None:
-        """The engine streaming ``transfer_id``, if a stream of it is live."""
+    def owner(self, transfer_id: str) -> tuple[str, str] | None:
+        """The (engine id, request id) streaming ``transfer_id``, if a stream of it is live."""
         stream = self._live.get(transfer_id)
-        return stream.engine_id if stream is not None else None
+        return (stream.engine_id, stream.request_id) if stream is not None else None
 
     def end_engine(self, engine_id: str, now: float) -> None:
         """The engine's process is gone (a rank re-registered elsewhere, or it expired): what it streamed

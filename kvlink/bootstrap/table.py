@@ -8,8 +8,11 @@ Lifecycle of a request (keyed by ``(engine_id, request_id)``, optionally also by
 
     publish -> live --release(pulled|abandoned)--> tombstone "released" + outcome for the engine
                     --lease runs out------------> tombstone "expired"  + outcome "expired"
-                    --engine lease runs out, or the engine re-registers at a new address
-                                                --> tombstone "expired" (no outcome: the engine is gone/new)
+                    --engine lease runs out, or the engine re-registers at a new address or from a new
+                      process instance      --> tombstone "expired" (no outcome: the engine is gone/new)
+
+An id that ended stays ended while its tombstone lasts: publishing it again is refused (410), so a retry
+that lands late never revives blocks prefill freed, nor answers a decode that was told the id is gone.
 
 Tombstones are a bounded, time-limited memory (oldest forgotten first), so a lookup can answer "expired"
 or "released" instead of "unknown" for a while and memory stays flat. Outcomes wait per engine until the
@@ -34,6 +37,8 @@ from kvlink.bootstrap.errors import (
     Conflict,
     InvalidField,
     RequestExpired,
+    RequestGone,
+    RequestReleased,
     TableFull,
     UnknownEngine,
     UnknownRequest,
@@ -158,7 +163,9 @@ class PairingTable:
     # ----- engines ----------------------------------------------------------------------------------------
 
     def register_engine(self, registration: EngineRegistration, lease_s: float) -> bool:
-        """Register or renew one rank; True when the rank was new. Conflict if its layout changed."""
+        """Register or renew one rank; True when the rank was new. Conflict if its layout changed; TableFull
+        beyond max_engines or max_ranks_per_engine. The same rank from a new process (another transport
+        address, or another ``instance``) drops what the old process published and streamed."""
         now = self._sweep()
         lease_s = self._lease(lease_s)
         rank_index = (registration.dp_rank, registration.tp_rank, registration.pp_rank)
@@ -181,9 +188,11 @@ class PairingTable:
                     f"{field}; it is replaced only after its lease runs out",
                     field=f"registration.{field}",
                 )
-            if old.transport_addr != registration.transport_addr:
-                # A new process behind the same engine id: the block ids published by the old one mean
-                # nothing in the new one, so pulling them would read someone else's KV cache.
+            new_instance = registration.instance is not None and registration.instance != old.instance
+            if old.transport_addr != registration.transport_addr or new_instance:
+                # A new process behind the same engine id (at a new address, or a restart at a fixed port
+                # that says so by its instance): the block ids published by the old one mean nothing in the
+                # new one, so pulling them would read someone else's KV cache.
                 self._drop_requests(engine, now)
                 existing.registration = registration
             existing.lease_s = lease_s
@@ -198,6 +207,11 @@ class PairingTable:
                         field=f"registration.{field}",
                     )
             break
+        if len(engine.ranks) >= self.limits.max_ranks_per_engine:
+            self.stats.refused_full += 1
+            raise TableFull(f"engine {registration.engine_id!r} already has {len(engine.ranks)} live ranks "
+                            f"(max_ranks_per_engine); rank {rank_index} is refused, nothing stored",
+                            field="registration.engine_id")
         rank = _Rank(registration, lease_s, now + lease_s)
         engine.ranks[rank_index] = rank
         heapq.heappush(self._rank_heap, (rank.expires_at, next(self._tie), rank))
@@ -244,8 +258,10 @@ class PairingTable:
         epoch: int = 0,
         prompt_sha: str | None = None,
     ) -> RequestRecord:
-        """Publish a finished prefill request. The same publish again renews it; a different one conflicts.
-        It ends the request's stream of pieces, if it had one (streams.py)."""
+        """Publish a finished prefill request. The same publish again renews it while it is live; a different
+        one conflicts. A request id or transfer id that already ended (its tombstone says released or
+        expired) is refused with RequestReleased / RequestExpired, nothing stored. It ends the request's
+        stream of pieces, if it had one (streams.py)."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
@@ -263,6 +279,12 @@ class PairingTable:
             # blocks decode believes are held)
             existing.expires_at = max(existing.expires_at, now + lease_s)
             return self._record(existing, now)
+        tomb = self._tombstones.get((engine_id, request_id))
+        if tomb is not None:
+            raise _gone(tomb[0], f"request {request_id!r} of engine {engine_id!r}", "request_id")
+        tomb = self._transfer_tombstones.get(transfer_id) if transfer_id is not None else None
+        if tomb is not None:
+            raise _gone(tomb[0], f"transfer id {transfer_id!r}", "transfer_id")
         if transfer_id is not None and transfer_id in self._transfers:
             self.stats.conflicts += 1
             raise Conflict(f"transfer id {transfer_id!r} is bound to another live request", field="transfer_id")
@@ -273,10 +295,8 @@ class PairingTable:
         request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch,
                            prompt_sha)
         engine.requests[request_id] = request
-        self._tombstones.pop((engine_id, request_id), None)
         if transfer_id is not None:
             self._transfers[transfer_id] = request
-            self._transfer_tombstones.pop(transfer_id, None)
             self.streams.end(transfer_id, now)
         heapq.heappush(self._request_heap, (request.expires_at, next(self._tie), request))
         self.stats.published += 1
@@ -327,7 +347,9 @@ class PairingTable:
 
     def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: Iterable) -> list[str]:
         """One prefill rank's pieces (schema.StreamPiece); returns the transfer ids whose stream is over,
-        so that rank stops sending for them. Rules: streams.py."""
+        so that rank stops sending for them. Rules: streams.py. A piece whose transfer id another request
+        (or engine) streams under is not applied: counted as a conflict and its id returned as over, while
+        the call's other pieces apply."""
         now = self._sweep()
         engine = self._engine(engine_id)
         reg = next(iter(engine.ranks.values())).registration if engine.ranks else None
@@ -336,7 +358,7 @@ class PairingTable:
                                f"PP={reg.pp_size} ranks", field="ranks")
         if reg is not None and not 0 <= rank < ranks:
             raise InvalidField(f"rank {rank} is not one of the engine's {ranks} ranks", field="rank")
-        ended: list[str] = []
+        ended: dict[str, None] = {}  # ordered, each id once
         for p in pieces:
             tid = p.transfer_id
             if (tid in self._transfers or tid in self._transfer_tombstones) and not self.streams.ended(tid):
@@ -345,14 +367,15 @@ class PairingTable:
                 status = self.streams.piece(engine_id, rank, ranks, tid, p.request_id, p.index, p.epoch,
                                             p.num_tokens, p.block_ids, now, p.step_block_ids, p.layers,
                                             p.prompt_sha, p.prompt_tokens)
-            except StreamConflict as e:
+            except StreamConflict:
                 self.stats.conflicts += 1
-                raise Conflict(str(e), field="transfer_id") from None
+                ended[tid] = None
+                continue
             if status is PieceStatus.ENDED:
-                ended.append(tid)
+                ended[tid] = None
             elif status is PieceStatus.APPLIED and self.on_progress is not None:
                 self.on_progress(tid)
-        return ended
+        return list(ended)
 
     def stop_stream(self, transfer_id: str) -> bool:
         """Decode gave the request up: prefill's later pieces for it are dropped (and it is told so)."""
@@ -404,27 +427,28 @@ class PairingTable:
             self.stats.released_abandoned += 1
         return False
 
-    def abandon_transfer(self, engine_id: str, transfer_id: str) -> bool:
-        """Prefill gives up a transfer id (its request was aborted, maybe before it published anything).
+    def abandon_transfer(self, engine_id: str | None, transfer_id: str, request_id: str | None = None) -> bool:
+        """Give up a transfer id: prefill's request was aborted (maybe before it published anything), or,
+        with no ``engine_id``, whoever chose the id (the proxy) knows nothing will be published under it.
 
         Leaves a "released" transfer tombstone, so a decode waiting for the id, or asking later, hears 410
         ``released`` at once instead of waiting for its own deadline. A live request of this engine bound
-        to the id is released as abandoned (its outcome queued like any release); one of another engine
-        is left alone (409 Conflict). Idempotent: returns True when the id had already ended.
+        to the id is released as abandoned (its outcome queued like any release), unless ``request_id``
+        names another request: prefill abandons only its own (several requests may share an id, and one
+        refused publish must not release the one holding it). Conflict, nothing changed, when the id is
+        bound to or streamed by another engine or (``request_id``) another request, or, without
+        ``engine_id``, bound to or streamed by any. Idempotent: returns True when the id had already ended.
         """
         now = self._sweep()
-        engine = self._engine(engine_id)
+        engine = self._engine(engine_id) if engine_id is not None else None
         request = self._transfers.get(transfer_id)
-        streamer = self.streams.owner(transfer_id)
-        if request is None and streamer is not None and streamer != engine_id:
-            self.stats.conflicts += 1
-            raise Conflict(f"transfer id {transfer_id!r} is streamed by engine {streamer!r}", field="transfer_id")
-        if request is not None and request.engine_id != engine_id:
-            self.stats.conflicts += 1
-            raise Conflict(f"transfer id {transfer_id!r} is bound to a request of engine "
-                           f"{request.engine_id!r}", field="transfer_id")
+        owner = (request.engine_id, request.request_id) if request is not None else self.streams.owner(transfer_id)
+        if owner is not None:
+            self._check_owner(transfer_id, owner, "bound to" if request is not None else "streamed by",
+                              engine_id, request_id)
         self.streams.end(transfer_id, now)
         if request is not None:
+            assert engine is not None  # _check_owner: the owner was named
             del engine.requests[request.request_id]
             self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
             self.stats.released_abandoned += 1
@@ -456,6 +480,21 @@ class PairingTable:
         self.streams.sweep(self._sweep())
 
     # ----- internals --------------------------------------------------------------------------------------
+
+    def _check_owner(self, transfer_id: str, owner: tuple[str, str], how: str, engine_id: str | None,
+                     request_id: str | None) -> None:
+        """abandon_transfer: Conflict unless the caller named the engine (and request, if any) that owns it."""
+        owner_engine, owner_request = owner
+        held = f"transfer id {transfer_id!r} is {how} request {owner_request!r} of engine {owner_engine!r}"
+        if engine_id is None:
+            self.stats.conflicts += 1
+            raise Conflict(f"{held}: name that engine to abandon it", field="engine_id")
+        if owner_engine != engine_id:
+            self.stats.conflicts += 1
+            raise Conflict(f"{held}, not of engine {engine_id!r}: left alone", field="transfer_id")
+        if request_id is not None and owner_request != request_id:
+            self.stats.conflicts += 1
+            raise Conflict(f"{held}, not request {request_id!r}: nothing released", field="request_id")
 
     def _lease(self, lease_s: float) -> float:
         if not 0 < lease_s <= self.limits.max_lease_s:
@@ -563,6 +602,15 @@ class PairingTable:
             if at > horizon:
                 break
             del tombs[key]
+
+
+def _gone(status: RequestStatus, what: str, field: str) -> RequestGone:
+    """The refusal of a publish of an id that already ended."""
+    if status is RequestStatus.EXPIRED:
+        return RequestExpired(f"{what} expired; its blocks may have been reused, so it cannot be published again "
+                              "(nothing stored)", field=field)
+    return RequestReleased(f"{what} was already released; it cannot be published again (nothing stored)",
+                           field=field)
 
 
 def _partial(transfer_id: str, progress: Progress, layers: bool) -> RequestRecord:

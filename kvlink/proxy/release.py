@@ -13,6 +13,14 @@ will read. So the proxy reports them ``abandoned`` itself, through the prefill's
 This is safe only because decode's request has ended (or never started) when it is called: a decode that
 might still read the blocks must be the one to release them (its READs are trusted on the strength of
 prefill holding them). A report that fails is logged and dropped: the lease frees the blocks anyway.
+
+One call is made while decode's request may still be out: ``abandon``, for a concurrent prefill that failed
+by itself (its connector may never have seen the request, so nobody else gives the transfer id up, and decode
+would wait its whole ``lookup_wait_s`` before computing the prompt). It only gives up an id nothing is
+published under: with an engine id, after a lookup finds nothing published (the caller names the engine
+only when prefill answered, so nothing can be published after the lookup); without one, the bootstrap
+server checks that (409 Conflict when something is published or streamed: prefill's connector handles it).
+
 The calls run on a thread (the bootstrap client is blocking) and never hold up the client's answer.
 """
 
@@ -21,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, Unauthorized
+from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, Conflict, Unauthorized, UnknownRequest
 from kvlink.bootstrap.pool import ClientPool
 from kvlink.bootstrap.schema import Outcome
 
@@ -31,17 +39,19 @@ PUBLISH_WAIT_S = 2.0  # how long a concurrent request's record is waited for (in
 
 
 class Releaser:
-    """Reports prefill requests abandoned, in the background; ``close`` waits for what is under way."""
+    """Reports prefill requests abandoned and gives up transfer ids of failed concurrent prefills, in the
+    background; ``close`` waits for what is under way."""
 
     def __init__(self, token: str | None, timeout_s: float = 5.0):
         self._pool = ClientPool(token, timeout_s, retries=1)
         self._tasks: set[asyncio.Task] = set()
         self.reported = 0  # requests reported abandoned (for /health)
+        self.transfers_abandoned = 0  # transfer ids given up for a failed concurrent prefill (for /health)
 
     def request(self, bootstrap_url: str, engine_id: str, request_id: str) -> None:
         """Sequential pairing: prefill's ``remote_engine_id``/``remote_request_id`` at ``bootstrap_url``."""
         self._spawn(bootstrap_url, lambda cli: cli.release(engine_id, request_id, Outcome.ABANDONED),
-                    f"request {request_id} of engine {engine_id}")
+                    f"request {request_id} of engine {engine_id}", self._reported)
 
     def transfer(self, bootstrap_url: str, transfer_id: str, engine_id: str | None) -> None:
         """Concurrent pairing: whatever prefill published under ``transfer_id`` (nothing if it did not)."""
@@ -51,9 +61,32 @@ class Releaser:
             rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id)
             return cli.release(rec.engine_id, rec.request_id, Outcome.ABANDONED)
 
-        self._spawn(bootstrap_url, work, f"transfer {transfer_id}")
+        self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._reported)
 
-    def _spawn(self, url: str, call, what: str) -> None:
+    def abandon(self, bootstrap_url: str, transfer_id: str, engine_id: str | None) -> None:
+        """Concurrent pairing, prefill failed by itself: give ``transfer_id`` up unless something is published
+        under it, so a decode long-polling it hears "released" at once and computes the prompt."""
+        def work(cli):
+            if engine_id is not None:  # named, the server would release a published request: look first
+                try:
+                    rec = cli.lookup_transfer(transfer_id, engine_id=engine_id)
+                except UnknownRequest:
+                    pass  # nothing published: nobody reads it
+                else:
+                    raise Conflict(f"request {rec.request_id} is published under it; decode may be reading it")
+            return cli.abandon_transfer(engine_id, transfer_id)
+
+        self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._given_up)
+
+    def _reported(self, what: str, url: str) -> None:
+        self.reported += 1
+        logger.info("proxy: decode did not take %s; reported it abandoned at %s", what, url)
+
+    def _given_up(self, what: str, url: str) -> None:
+        self.transfers_abandoned += 1
+        logger.info("proxy: prefill failed; gave %s up at %s, so decode computes the prompt", what, url)
+
+    def _spawn(self, url: str, call, what: str, done) -> None:
         async def run() -> None:
             try:
                 already = await asyncio.to_thread(call, self._pool.get(url))
@@ -67,8 +100,7 @@ class Releaser:
                 logger.info("proxy: could not report %s abandoned at %s: %s", what, url, e)
                 return
             if not already:
-                self.reported += 1
-                logger.info("proxy: decode did not take %s; reported it abandoned at %s", what, url)
+                done(what, url)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

@@ -12,7 +12,12 @@ Every backend failure becomes a JSON error naming the stage, the backend and the
 answer, nor for decode's next bytes (a stream lasts as long as its tokens keep coming). A client that goes
 away takes its backend requests with it; one that hangs up mid-stream is not counted as decode's failure.
 Once decode has answered, a concurrent prefill still running (decode recomputed the prompt) does not hold
-the answer up: it is cancelled a second later.
+the answer up: it is cancelled a second later. A concurrent prefill that fails by itself after decode was
+given the transfer id has the id abandoned at prefill's bootstrap server, so decode stops waiting for it.
+
+One prompt per request: vLLM gives every prompt of a batch (``"prompt": [p0, p1, ...]``) the same
+kv_transfer_params, so their KV would share one pairing. A batch is refused (400 naming the field) before
+any backend is asked.
 """
 
 from __future__ import annotations
@@ -48,11 +53,13 @@ STATE_KEY: web.AppKey["_State"] = web.AppKey("state", object)  # type: ignore[ar
 
 
 class BackendError(Exception):
-    """A backend did not give a usable answer."""
+    """A backend did not give a usable answer. ``answered``: the HTTP status the backend answered with, None
+    when it gave none (unreachable, connection lost, timeout)."""
 
-    def __init__(self, stage: str, backend: str, reason: str, status: int = 502):
+    def __init__(self, stage: str, backend: str, reason: str, status: int = 502, answered: int | None = None):
         super().__init__(f"{stage} backend {backend}: {reason}")
         self.stage, self.backend, self.reason, self.status = stage, backend, reason, status
+        self.answered = answered
 
     def response(self) -> web.Response:
         return error_response(self.status, "backend_error", self.reason, stage=self.stage,
@@ -160,11 +167,11 @@ async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: s
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(stage, url, f"HTTP {resp.status}: {text[:500]}",
-                                   status=resp.status if 400 <= resp.status < 500 else 502)
+                                   status=resp.status if 400 <= resp.status < 500 else 502, answered=resp.status)
             try:
                 return json.loads(text)
             except ValueError:
-                raise BackendError(stage, url, f"answer is not JSON: {text[:200]!r}") from None
+                raise BackendError(stage, url, f"answer is not JSON: {text[:200]!r}", answered=200) from None
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure(stage, url, cfg, e) from None
 
@@ -278,6 +285,7 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
             source = RemoteSource(bootstrap_url=cfg.bootstrap_for(i), engine_id=cfg.engine_id_for(i),
                                   transfer_id=transfer_id)
             dec["kv_transfer_params"] = source.to_params()
+            pre_task.add_done_callback(lambda task: _prefill_ended(st, cfg, i, transfer_id, task))
         out = await _relay(request, st, cfg, decode, path, dec)
         delivered = out.status < 400
         return out
@@ -297,6 +305,24 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
             settle.add_done_callback(st.settling.discard)
         else:
             await _settle_prefill(pre_task, transfer_id, 0.0)
+
+
+def _prefill_ended(st: _State, cfg: ProxyConfig, i: int, transfer_id: str, task: asyncio.Task) -> None:
+    """Prefill's leg ended after decode was given the transfer id. If prefill failed by itself (the proxy did
+    not cancel it), its connector may never have seen the request, so nobody would give the id up and decode
+    would wait ``lookup_wait_s`` for it: the proxy abandons it now (release.py), and decode computes the
+    prompt. A failure with an answer (an error status) means prefill is done with the request, so its engine
+    id is named; without an answer the request may still finish and publish in the engine, so no engine id
+    is named and the bootstrap server gives the id up only if nothing is published or streamed under it."""
+    if task.cancelled() or (e := task.exception()) is None:
+        return
+    answered = getattr(e, "answered", None)
+    if answered == 200:  # prefill computed the request (its answer was unreadable): decode may pull it
+        return
+    engine_id = cfg.engine_id_for(i) if answered is not None else None
+    logger.info("concurrent transfer %s: prefill failed after decode got the transfer id (%s); abandoning the "
+                "id so decode computes the prompt", transfer_id, e)
+    st.releaser.abandon(cfg.bootstrap_for(i), transfer_id, engine_id)
 
 
 async def _first_on_the_wire(sent: asyncio.Event, task: asyncio.Task) -> None:
@@ -326,6 +352,34 @@ async def _settle_prefill(task: asyncio.Task, transfer_id: str, wait_s: float) -
         logger.warning("concurrent transfer %s: %s", transfer_id, task.exception())
 
 
+def _prompts(value: Any) -> int:
+    """How many prompts vLLM makes of a completion's ``prompt`` (or ``prompt_embeds``): none, one (a string,
+    base64 embeddings, a list of token ids), or one per item of any other list (vLLM's ``prompt_to_seq``)."""
+    if value is None:
+        return 0
+    if not isinstance(value, list) or (value and all(isinstance(t, (int, float)) for t in value)):
+        return 1
+    return len(value)
+
+
+def _batch_refusal(path: str, body: dict) -> web.Response | None:
+    """A 400 naming the field when a completion request holds several prompts. vLLM runs each as its own
+    request with the same kv_transfer_params: in concurrent pairing they would share one transfer id, and in
+    sequential pairing prefill answers the first one's only, so the others' KV would be held for nobody.
+    /v1/chat/completions takes one conversation (vLLM refuses a list of them; its batch endpoint is not
+    routed), and ``n`` samples one prompt (decode pulls it once for all of them)."""
+    if path != "/v1/completions":
+        return None
+    texts, embeds = _prompts(body.get("prompt")), _prompts(body.get("prompt_embeds"))
+    if texts + embeds <= 1:
+        return None
+    field = "prompt" if texts else "prompt_embeds"
+    what = (f"prompt and prompt_embeds hold {texts + embeds} prompts together" if texts and embeds
+            else f"{field} holds {texts + embeds} prompts")
+    return error_response(400, "invalid_request", f"{what}: the PD proxy pairs one prompt per request; send "
+                          "each prompt as a request of its own", param=field)
+
+
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
     try:
@@ -334,6 +388,8 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return error_response(400, "invalid_request", "request body must be a JSON object")
     if not isinstance(body, dict):
         return error_response(400, "invalid_request", "request body must be a JSON object")
+    if (refused := _batch_refusal(request.path, body)) is not None:
+        return refused
     t0 = time.monotonic()
     try:
         if cfg.mode == "sequential":
@@ -369,7 +425,7 @@ async def handle_health(request: web.Request) -> web.Response:
     bad = {u: r for u, r in zip(urls, results) if r is not None}
     body = {"status": "ok" if not bad else "degraded", "mode": cfg.mode, "unhealthy": bad,
             "served": st.served, "failed": st.failed, "client_gone": st.client_gone,
-            "prefill_abandoned": st.releaser.reported}
+            "prefill_abandoned": st.releaser.reported, "transfers_abandoned": st.releaser.transfers_abandoned}
     return web.json_response(body, status=200 if not bad else 503)
 
 

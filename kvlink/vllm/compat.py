@@ -12,8 +12,8 @@ logger = logging.getLogger(__name__)
 # Bump when the meaning of kv_transfer_params, the registration or the block layout changes.
 # 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal; 4: rotary settings in
 # the compat fields, fp8 K/V scales per layer, the prompt digest (an older peer is refused by version, not by
-# a field it never sent)
-PROTOCOL_VERSION = 4
+# a field it never sent); 5: a registration names its process (instance), an abandon its request
+PROTOCOL_VERSION = 5
 
 # vLLM symbols the connector cannot work without: (module, attribute).
 REQUIRED_VLLM_API = (

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvlink import trace
+from kvlink.bootstrap.errors import RequestExpired, RequestReleased
 from kvlink.bootstrap.pool import ClientPool
 from kvlink.bootstrap.schema import Outcome, RequestStatus
 from kvlink.vllm import params as kvparams
@@ -259,6 +260,11 @@ class KVLinkScheduler:
         nblocks = sum(1 for g in groups for b in g if b != NULL_BLOCK)  # nulls hold nothing
         try:
             self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch, sha)
+        except (RequestReleased, RequestExpired) as e:
+            # An earlier try of this publish was applied and decode is done with it already (a retry after a
+            # lost answer): nothing to keep, nothing to give up.
+            logger.info("kvlink: request %s: the bootstrap server says it ended already (%s); freeing it", rid, e)
+            return False, None
         except Exception as e:  # noqa: BLE001 - decode recomputes
             self._count("publish_failures")
             if not _maybe_applied(e):  # the server answered no: nobody can find these blocks
@@ -356,7 +362,8 @@ class KVLinkScheduler:
         long-polling for it gets 'released' now instead of waiting lookup_wait_s."""
         def work():
             try:
-                self.clients.get(self.bootstrap_url).abandon_transfer(self.engine_id, transfer_id)
+                # (naming the request: an id another request of ours holds, a client's batch, is left alone)
+                self.clients.get(self.bootstrap_url).abandon_transfer(self.engine_id, transfer_id, request_id=rid)
             except Exception as e:  # noqa: BLE001 - decode's bounded wait still ends it
                 logger.warning("kvlink: could not mark transfer %s (request %s) abandoned: %s", transfer_id,
                                rid, e)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from typing import Any
 from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
+from kvlink.transport.config import MAX_NAME
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash, kv_scales
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
@@ -87,6 +89,14 @@ class RankInfo:
         return self.pp_rank * self.tp_size + self.tp_rank
 
 
+def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
+    """The transport engine's name: the engine, the rank and this process. A peer that reconnects and hears
+    another name refuses it (a restarted process at the same address: the region ids it knows name other
+    memory there, KVL_EPEERCHANGED). The engine id is cut to fit the transport's limit."""
+    tail = f"/tp{tp_rank}/{instance}"
+    return engine_id[:MAX_NAME - len(tail)] + tail
+
+
 class KVLinkWorker(Puller):
     def __init__(self, cfg: ConnectorConfig, rank: RankInfo, role: str, slot_bytes: int | None = None,
                  layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None,
@@ -124,6 +134,9 @@ class KVLinkWorker(Puller):
         self._landing_sent: int | None = None  # last staging_used_blocks gauge handed out
         self._fence = None  # CUDA event recorded when the latest pulls were handed over
         self._stats = KVLinkStats()  # what the table does not count (staging, refusals); under _lock
+        # this process's registrations: a restart at the same address is a new instance (the bootstrap
+        # server drops what the old one published; its block ids mean nothing here)
+        self._instance = secrets.token_hex(8)
         self._heartbeater = None
         self._bootstrap_url: str | None = cfg.bootstrap_url
         self._clients = None
@@ -241,7 +254,7 @@ class KVLinkWorker(Puller):
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(
             listen=self.cfg.transport_listen(self.rank.port_index),
             token=self.cfg.transport_token_bytes,
-            name=f"{self.rank.engine_id}/tp{self.rank.tp_rank}", streams=self.cfg.transport_streams,
+            name=engine_name(self.rank.engine_id, self.rank.tp_rank, self._instance), streams=self.cfg.transport_streams,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure),
             self.cfg.mooncake_config if self.cfg.transport_backend == "mooncake" else None)
@@ -373,7 +386,7 @@ class KVLinkWorker(Puller):
                                  tp_size=self.rank.tp_size, pp_rank=self.rank.pp_rank, pp_size=self.rank.pp_size,
                                  transport_addr=self.cfg.advertised(self.rank.port_index) or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
-                                 compat_hash=self.compat_hash, compat=self.compat)
+                                 compat_hash=self.compat_hash, compat=self.compat, instance=self._instance)
         cli = self._clients_for(url)
         try:
             cli.register_engine(reg, self.cfg.engine_lease_s)  # first time synchronously: decode may ask soon

@@ -71,6 +71,10 @@ def registered(raw):
         ("/v1/request/lookup", {"engine_id": "P", "request_ids": "r"}, "request_ids"),
         ("/v1/request/lookup_transfer", {"transfer_id": "x" * 600}, "transfer_id"),
         ("/v1/request/poll_released", {"engine_id": "P", "ack": -1}, "ack"),
+        ("/v1/transfer/abandon", {"transfer_id": "t", "request_id": ""}, "request_id"),
+        ("/v1/transfer/abandon", {"engine_id": "", "transfer_id": "t"}, "engine_id"),
+        ("/v1/engine/register", reg_body(instance=""), "registration.instance"),
+        ("/v1/engine/register", reg_body(instance="x" * 65), "registration.instance"),
     ],
 )
 def test_bad_fields_are_named(raw, registered, path, body, field):

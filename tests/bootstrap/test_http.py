@@ -28,7 +28,7 @@ from kvlink.bootstrap import (
     UnknownEngine,
     UnknownRequest,
 )
-from kvlink.bootstrap.schema import PublishBody, checked
+from kvlink.bootstrap.schema import AbandonTransferBody, PublishBody, StreamPiece, checked
 from tests.bootstrap.conftest import TOKEN
 
 
@@ -192,6 +192,17 @@ def test_in_process_publish_wakes_a_long_poll_and_answers_like_http(client, serv
     assert client.lookup(engine, ["r1", "r2"]) == {"r1": got[0], "r2": RequestStatus.UNKNOWN}
 
 
+def test_a_publish_after_release_is_refused_over_http_and_in_process(client, server, engine):
+    client.publish(engine, "r1", [[9]], 16, lease_s=30.0, transfer_id="t1")
+    client.release(engine, "r1", Outcome.PULLED)
+    with pytest.raises(RequestReleased) as err:
+        client.publish(engine, "r1", [[9]], 16, lease_s=30.0, transfer_id="t1")
+    assert (err.value.status, err.value.code, err.value.field) == (410, "released", "request_id")
+    with pytest.raises(RequestReleased):
+        server.publish(_body(engine, "r1", transfer_id="t1"), timeout_s=5.0)
+    assert client.lookup(engine, ["r1"]) == {"r1": RequestStatus.RELEASED}
+
+
 def test_in_process_publish_to_a_stopped_server_is_unavailable(config, clock, make_registration):
     srv = BootstrapServer(config, clock=clock)
     with pytest.raises(BootstrapUnavailable, match="not running"):  # never started
@@ -250,6 +261,32 @@ def test_abandon_route_validates_and_needs_the_engine(raw, token):
     assert status == 400
     status, body = raw.post("/v1/transfer/abandon", {"engine_id": "nobody", "transfer_id": "t"}, token=token)
     assert status == 404 and body["code"] == "unknown_engine"
+    status, body = raw.post("/v1/transfer/abandon", {"transfer_id": "t"}, token=token)  # no engine: the proxy
+    assert (status, body) == (200, {"already_released": False})
+
+
+def test_abandon_over_http_names_its_request_or_omits_the_engine(client, engine):
+    client.publish(engine, "sub-0", [[5, 6]], 32, lease_s=30.0, transfer_id="T")
+    with pytest.raises(Conflict) as err:
+        client.abandon_transfer(engine, "T", request_id="sub-1")
+    assert (err.value.status, err.value.field) == (409, "request_id") and "sub-0" in str(err.value)
+    with pytest.raises(Conflict) as err:
+        client.abandon_transfer(None, "T")
+    assert err.value.field == "engine_id" and repr(engine) in str(err.value)
+    assert client.lookup_transfer("T").request_id == "sub-0"
+    assert client.abandon_transfer(None, "never-taken") is False
+    with pytest.raises(RequestReleased):
+        client.lookup_transfer("never-taken", wait_s=5.0)  # at once
+    assert client.abandon_transfer(engine, "T") is False  # positional, as before: its request is released
+    assert client.poll_released(engine) == [("sub-0", Outcome.ABANDONED)]
+
+
+def test_unset_abandon_fields_stay_off_the_wire():
+    """An older server refuses fields it does not know: a call that sets none of the new ones sends none."""
+    encode = msgspec.json.encode
+    with_engine = checked(AbandonTransferBody, engine_id="P", transfer_id="t")
+    assert encode(with_engine) == b'{"engine_id":"P","transfer_id":"t"}'
+    assert encode(checked(AbandonTransferBody, engine_id=None, transfer_id="t")) == b'{"transfer_id":"t"}'
 
 
 def server_waiting(url: str, token: str) -> float:
@@ -336,6 +373,17 @@ def test_a_full_table_refuses_over_http_and_in_process_and_counts_it(server, mak
     text = conn.getresponse().read().decode()
     conn.close()
     assert "kvlink_bootstrap_refused_full_total 3.0" in text
+
+
+@pytest.mark.parametrize("config", [BootstrapConfig(max_ranks_per_engine=1)], ids=["ranks_at_1"])
+def test_ranks_per_engine_are_bounded_over_http_and_counted(server, make_registration):
+    client = BootstrapClient(server.url)
+    client.register_engine(make_registration("P", tp_size=2), lease_s=600.0)
+    with pytest.raises(TableFull) as err:
+        client.register_engine(make_registration("P", tp_rank=1, tp_size=2, port=5001), lease_s=600.0)
+    assert (err.value.status, err.value.code) == (429, "table_full") and "max_ranks_per_engine" in str(err.value)
+    assert [r.tp_rank for r in client.engine_ranks("P")] == [0]
+    assert b"kvlink_bootstrap_refused_full_total 1.0" in server.app.metrics.render()
 
 
 @pytest.mark.parametrize("config", [BootstrapConfig(max_waiters=3)], ids=["max_waiters_3"])
@@ -498,3 +546,26 @@ def test_the_prompt_digest_travels_over_http_and_a_malformed_one_is_refused(clie
     with pytest.raises(InvalidField) as err:
         client.publish(engine, "r2", [[2]], 16, lease_s=30.0, prompt_sha="not-hex")
     assert "prompt_sha" in str(err.value)
+
+
+def test_a_conflicting_streamed_piece_leaves_the_rest_of_its_call_applied(client, engine):
+    def piece(tid: str, rid: str, blocks: list[int]) -> StreamPiece:
+        return StreamPiece(transfer_id=tid, request_id=rid, index=1, num_tokens=16, block_ids=[blocks])
+
+    assert client.stream_pieces(engine, 0, 1, [piece("t", "r", [5])]) == []
+    assert client.stream_pieces(engine, 0, 1, [piece("t", "other", [7]), piece("u", "g", [9])]) == ["t"]
+    assert client.lookup_transfer("u", after=0).block_ids == [[9]]
+    assert client.lookup_transfer("t", after=0).request_id == "r"
+
+
+def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client, make_registration):
+    client.register_engine(make_registration("P", instance="0123abcd"), lease_s=30.0)
+    assert client.get_engine("P").instance == "0123abcd"
+    client.publish("P", "r1", [[1]], 16, lease_s=30.0, transfer_id="t1")
+    client.register_engine(make_registration("P", instance="4567ef01"), lease_s=30.0)  # restarted, same port
+    with pytest.raises(RequestExpired):
+        client.lookup_transfer("t1")
+    assert b"instance" not in msgspec.json.encode(make_registration("Q"))  # unset: off the wire
+    with pytest.raises(InvalidField) as err:
+        client.register_engine(make_registration("Q", instance="x" * 65), lease_s=30.0)
+    assert err.value.field == "registration.instance"

@@ -62,17 +62,20 @@ def test_standalone_refuses_an_empty_token_file(tmp_path):
     assert proc.returncode == 2 and "empty" in err
 
 
-def test_standalone_refuses_a_zero_cap_naming_it():
-    proc = spawn("--max-requests-per-engine", "0")
+@pytest.mark.parametrize("flag", ["--max-requests-per-engine", "--max-ranks-per-engine"])
+def test_standalone_refuses_a_zero_cap_naming_it(flag):
+    proc = spawn(flag, "0")
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 2 and "max_requests_per_engine must be at least 1" in err
+    name = flag.removeprefix("--").replace("-", "_")
+    assert proc.returncode == 2 and f"{name} must be at least 1" in err
 
 
 def test_add_parser_wires_a_subcommand():
     parser = argparse.ArgumentParser(prog="kvlink")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bootstrap", "--port", "1234", "--allow-insecure"])
+    args = parser.parse_args(["bootstrap", "--port", "1234", "--allow-insecure", "--max-ranks-per-engine", "8"])
     assert (args.command, args.port, args.allow_insecure, args.token_file) == ("bootstrap", 1234, True, None)
+    assert (args.max_ranks_per_engine, parser.parse_args(["bootstrap"]).max_ranks_per_engine) == (8, 4096)
     assert callable(args.func)
 
 
@@ -91,6 +94,7 @@ def test_add_parser_wires_a_subcommand():
         ({"max_body_bytes": 0}, "max_body_bytes"),
         ({"max_engines": 0}, "max_engines"),
         ({"max_requests_per_engine": 0}, "max_requests_per_engine"),
+        ({"max_ranks_per_engine": 0}, "max_ranks_per_engine"),
     ],
 )
 def test_config_is_validated(kwargs, field):

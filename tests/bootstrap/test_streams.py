@@ -96,10 +96,31 @@ def test_an_abandoned_transfer_ends_its_stream(table, engine):
     assert table.stream_pieces(engine, 0, 1, [piece(2, 64, [5, 6])]) == ["t"]
 
 
-def test_a_transfer_id_streamed_by_another_request_conflicts(table, engine):
+def test_a_piece_under_a_transfer_id_another_request_streams_is_refused_alone(table, engine, make_registration):
+    """The conflicting piece is not applied and its transfer is answered ended; the other pieces of the call
+    (other requests' progress) still apply."""
     table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
-    with pytest.raises(Conflict):
-        table.stream_pieces(engine, 0, 1, [piece(2, 32, [5], rid="other")])
+    got = table.stream_pieces(engine, 0, 1, [piece(2, 64, [7], rid="other"), piece(1, 32, [9], tid="u", rid="g")])
+    assert got == ["t"] and table.stats.conflicts == 1
+    rec = partial(table)
+    assert (rec.request_id, rec.version, rec.block_ids) == ("r", 1, [[5]])  # r's stream, untouched
+    assert table.lookup_transfer("u", 0).block_ids == [[9]]
+    table.register_engine(make_registration("B"), lease_s=600.0)  # another engine: the same
+    assert table.stream_pieces("B", 0, 1, [piece(1, 32, [3]), piece(1, 16, [4], tid="v", rid="w")]) == ["t"]
+    assert partial(table).engine_id == engine and table.lookup_transfer("v", 0).engine_id == "B"
+    assert table.stats.conflicts == 2
+
+
+def test_abandon_of_a_streamed_transfer_names_its_engine_and_request(table, engine):
+    table.stream_pieces(engine, 0, 1, [piece(1, 32, [5])])
+    with pytest.raises(Conflict) as err:
+        table.abandon_transfer(engine, "t", request_id="other")  # a sibling under the same id
+    assert err.value.field == "request_id"
+    with pytest.raises(Conflict) as err:
+        table.abandon_transfer(None, "t")  # the proxy, without the engine
+    assert err.value.field == "engine_id" and repr(engine) in str(err.value)
+    assert partial(table) is not None and not table.streams.ended("t")  # r's stream goes on
+    assert table.abandon_transfer(engine, "t", request_id="r") is False and table.streams.ended("t")
 
 
 def test_pieces_need_a_registered_engine(table):

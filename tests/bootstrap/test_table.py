@@ -13,6 +13,7 @@ from kvlink.bootstrap import (
     PairingTable,
     RequestExpired,
     RequestRecord,
+    RequestReleased,
     RequestStatus,
     TableFull,
     TableLimits,
@@ -107,6 +108,49 @@ def test_new_address_drops_the_old_processes_requests(table, engine, make_regist
     assert table.register_engine(make_registration("E", port=6000), 10.0) is False
     assert table.get_engine("E").transport_addr == "127.0.0.1:6000"
     assert table.lookup(engine, ["r1"]).expired == ["r1"]
+
+
+def test_a_restart_at_the_same_address_is_told_by_its_instance_and_drops_the_old_processes_records(
+        table, clock, make_registration):
+    """A prefill process restarted at a fixed transport port registers an identical rank: only its instance
+    (random per process) says the old process's block ids mean nothing any more."""
+    table.register_engine(make_registration("E", instance="proc-1"), 15.0)
+    table.publish("E", "r1", [[5, 6, 7]], 48, lease_s=30.0, transfer_id="t1")
+    clock.advance(3)
+    assert table.register_engine(make_registration("E", instance="proc-1"), 15.0) is False  # a renewal
+    assert isinstance(table.lookup_transfer("t1"), RequestRecord)
+    assert table.register_engine(make_registration("E", instance="proc-2"), 15.0) is False  # a new process
+    assert table.lookup_transfer("t1") is RequestStatus.EXPIRED
+    assert table.lookup("E", ["r1"]).expired == ["r1"] and outcomes(table, "E") == []
+    assert table.get_engine("E").instance == "proc-2"
+    table.publish("E", "r2", [[1]], 16, transfer_id="t2")
+    assert table.register_engine(make_registration("E"), 15.0) is False  # no instance: as before, a renewal
+    assert table.lookup("E", ["r2"]).ready and table.get_engine("E").instance == "proc-2"
+
+
+def test_registrations_without_an_instance_at_the_same_address_are_renewals(table, make_registration):
+    table.register_engine(make_registration("E"), 15.0)
+    table.publish("E", "r1", [[1]], 16)
+    assert table.register_engine(make_registration("E", instance="proc-1"), 15.0) is False  # one that says so
+    assert table.lookup("E", ["r1"]).expired == ["r1"]
+    table.publish("E", "r2", [[1]], 16)
+    assert table.register_engine(make_registration("E"), 15.0) is False
+    assert table.lookup("E", ["r2"]).ready
+
+
+def test_an_engine_registers_at_most_max_ranks_per_engine(clock, make_registration):
+    table = PairingTable(TableLimits(max_ranks_per_engine=2), clock=clock)
+    for r in range(2):
+        table.register_engine(make_registration("E", tp_rank=r, tp_size=4, port=5000 + r), lease_s=10.0)
+    with pytest.raises(TableFull) as err:
+        table.register_engine(make_registration("E", tp_rank=2, tp_size=4, port=5002), lease_s=10.0)
+    assert err.value.status == 429 and err.value.code == "table_full"
+    assert err.value.field == "registration.engine_id" and "max_ranks_per_engine" in str(err.value)
+    assert table.num_engine_ranks == 2 and table.stats.refused_full == 1
+    table.register_engine(make_registration("E", tp_rank=0, tp_size=4, port=5000), lease_s=10.0)  # a renewal
+    table.register_engine(make_registration("F"), lease_s=10.0)  # another engine has room of its own
+    table.unregister_engine("E", tp_rank=1)
+    assert table.register_engine(make_registration("E", tp_rank=2, tp_size=4, port=5002), lease_s=10.0) is True
 
 
 def test_unregister_last_rank_removes_engine(table, engine):
@@ -213,8 +257,50 @@ def test_transfer_id_is_bound_to_one_live_request(table, engine):
         table.publish(engine, "r2", [[2]], 16, transfer_id="t1")
     assert err.value.field == "transfer_id"
     table.release(engine, "r1", Outcome.ABANDONED)
-    table.publish(engine, "r2", [[2]], 16, transfer_id="t1")  # free again once released
-    assert table.lookup_transfer("t1").request_id == "r2"
+    with pytest.raises(RequestReleased) as err:  # ended: a decode asking for it was told released
+        table.publish(engine, "r2", [[2]], 16, transfer_id="t1")
+    assert err.value.field == "transfer_id" and err.value.status == 410
+    assert table.lookup(engine, ["r2"]).unknown == ["r2"] and table.lookup_transfer("t1") is RequestStatus.RELEASED
+
+
+def test_a_publish_retried_after_its_release_is_refused_and_revives_nothing(table, engine):
+    """The client's retry of a publish whose answer was lost lands after decode pulled and released it:
+    prefill freed the blocks on that outcome, so the retry must not make them live again."""
+    table.publish(engine, "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+    table.release(engine, "r1", Outcome.PULLED)
+    with pytest.raises(RequestReleased) as err:
+        table.publish(engine, "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+    assert err.value.field == "request_id" and "r1" in str(err.value)
+    assert table.lookup_transfer("t1") is RequestStatus.RELEASED and table.lookup(engine, ["r1"]).released == ["r1"]
+    assert table.num_requests == 0 and outcomes(table, engine) == [("r1", Outcome.PULLED)]
+    table.abandon_transfer(engine, "t2")  # prefill aborted before publishing: a late publish under it
+    with pytest.raises(RequestReleased) as err:
+        table.publish(engine, "r2", [[3]], 16, transfer_id="t2")
+    assert err.value.field == "transfer_id" and table.num_requests == 0
+
+
+def test_a_publish_after_expiry_is_refused_as_expired(table, clock, engine, make_registration):
+    table.publish(engine, "r1", [[1]], 16, lease_s=5.0, transfer_id="t1")
+    clock.advance(5)
+    with pytest.raises(RequestExpired) as err:  # the retry of a publish that was held up a whole lease
+        table.publish(engine, "r1", [[1]], 16, lease_s=5.0, transfer_id="t1")
+    assert err.value.field == "request_id"
+    with pytest.raises(RequestExpired) as err:
+        table.publish(engine, "r2", [[1]], 16, transfer_id="t1")
+    assert err.value.field == "transfer_id"
+    table.publish(engine, "r3", [[3]], 16, transfer_id="t3")
+    table.register_engine(make_registration("E", port=6000), 600.0)  # a new process: r3 expired with the old
+    with pytest.raises(RequestExpired):
+        table.publish(engine, "r3", [[3]], 16, transfer_id="t3")
+    assert table.num_requests == 0 and table.stats.published == 2
+
+
+def test_a_forgotten_tombstone_no_longer_refuses(table, clock, engine, limits):
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t1")
+    table.release(engine, "r1", Outcome.PULLED)
+    clock.advance(limits.tombstone_ttl_s + 1)
+    table.publish(engine, "r1", [[1]], 16, transfer_id="t1")  # the memory of ended ids is bounded
+    assert table.lookup_transfer("t1").request_id == "r1"
 
 
 def test_lookup_transfer_statuses(table, clock, engine):
@@ -248,6 +334,36 @@ def test_abandon_transfer_of_a_published_request_releases_it(table, engine, make
     assert outcomes(table, engine) == [("r1", Outcome.ABANDONED)]
     with pytest.raises(UnknownEngine):
         table.abandon_transfer("nobody", "u")
+
+
+def test_abandon_naming_its_request_never_releases_another_bound_to_the_id(table, engine):
+    """A batch of prompts shares one transfer id: the second request's publish is refused (the first holds
+    the id) and prefill abandons the id for it. The first, whose blocks a decode may be reading, stays."""
+    table.publish(engine, "sub-0", [[5, 6]], 32, lease_s=30.0, transfer_id="T")
+    with pytest.raises(Conflict):
+        table.publish(engine, "sub-1", [[7, 8]], 32, lease_s=30.0, transfer_id="T")
+    with pytest.raises(Conflict) as err:
+        table.abandon_transfer(engine, "T", request_id="sub-1")
+    assert err.value.field == "request_id" and "sub-0" in str(err.value) and "sub-1" in str(err.value)
+    rec = table.lookup_transfer("T")
+    assert rec.request_id == "sub-0" and rec.lease_remaining_s == 30.0
+    assert outcomes(table, engine) == [] and table.stats.transfers_abandoned == 0
+    assert table.abandon_transfer(engine, "T", request_id="sub-0") is False  # its own: released
+    assert outcomes(table, engine) == [("sub-0", Outcome.ABANDONED)]
+    assert table.abandon_transfer(engine, "T", request_id="sub-1") is True  # ended already: idempotent
+
+
+def test_abandon_without_an_engine_ends_only_an_id_nobody_holds(table, engine):
+    """The proxy, which may not know prefill's engine, gives up a transfer id prefill never took up."""
+    assert table.abandon_transfer(None, "t") is False
+    assert table.lookup_transfer("t") is RequestStatus.RELEASED
+    assert table.abandon_transfer(None, "t") is True
+    table.publish(engine, "r1", [[1]], 16, transfer_id="u")
+    with pytest.raises(Conflict) as err:
+        table.abandon_transfer(None, "u")
+    assert err.value.field == "engine_id" and repr(engine) in str(err.value) and "name" in str(err.value)
+    assert table.lookup_transfer("u").request_id == "r1" and outcomes(table, engine) == []
+    assert table.stats.transfers_abandoned == 1
 
 
 def test_abandoned_transfer_tombstone_is_forgotten(table, clock, engine, limits):

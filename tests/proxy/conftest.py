@@ -1,5 +1,5 @@
 """Shared fixtures for proxy tests: fake vLLM servers (tests/fakes_vllm_server.py) and a proxy, each on its own
-thread."""
+thread, and a real bootstrap server."""
 
 from __future__ import annotations
 
@@ -39,3 +39,16 @@ def proxy():
     yield make
     for t in made:
         t.stop()
+
+
+@pytest.fixture
+def bootstrap():
+    """A real bootstrap server with prefill engine "p0" registered (token ``TOKEN``)."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from tests.bootstrap.conftest import TOKEN, registration
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, token=TOKEN)).start()
+    with BootstrapClient(srv.url, token=TOKEN) as cli:
+        cli.register_engine(registration("p0"), lease_s=60.0)
+    yield srv
+    srv.stop()

@@ -419,19 +419,6 @@ def test_a_stream_longer_than_the_timeout_lives_while_its_tokens_keep_coming(bac
     assert health(url)["failed"] == 0
 
 
-@pytest.fixture
-def bootstrap():
-    """A real bootstrap server with prefill engine "p0" registered (token ``TOKEN``)."""
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
-    from tests.bootstrap.conftest import TOKEN, registration
-
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, token=TOKEN)).start()
-    with BootstrapClient(srv.url, token=TOKEN) as cli:
-        cli.register_engine(registration("p0"), lease_s=60.0)
-    yield srv
-    srv.stop()
-
-
 def released(srv, engine_id, rid):
     from kvlink.bootstrap import BootstrapClient
     from kvlink.bootstrap.schema import RequestStatus

@@ -208,3 +208,41 @@ def test_close_while_a_waiter_runs_its_own_small_read_returns(make_engine):
         assert closed.wait(15), "engine close hung after the waiter's part ended"
     finally:
         relay.close()
+
+
+@pytest.mark.parametrize("same_name", [True, False])
+def test_a_restarted_peer_at_the_same_address_is_refused_unless_it_is_the_same_engine(make_engine, same_name):
+    """The target's process restarts at the same address and registers its memory again: the same region
+    id now names other bytes. A peer that reconnects and hears another engine name (kvlink's workers put
+    their process instance in it) refuses it (PeerChanged) and reads nothing; the same name reconnects, as
+    a connection dropped by the network does."""
+    from kvlink.errors import PeerChanged
+
+    old = make_engine(name="prefill/tp0/aaaa")
+    host, port = old.address.rsplit(":", 1)
+    src_old = np.full(4096, 1, dtype=np.uint8)
+    region = old.register(src_old, Access.READ).id
+    init = make_engine(name="decode", listen=None)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(old.address)
+    init.read(peer, rdst, [0], region, [0], 4096).wait()
+    assert (dst == 1).all()
+    old.close()
+    new = make_engine(name="prefill/tp0/aaaa" if same_name else "prefill/tp0/bbbb", listen=f"{host}:{port}")
+    src_new = np.full(4096, 2, dtype=np.uint8)
+    assert new.register(src_new, Access.READ).id == region  # the same id, another process's memory
+    dst[:] = 0
+    deadline = time.monotonic() + 10
+    while True:  # the first batch may meet the old, closed connection
+        try:
+            init.read(peer, rdst, [0], region, [0], 4096).wait()
+            break
+        except PeerChanged as e:
+            assert not same_name
+            assert "prefill/tp0/bbbb" in str(e) and "prefill/tp0/aaaa" in str(e)
+            assert not dst.any()  # nothing read
+            return
+        except PeerClosed:
+            assert time.monotonic() < deadline
+    assert same_name and (dst == 2).all()

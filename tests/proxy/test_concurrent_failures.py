@@ -1,0 +1,158 @@
+"""kvlink proxy, concurrent pairing: a prefill that fails by itself after decode got the transfer id has the
+id given up at prefill's bootstrap server, so decode stops waiting for it at once; a prefill that succeeded,
+or that the proxy cancelled, is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from kvlink.bootstrap import BootstrapClient
+from kvlink.bootstrap.errors import LookupTimeout, RequestReleased, UnknownRequest
+from tests.bootstrap.conftest import TOKEN
+from tests.fakes_vllm_server import FakeVLLMServer
+from tests.proxy.test_router import health, post, released, wait_for
+
+FAILS_AT_S = 0.3  # when the failing prefill fails: decode has its request (and the transfer id) by then
+DECODE_WAIT_S = 3.0  # how long the waiting decode long-polls (the connector's lookup_wait_s, shortened)
+
+
+class FailingPrefill(FakeVLLMServer):
+    """Fails FAILS_AT_S after taking the request: answers ``status`` (None: drops the connection unanswered),
+    after publishing the request under its transfer id when ``publish``."""
+
+    def __init__(self, bootstrap_url: str, status: int | None, publish: bool = False):
+        self.status = status
+        super().__init__("p0", bootstrap_url=bootstrap_url, publish=publish, token=TOKEN)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        if self.publish:
+            await asyncio.to_thread(self._publish, "req-1", body["kv_transfer_params"]["transfer_id"])
+        await asyncio.sleep(FAILS_AT_S)
+        if self.status is None:
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"error": {"message": "This model's maximum context length is ..."}},
+                                 status=self.status)
+
+
+class WaitingDecode(FakeVLLMServer):
+    """Decode as its connector behaves in concurrent pairing: it long-polls the bootstrap server for the
+    transfer id (at most DECODE_WAIT_S), then answers. ``waits``: (seconds waited, how the wait ended)."""
+
+    def __init__(self, bootstrap_url: str):
+        self.waits = []
+        super().__init__("d0", bootstrap_url=bootstrap_url, token=TOKEN)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        self.waits.append(await asyncio.to_thread(self._wait, body["kv_transfer_params"]["transfer_id"]))
+        return web.json_response({"from": self.name, "choices": [{"text": "hi"}]})
+
+    def _wait(self, transfer_id: str) -> tuple[float, str]:
+        t0 = time.monotonic()
+        with BootstrapClient(self.bootstrap_url, token=TOKEN) as cli:
+            try:
+                cli.lookup_transfer(transfer_id, wait_s=DECODE_WAIT_S)
+                ended = "published"
+            except RequestReleased:
+                ended = "released"
+            except LookupTimeout:
+                ended = "timed out"
+        return time.monotonic() - t0, ended
+
+
+@pytest.fixture
+def servers(bootstrap, proxy):
+    made = []
+
+    def make(prefill_status, engine_ids=("p0",), publish=False):
+        p, d = FailingPrefill(bootstrap.url, prefill_status, publish), WaitingDecode(bootstrap.url)
+        made.extend((p, d))
+        url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent", prefill_bootstrap=(bootstrap.url,),
+                    prefill_engine_ids=engine_ids, bootstrap_token=TOKEN)
+        return p, d, url
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def _decode_wait(d, url):
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status == 200, raw
+    (waited, ended), = d.waits
+    return waited, ended
+
+
+@pytest.mark.parametrize("prefill_status", [400, 500])
+def test_a_prefill_that_fails_after_decode_got_the_transfer_id_ends_decodes_wait(servers, prefill_status):
+    """Prefill's connector never saw the request, so nobody else gives the id up: without the proxy decode
+    would wait its whole lookup_wait_s (30 s) before computing the prompt."""
+    p, d, url = servers(prefill_status)
+    waited, ended = _decode_wait(d, url)
+    assert ended == "released" and waited < FAILS_AT_S + 1.0, (waited, ended)
+    assert health(url)["transfers_abandoned"] == 1
+
+
+@pytest.mark.parametrize("prefill_status,engine_ids", [(400, ()), (None, ("p0",))],
+                         ids=["no-engine-id-configured", "no-answer"])
+def test_a_failed_prefill_whose_engine_is_not_named_has_its_transfer_id_given_up(servers, prefill_status,
+                                                                                  engine_ids):
+    """Without --prefill-engine-id, or when prefill gave no answer (its request may still finish and publish
+    in the engine), the proxy names no engine: the bootstrap server gives the id up only if nothing is
+    published or streamed under it (``abandon_transfer`` without an engine id: a bootstrap server of before
+    it refuses the call, and decode waits its whole lookup_wait_s as it did)."""
+    p, d, url = servers(prefill_status, engine_ids)
+    waited, ended = _decode_wait(d, url)
+    assert ended == "released" and waited < FAILS_AT_S + 1.0, (waited, ended)
+
+
+def test_a_request_published_before_prefill_failed_is_left_to_decode(servers, bootstrap):
+    """Prefill published the request, then answered an error: decode may be reading the blocks (its READs
+    are trusted on prefill holding them), so the proxy must not give them up."""
+    p, d, url = servers(500, publish=True)
+    waited, ended = _decode_wait(d, url)
+    assert ended == "published"
+    time.sleep(0.5)  # the proxy heard prefill's 500 long ago
+    assert not released(bootstrap, "p0", "req-1")
+    assert health(url)["transfers_abandoned"] == 0
+
+
+@pytest.mark.parametrize("decode_behavior", ["ok", "error500"], ids=["decode-answered", "decode-failed"])
+def test_a_prefill_the_proxy_cancelled_is_not_given_up_by_the_proxy(backends, proxy, bootstrap, decode_behavior):
+    """The proxy cancels a prefill still running once decode has answered (a second later) or failed (at
+    once): prefill's connector sees the abort and gives the id up itself."""
+    p, d = backends("p0", "hang"), backends("d0", decode_behavior)
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent", prefill_bootstrap=(bootstrap.url,),
+                prefill_engine_ids=("p0",), bootstrap_token=TOKEN)
+    post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert wait_for(lambda: p.cancelled == 1)
+    time.sleep(0.3)
+    (_, dec), = d.bodies
+    with BootstrapClient(bootstrap.url, token=TOKEN) as cli, pytest.raises(UnknownRequest):  # not RequestReleased
+        cli.lookup_transfer(dec["kv_transfer_params"]["transfer_id"])
+    assert health(url)["transfers_abandoned"] == 0
+
+
+def test_a_prefill_that_succeeded_is_left_to_decode(backends, proxy, bootstrap):
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    try:
+        d = WaitingDecode(bootstrap.url)
+        try:
+            url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent", prefill_bootstrap=(bootstrap.url,),
+                        prefill_engine_ids=("p0",), bootstrap_token=TOKEN)
+            assert _decode_wait(d, url)[1] == "published"
+            time.sleep(0.3)
+            assert not released(bootstrap, "p0", p.published[0])
+            assert health(url)["transfers_abandoned"] == 0
+        finally:
+            d.stop()
+    finally:
+        p.stop()
