@@ -48,14 +48,16 @@ class FakeBootstrapClient:
     blocks until ``hang_until`` is set and fails as a client that gave up on a hung server would
     (ConnectionError); sleeps ``delay_s`` (a slow server); raises ``error`` (an unreachable one); hands the
     call to ``then`` (a real client behind the slow server); else answers the leases in ``lost``
-    (request id -> RequestStatus) that were asked about. ``get_engine`` answers ``engine`` (an
+    (request id -> RequestStatus) that were asked about, and grants the others ``granted_s`` (None: what
+    was asked; a number: prefill published them with a shorter lease). ``get_engine`` answers ``engine`` (an
     EngineRegistration) and refuses when none is scripted; ``engine_ranks`` answers it as the only rank.
     """
 
     def __init__(self, lost: dict | None = None, error: Exception | None = None,
                  hang_until: threading.Event | None = None, delay_s: float = 0.0, then: object = None,
-                 engine: object = None) -> None:
+                 engine: object = None, granted_s: float | None = None) -> None:
         self.lost, self.error, self.hang_until, self.delay_s = lost or {}, error, hang_until, delay_s
+        self.granted_s = granted_s
         self.then, self.engine = then, engine
         self.renewals: list[tuple[str, list[str], float]] = []
 
@@ -70,7 +72,8 @@ class FakeBootstrapClient:
             raise self.error
         if self.then is not None:
             return self.then.renew(engine_id, request_ids, lease_s)
-        return {rid: status for rid, status in self.lost.items() if rid in request_ids}
+        granted = lease_s if self.granted_s is None else min(lease_s, self.granted_s)
+        return {rid: status for rid, status in self.lost.items() if rid in request_ids}, granted
 
     def get_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> object:
         if self.engine is None:

@@ -262,14 +262,15 @@ class BootstrapClient:
                 if deadline - time.monotonic() <= 0.01:
                     raise
 
-    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> dict[str, RequestStatus]:
-        """Extend leases of requests decode is still pulling; returns the ids that could not be renewed."""
+    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> tuple[dict[str, RequestStatus], float]:
+        """Extend leases of requests decode is still pulling. Returns (the ids that could not be renewed, the
+        lease the others got: ``lease_s``, or less where prefill published a request with a shorter one)."""
         body = s.checked(s.RenewBody, engine_id=engine_id, request_ids=request_ids, lease_s=lease_s)
         answer = self._call("/v1/request/renew", body, s.RenewAnswer)
         failed: dict[str, RequestStatus] = {rid: RequestStatus.EXPIRED for rid in answer.expired}
         failed.update((rid, RequestStatus.RELEASED) for rid in answer.released)
         failed.update((rid, RequestStatus.UNKNOWN) for rid in answer.unknown)
-        return failed
+        return failed, min(lease_s, answer.lease_s) if answer.lease_s is not None else lease_s
 
     def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
         """Report a request ``Outcome.PULLED`` or ``Outcome.ABANDONED``. Idempotent (returns True if it already

@@ -334,6 +334,7 @@ class RenewAnswer(_Strict, kw_only=True):
     expired: list[str] = []
     released: list[str] = []
     unknown: list[str] = []
+    lease_s: float | None = None  # the least lease any renewed request got (at most its published one)
 
 
 class ReleaseAnswer(_Strict, kw_only=True):

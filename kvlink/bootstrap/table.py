@@ -78,6 +78,7 @@ class _Request:
     expires_at: float
     epoch: int = 0
     prompt_sha: str | None = None
+    lease_s: float = 0.0  # what prefill published it with: the most a renewal may promise decode
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -293,7 +294,7 @@ class PairingTable:
             raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "
                             "(max_requests_per_engine): request refused, nothing stored", field="request_id")
         request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch,
-                           prompt_sha)
+                           prompt_sha, lease_s)
         engine.requests[request_id] = request
         if transfer_id is not None:
             self._transfers[transfer_id] = request
@@ -386,21 +387,32 @@ class PairingTable:
         return engine_id in self._engines
 
     def renew(self, engine_id: str, request_ids: Iterable[str], lease_s: float) -> RenewAnswer:
-        """Extend the leases of live requests (decode is still pulling); reports the ids it could not renew."""
+        """Extend the leases of live requests (decode is still pulling); reports the ids it could not renew.
+
+        A request is renewed by ``lease_s`` but never by more than prefill published it with: prefill keeps
+        its blocks on the strength of its own lease (held.py: a renewal the server took promises decode at
+        most that much), so a decode asking for longer must not be told it has it. ``lease_s`` in the answer:
+        the least any renewed request got (decode trusts that much from when it asked)."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(lease_s)
-        answer = RenewAnswer()
-        by_status = {RequestStatus.EXPIRED: answer.expired, RequestStatus.RELEASED: answer.released}
+        renewed: list[str] = []
+        expired: list[str] = []
+        released: list[str] = []
+        unknown: list[str] = []
+        least: float | None = None
+        by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
         for request_id in dict.fromkeys(request_ids):
             request = engine.requests.get(request_id)
             if request is not None:
-                request.expires_at = max(request.expires_at, now + lease_s)
-                answer.renewed.append(request_id)
+                granted = min(lease_s, request.lease_s)
+                request.expires_at = max(request.expires_at, now + granted)
+                renewed.append(request_id)
+                least = granted if least is None else min(least, granted)
                 continue
             tomb = self._tombstones.get((engine_id, request_id))
-            (by_status[tomb[0]] if tomb is not None else answer.unknown).append(request_id)
-        return answer
+            (by_status[tomb[0]] if tomb is not None else unknown).append(request_id)
+        return RenewAnswer(renewed=renewed, expired=expired, released=released, unknown=unknown, lease_s=least)
 
     def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
         """Decode is done with a request. Returns True if it was already released (idempotent; the first

@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 # Bump when the meaning of kv_transfer_params, the registration or the block layout changes.
 # 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal; 4: rotary settings in
 # the compat fields, fp8 K/V scales per layer, the prompt digest (an older peer is refused by version, not by
-# a field it never sent); 5: a registration names its process (instance), an abandon its request
+# a field it never sent); 5: a registration names its process (instance), an abandon its request; the
+# attention kernels in the compat fields
 PROTOCOL_VERSION = 5
 
 # vLLM symbols the connector cannot work without: (module, attribute).
@@ -85,6 +86,25 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
     return out
 
 
+def attn_desc(forward_context: dict, names: list[str]) -> str:
+    """Which attention kernels write and read these layers' KV: the backend's name and, on CPU, the ISA its
+    kernels were picked for (vLLM CPU packs a block's K and V per ISA: AMX tiles, or K column-major and V
+    row-major for the vector kernels). Two backends (or ISAs) may hand the connector tensors of one shape,
+    strides and dtype whose bytes mean other things (FlashAttention's K|V per head against a backend whose
+    second dimension is the K or V slot; an AMX host against an AVX-512 one), so a block moved between them
+    would decode wrong without an error. Distinct values, sorted; "" where the context names no layer."""
+    kinds = set()
+    for n in names:
+        layer = forward_context.get(n)
+        backend = getattr(layer, "attn_backend", None)
+        get_name = getattr(backend, "get_name", None)
+        if get_name is None:
+            continue
+        isa = getattr(layer, "isa", None)
+        kinds.add(f"{get_name()}/{isa}" if isa else str(get_name()))
+    return ",".join(sorted(kinds))
+
+
 def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
     """How the model rotates its keys before they are cached: every entry of its (text) config about rotary
     embeddings (and dual-chunk attention), as compact JSON (a digest past 200 characters); with a scaled
@@ -110,7 +130,7 @@ def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
 
 
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
-                  kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "") -> dict:
+                  kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "", attn: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
@@ -124,6 +144,8 @@ def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: i
         out["kv_format"] = kv_format
     if rope:
         out["rope"] = rope
+    if attn:
+        out["attn"] = attn
     return out
 
 

@@ -175,6 +175,21 @@ def _check_lockstep(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_co
         raise ConnectorConfigError(f"KVLinkConnector: stream_lockstep refused: {why}")
 
 
+def why_not_context_parallel(parallel_config: Any) -> str | None:
+    """Context parallelism (decode's DCP, prefill's PCP) is refused at start-up, with the reason: each of its
+    ranks keeps every n-th token of a block (interleaved), and its block manager counts ``block_size`` x n
+    tokens per block, so a block paired with one of an engine without it holds other tokens; its ranks also
+    share a (DP, TP, PP) index, which kvlink's registrations and ports are keyed by. kvlink does not map
+    that: it refuses rather than read the wrong positions."""
+    dcp = int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        return (f"context parallelism is not supported (decode_context_parallel_size={dcp}, "
+                f"prefill_context_parallel_size={pcp}): its ranks keep interleaved tokens of each block, which "
+                "kvlink does not map; run both engines without it")
+    return None
+
+
 def kv_written_before_attention(layer_name: str) -> bool:
     """Prefill: vLLM writes this layer's new KV into its cache in an op of its own that runs just before
     the layer's attention op (``unified_kv_cache_update``, ordered before it, on the same CUDA stream): the
@@ -204,6 +219,9 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         if kv.kv_role not in ROLES:
             raise ConnectorConfigError(f"KVLinkConnector: kv_role must be one of {ROLES}, got {kv.kv_role!r}")
         self.config = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
+        why = why_not_context_parallel(vllm_config.parallel_config)
+        if why is not None:
+            raise ConnectorConfigError(f"KVLinkConnector: {why}")
         _check_lockstep(self.config, vllm_config, kv_cache_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._step_t0 = 0.0  # decode, lock-step: when this step's metadata was bound

@@ -15,8 +15,10 @@ Every held request is freed exactly once, for the first of these reasons:
 - two lookups in a row find it released: decode reported it, but its outcome was lost (a dropped engine
   loses its queued outcomes). One sighting is not enough: a release can land between a poll and a lookup,
   and its outcome then arrives with the next poll;
-- its local deadline passes while the server has not answered for a whole lease (only then: the server
-  tracks decode's renewals, the local deadline does not).
+- its local deadline passes while the server has not answered for a whole lease, counted from the first
+  call that failed after its last answer (only then: the server tracks decode's renewals, the local
+  deadline does not; and until that call failed the server may have taken a renewal, which promised
+  decode one more lease from then).
 
 Anything said about a request after its free (a late outcome, a lookup answer) is ignored.
 """
@@ -72,7 +74,7 @@ class HeldTable:
         self._freeing: dict[str, int] = {}  # their blocks: vLLM still holds them until tick() hands them over
         self.num_blocks = 0  # held now (vLLM has not been told to free them), over all requests
         now = clock()
-        self._reached_at = now  # the server's last answer
+        self._silent_since: float | None = None  # the end of the first failed call since the server's last answer
         self._lookup_at = now + lease_s / 2
 
     # ----- events -----------------------------------------------------------------------------------
@@ -83,6 +85,17 @@ class HeldTable:
         self._held[request_id] = _Held(self.clock() + self.lease_s * DEADLINE_FACTOR + DEADLINE_SLACK_S,
                                        num_blocks)
         self._released_seen.discard(request_id)
+
+    def withdraw(self, request_id: str) -> bool:
+        """Its publish was refused: vLLM frees the blocks itself. True when it was still held (now forgotten);
+        False when something freed it meanwhile (that free is on its way: vLLM must wait for it)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self.num_blocks -= held.num_blocks
+        self._released_seen.discard(request_id)
+        self._missing.pop(request_id, None)
+        return True
 
     def released(self, request_id: str, outcome: Outcome) -> bool:
         """The poll delivered an outcome; True when it freed the request (False: not held, or freed)."""
@@ -113,17 +126,21 @@ class HeldTable:
 
     def reached(self) -> None:
         """The server answered."""
-        self._reached_at = self.clock()
+        self._silent_since = None
 
     def unreachable(self) -> None:
-        """A call to the server failed: look up as soon as it answers again (it may have lost outcomes)."""
-        self._lookup_at = self.clock()
+        """A call to the server failed: look up as soon as it answers again (it may have lost outcomes). Up to
+        now the server may have taken a decode renewal, so a silence counts from here."""
+        now = self.clock()
+        self._lookup_at = now
+        if self._silent_since is None:
+            self._silent_since = now
 
     def tick(self) -> list[Freed]:
         """The frees decided since the last tick, plus local deadlines that passed while the server has
         not answered for a whole lease."""
         now = self.clock()
-        if self._held and now - self._reached_at > self.lease_s:
+        if self._held and self._silent_since is not None and now - self._silent_since > self.lease_s:
             for rid in [rid for rid, h in self._held.items() if h.deadline < now]:
                 self._free(rid, Outcome.EXPIRED, by_deadline=True)
         frees, self._frees = self._frees, []

@@ -65,7 +65,7 @@ class LeaseCalls:
         url, engine_id = a.group
         sent = time.monotonic()
         try:
-            failed = self._clients(url).renew(engine_id, list(a.request_ids), a.lease_s)
+            failed, granted = self._clients(url).renew(engine_id, list(a.request_ids), a.lease_s)
         except Exception as e:  # noqa: BLE001 - try again soon; the pull's own deadline bounds it
             if url not in self._warned:
                 self._warned.add(url)
@@ -82,4 +82,5 @@ class LeaseCalls:
             why = (f"prefill lease of {engine_id}/{request_id} is {getattr(status, 'value', status)}; "
                    "its blocks may be reused")
             self._apply(lambda t, now, rid=rid, why=why: t.lease_lost(a.group, rid, why, now))
-        self._apply(lambda t, now: t.lease_held(a.group, tuple(held), sent + a.lease_s, now))
+        # trusted for what the server granted (prefill's published lease where it is shorter than ours)
+        self._apply(lambda t, now: t.lease_held(a.group, tuple(held), sent + granted, now))

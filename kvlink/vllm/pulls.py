@@ -435,7 +435,8 @@ class PullTable:
             if p is None or p.lease is None:
                 continue
             p.held_until = max(p.held_until, held_until)
-            p.next_renew = now + p.lease.lease_s / 3
+            # a third of what this renewal left trusted (the server grants no more than prefill published)
+            p.next_renew = now + max(0.05, min(p.lease.lease_s, held_until - now) / 3)
             if p.state is State.CONFIRMING and p.read_at < p.held_until:
                 self._report(p, State.DONE, now)
         return self._renewals_due(now)  # pulls of this group that fell due while the call was out

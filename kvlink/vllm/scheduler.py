@@ -258,13 +258,19 @@ class KVLinkScheduler:
         if self._planner is not None:  # one group (connector.py)
             return self._finished_staged(rid, groups[0], num_tokens, transfer_id, epoch, sha)
         nblocks = sum(1 for g in groups for b in g if b != NULL_BLOCK)  # nulls hold nothing
+        with self._held_lock:
+            # Held before the publish: decode may pull and release it, and the watcher hear that, before the
+            # publish call returns (an outcome for a request not held would be dropped). Kept out of
+            # reconcile lookups until the publish returns (the server may not know it yet).
+            self._held.published(rid, nblocks)
+            self._publishing.add(rid)
         try:
             self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch, sha)
         except (RequestReleased, RequestExpired) as e:
             # An earlier try of this publish was applied and decode is done with it already (a retry after a
             # lost answer): nothing to keep, nothing to give up.
             logger.info("kvlink: request %s: the bootstrap server says it ended already (%s); freeing it", rid, e)
-            return False, None
+            return self._withdraw(rid), None
         except Exception as e:  # noqa: BLE001 - decode recomputes
             self._count("publish_failures")
             if not _maybe_applied(e):  # the server answered no: nobody can find these blocks
@@ -272,23 +278,30 @@ class KVLinkScheduler:
                                self.bootstrap_url, e)
                 if transfer_id is not None:
                     self._abandon_transfer(rid, transfer_id)  # a decode long-polling it stops now
-                return False, kvparams.refusal(f"publish failed: {e}")
+                return self._withdraw(rid), kvparams.refusal(f"publish failed: {e}")
             # No answer (a timeout): the server may apply it late, and a decode long-polling the transfer id
             # would then read these blocks. They stay held, as if published, until the server's outcome or a
             # lease after lookups stop finding the request (held.py).
             logger.warning("kvlink: publishing request %s to %s got no answer: %s; keeping its blocks until the "
                            "server says what it holds", rid, self.bootstrap_url, e)
             with self._held_lock:
-                self._held.published(rid, nblocks)
+                self._publishing.discard(rid)
                 self._held.unreachable()
             return True, kvparams.refusal(f"publish failed: {e}")
         with self._held_lock:
-            self._held.published(rid, nblocks)
+            self._publishing.discard(rid)
         self._count("published")
         trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
                                   block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
                                   lease_s=self.cfg.lease_s, prompt_sha=sha).to_params()
+
+    def _withdraw(self, rid: str) -> bool:
+        """A publish refused: True when something freed the request meanwhile (vLLM waits for that free, in
+        finished_sending), False when vLLM may free its blocks now."""
+        with self._held_lock:
+            self._publishing.discard(rid)
+            return not self._held.withdraw(rid)
 
     def _finished_staged(self, rid: str, table: tuple[int, ...], num_tokens: int, transfer_id: str | None,
                          epoch: int = 0, prompt_sha: str | None = None):
@@ -299,6 +312,7 @@ class KVLinkScheduler:
         import time
         import uuid
 
+        routed = transfer_id is not None  # (a decode may be long-polling the router's id, never one of ours)
         transfer_id = transfer_id or f"kvlink-{uuid.uuid4().hex}"
         try:  # before admitting: what decode cannot be told (a request id too long for the params) is refused
             answer = RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
@@ -310,6 +324,8 @@ class KVLinkScheduler:
             refused = self._planner.admit(rid, table, time.monotonic(), (transfer_id, num_tokens, epoch, prompt_sha))
         if refused:
             logger.warning("kvlink: request %s: %s; decode will compute it", rid, refused)
+            if routed:
+                self._abandon_transfer(rid, transfer_id)  # a decode long-polling it computes now
             return False, kvparams.refusal(refused)
         return True, answer
 
@@ -438,9 +454,12 @@ class KVLinkScheduler:
         if src is None:
             return 0, False
         with self._siblings_lock:
-            wait = self._siblings.should_wait(src.key, request.request_id)
-        if wait:
+            verdict = self._siblings.ask(src.key, request.request_id)
+        if verdict == "wait":
             return None, False  # a sibling sample pulls this prompt now: asked again next step (siblings.py)
+        if verdict == "gone":  # the samples' release of prefill's copy was decided: computed here
+            self._count("sibling_late")
+            return 0, False
         n = len(request.prompt_token_ids or ())
         if src.num_tokens is not None:
             n = min(n, src.num_tokens)
@@ -718,14 +737,15 @@ class KVLinkScheduler:
         # not have asked yet. Keep prefill's copy SIBLING_GRACE_S longer; a sibling that asks meanwhile pulls
         # (what its prefix cache lacks) and releases it in turn.
         def later():
-            time.sleep(SIBLING_GRACE_S)
             with self._siblings_lock:
                 free = self._siblings.settle(src.key, starts)
             if free:
                 self._release_async(src, Outcome.PULLED if outcome else Outcome.ABANDONED)
 
-        if not self._closed.is_set():
-            self._pool.submit(later)
+        if not self._closed.is_set():  # a timer of its own: a grace spent on the pool would hold up releases
+            timer = threading.Timer(SIBLING_GRACE_S, later)
+            timer.daemon = True
+            timer.start()
 
     # ----- both --------------------------------------------------------------------------------------
 

@@ -15,13 +15,16 @@ vLLM turns a request with ``n > 1`` into ``n`` child requests that all carry the
 
 A server adds the ``n`` children to the engine one by one, so the first may pull and finish before the
 others ask. So the decode scheduler keeps prefill's copy ``SIBLING_GRACE_S`` longer after the last sample
-it knows of is done; a sibling that asks meanwhile pulls what its prefix cache lacks. One that asks later
-still (held back by ``max_num_seqs``, say) finds prefill's copy released: its lease check fails and it
-computes the prompt (the outcome is right; the work is repeated).
+it knows of is done; a sibling that asks meanwhile pulls what its prefix cache lacks. A sibling offered the
+KV (asked, not yet pulling) keeps it from being released as one that pulls does. Once the release is
+decided, a sibling asking later still (held back by ``max_num_seqs``, say) is told the copy is gone and
+computes the prompt: its own renewal could otherwise reach the server before the release does, be
+answered "held", and make a READ trusted that lands after prefill freed the blocks.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 
 from dataclasses import dataclass, field
@@ -31,10 +34,12 @@ from dataclasses import dataclass, field
 class _Source:
     pulling: set[str] = field(default_factory=set)
     waiting: set[str] = field(default_factory=set)
+    offered: set[str] = field(default_factory=set)  # told to pull, not started yet
     pulled: bool = False  # a sibling's pull ended well
 
 
 SIBLING_GRACE_S = 2.0  # how long prefill's copy outlives the last sample decode knows of
+MAX_RELEASED = 65536  # released keys remembered (oldest forgotten first)
 _SAMPLE = re.compile(r"\d+_.")
 
 
@@ -49,19 +54,26 @@ class Siblings:
     def __init__(self) -> None:
         self._by_key: dict[str, _Source] = {}
         self._starts: dict[str, int] = {}  # pulls started per key, until its release is decided (settle)
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()  # decided (settle)
 
-    def should_wait(self, key: str, rid: str) -> bool:
-        """``rid`` asks to pull ``key``: True while another request's pull of it runs (``rid`` then waits)."""
-        s = self._by_key.get(key)
-        if s is None or not (s.pulling - {rid}):
-            return False
-        s.waiting.add(rid)
-        return True
+    def ask(self, key: str, rid: str) -> str:
+        """``rid`` asks to pull ``key``: "wait" while another request's pull of it runs, "gone" once its
+        release was decided (compute the prompt), else "pull" (offered: the release waits for it too)."""
+        if key in self._released:
+            return "gone"
+        s = self._by_key.setdefault(key, _Source())
+        if s.pulling - {rid}:
+            s.waiting.add(rid)
+            return "wait"
+        s.waiting.discard(rid)
+        s.offered.add(rid)
+        return "pull"
 
     def started(self, key: str, rid: str) -> None:
         """``rid`` pulls ``key`` now (or has been given all of it by the prefix cache: ``ended`` follows)."""
         s = self._by_key.setdefault(key, _Source())
         s.waiting.discard(rid)
+        s.offered.discard(rid)
         s.pulling.add(rid)
         self._starts[key] = self._starts.get(key, 0) + 1
 
@@ -73,8 +85,9 @@ class Siblings:
             return pulled
         s.pulling.discard(rid)
         s.waiting.discard(rid)
+        s.offered.discard(rid)
         s.pulled = s.pulled or pulled
-        if s.pulling or s.waiting:
+        if s.pulling or s.waiting or s.offered:
             return None
         del self._by_key[key]
         return s.pulled
@@ -89,6 +102,9 @@ class Siblings:
         if key in self._by_key or self._starts.get(key, 0) != starts:
             return False
         self._starts.pop(key, None)
+        self._released[key] = None
+        while len(self._released) > MAX_RELEASED:
+            self._released.popitem(last=False)
         return True
 
     def waiting(self, key: str) -> set[str]:

@@ -48,7 +48,7 @@ from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
 from kvlink.transport.config import MAX_NAME
-from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash, kv_scales
+from kvlink.vllm.compat import PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_scales
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
                                 tokens_per_block)
@@ -195,6 +195,7 @@ class KVLinkWorker(Puller):
             raise RuntimeError(f"kvlink: no attention KV cache among {list(kv_caches)[:3]}")
         first = next(iter(attn.values()))
         self.kv_scales = kv_scales(forward_context or {}, list(attn)) if self.rank.kv_format else {}
+        attn_kinds = attn_desc(forward_context or {}, list(attn))
         for name, t in [*attn.items(), *((n, x) for n, ts in states.items() for x in ts)]:
             if not isinstance(t, torch.Tensor):
                 raise RuntimeError(f"kvlink: KV cache {name} is not a tensor ({type(t).__name__})")
@@ -248,7 +249,7 @@ class KVLinkWorker(Puller):
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups,
-                                    kv_format=self.rank.kv_format, rope=self.rank.rope)
+                                    kv_format=self.rank.kv_format, rope=self.rank.rope, attn=attn_kinds)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(

@@ -56,7 +56,7 @@ def test_full_pairing_flow(client, make_registration):
     assert found["nope"] is RequestStatus.UNKNOWN
     assert client.lookup_transfer("xfer-1") == record
 
-    assert client.renew("P", ["prefill-req-1-abc", "nope"], lease_s=60.0) == {"nope": RequestStatus.UNKNOWN}
+    assert client.renew("P", ["prefill-req-1-abc", "nope"], lease_s=60.0)[0] == {"nope": RequestStatus.UNKNOWN}
     assert client.release("P", "prefill-req-1-abc", Outcome.PULLED) is False
     assert client.release("P", "prefill-req-1-abc", Outcome.PULLED) is True  # idempotent (vllm#50565)
     client.release("P", "prefill-req-2-def", Outcome.ABANDONED)

@@ -381,15 +381,30 @@ def test_default_request_lease(table, clock, engine):
 
 
 def test_renew_extends_and_reports_what_it_could_not(table, clock, engine):
-    table.publish(engine, "a", [[1]], 16, lease_s=5.0)
-    table.publish(engine, "b", [[2]], 16, lease_s=5.0)
+    table.publish(engine, "a", [[1]], 16, lease_s=20.0)
+    table.publish(engine, "b", [[2]], 16, lease_s=20.0)
     table.release(engine, "b", Outcome.ABANDONED)
+    clock.advance(10)
     answer = table.renew(engine, ["a", "b", "zzz"], lease_s=20.0)
     assert (answer.renewed, answer.released, answer.unknown, answer.expired) == (["a"], ["b"], ["zzz"], [])
+    assert answer.lease_s == 20.0
     clock.advance(19)
     assert table.lookup(engine, ["a"]).ready
     clock.advance(1)
     assert table.renew(engine, ["a"], lease_s=20.0).expired == ["a"]
+
+
+def test_a_renewal_promises_no_more_than_prefill_published(table, clock, engine):
+    """Prefill holds its blocks on the strength of its own lease (30 s here): decode asking for 120 s gets 30,
+    and says so in the answer, so it never trusts a READ past what prefill keeps."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    table.publish(engine, "b", [[2]], 16, lease_s=10.0)
+    clock.advance(5)
+    assert table.renew(engine, ["a"], lease_s=120.0).lease_s == 30.0
+    assert table.renew(engine, ["a", "b"], lease_s=120.0).lease_s == 10.0  # the least of the call
+    assert table.renew(engine, ["a"], lease_s=3.0).lease_s == 3.0
+    clock.advance(30.5)
+    assert table.lookup(engine, ["a"]).expired == ["a"]
 
 
 def test_renew_never_shortens_a_lease(table, clock, engine):
@@ -401,11 +416,13 @@ def test_renew_never_shortens_a_lease(table, clock, engine):
 
 def test_a_publish_retried_after_a_renewal_does_not_shorten_the_lease(table, clock, engine):
     """Prefill's publish answer was lost and it retries after decode renewed the lease: decode was promised
-    the blocks for 120 s, so the retry may not bring that back to 30."""
+    the blocks until 50 s, so the retry may not bring that back."""
     table.publish(engine, "a", [[1]], 16, lease_s=30.0)
-    table.renew(engine, ["a"], lease_s=120.0)
-    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
-    clock.advance(60)
+    clock.advance(20)
+    table.renew(engine, ["a"], lease_s=30.0)  # held until 50
+    clock.advance(1)
+    table.publish(engine, "a", [[1]], 16, lease_s=10.0)  # a retry asking less: not until 31
+    clock.advance(28)
     assert table.lookup(engine, ["a"]).ready
 
 

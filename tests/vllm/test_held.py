@@ -111,11 +111,30 @@ def test_local_deadline_frees_only_while_the_server_cannot_be_reached(table, clo
     clock.advance(DEADLINE + 100)
     table.reached()  # the server answers: it tracks decode's renewals, the local deadline does not count
     assert table.tick() == [] and "r" in table
-    clock.advance(LEASE)  # no answer for exactly a lease: not yet
+    clock.advance(LEASE)
+    assert table.tick() == []  # no failure yet: the server may still be taking decode's renewals
+    table.unreachable()  # the next call fails: silent from here
+    clock.advance(LEASE)  # silent for exactly a lease: not yet
     assert table.tick() == []
     clock.advance(0.01)
     assert table.tick() == [Freed("r", Outcome.EXPIRED, by_deadline=True)]
     assert table.tick() == [] and table.num_blocks == 0
+
+
+def test_silence_counts_from_the_first_failed_call_not_the_last_answer(table, clock):
+    """The server answered prefill's poll, then took a decode renewal (decode trusts a lease from then), then
+    died: prefill's next poll fails a poll interval later. A lease after the last answer is too early; a
+    lease after that failure is not, and later failures do not move it."""
+    table.published("r", 4)
+    clock.advance(DEADLINE + 100)
+    table.reached()
+    clock.advance(0.02)  # (decode's renewal lands here, just before the server dies)
+    table.unreachable()
+    clock.advance(LEASE - 0.01)
+    table.unreachable()
+    assert table.tick() == []  # a lease after the answer has passed, not one after the failure
+    clock.advance(0.02)
+    assert table.tick() == [Freed("r", Outcome.EXPIRED, by_deadline=True)]
 
 
 def test_an_unreachable_server_frees_nothing_before_the_deadline(table, clock):
@@ -132,6 +151,7 @@ def test_an_unreachable_server_frees_nothing_before_the_deadline(table, clock):
 
 def test_an_outcome_after_a_deadline_free_is_ignored(table, clock):
     table.published("r", 1)
+    table.unreachable()
     clock.advance(DEADLINE + 1)
     assert table.tick()[0].by_deadline
     assert not table.released("r", Outcome.PULLED)

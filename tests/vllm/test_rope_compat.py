@@ -40,6 +40,8 @@ def test_the_rotary_settings_are_a_compat_field(engines):
     pre, other = engines.agents["pre"]._worker, engines.agents["dec_other"]._worker
     assert '"rope_theta":10000.0' in pre.compat["rope"] and '"rope_theta":50.0' in other.compat["rope"]
     assert pre.compat_hash == engines.agents["dec"]._worker.compat_hash != other.compat_hash
+    # and so are the attention kernels, read from vLLM's own layers (on CPU the ISA its kernels pack for)
+    assert pre.compat["attn"].startswith("CPU_ATTN/") and pre.compat["attn"] == other.compat["attn"]
 
 
 def test_decode_with_other_rotary_settings_is_refused_and_computes_the_prompt_itself(engines):

@@ -659,3 +659,117 @@ def test_a_request_asking_both_to_pull_and_to_publish_is_never_streamed(role):
         assert sched._planner.pool.in_use == 0
     finally:
         sched.shutdown()
+
+
+def test_decode_releasing_before_prefills_publish_call_returns_frees_the_request_at_once():
+    """Decode may read and release a request between the server storing prefill's publish and the call
+    returning on prefill's side (long poll answered at once, a slow step); the watcher polls meanwhile.
+    The request is held before the call, so that outcome frees it, instead of being dropped and leaving the
+    blocks until two lookups (a real bootstrap server, prefill's real scheduler)."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration, Outcome
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=4.0), "pre", "kv_producer", 32)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=1, compat_hash="x"), 60.0)
+            cli.publish("pre", "other", [[9]], num_tokens=32, lease_s=60.0)  # held already: the watcher polls
+            with sched._held_lock:
+                sched._held.published("other", 1)
+            publish = sched._publish
+
+            def publish_then_decode_releases(*args, **kwargs):
+                publish(*args, **kwargs)
+                cli.release("pre", "r1", Outcome.PULLED)
+                time.sleep(0.3)  # the watcher polls (every 20 ms) before the call returns
+
+            sched._publish = publish_then_decode_releases
+            req = SimpleNamespace(request_id="r1", kv_transfer_params=PrefillRequest("t-1").to_params(),
+                                  status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=64,
+                                  prompt_token_ids=list(range(64)))
+            assert sched.request_finished(req, [3, 4])[0]
+            deadline, freed = time.monotonic() + 2.0, []
+            while "r1" not in freed and time.monotonic() < deadline:
+                freed += sched._take_frees()
+                time.sleep(0.02)
+            assert "r1" in freed
+            assert sched.get_kv_connector_stats().data.get("released_pulled") == 1
+    finally:
+        sched.shutdown()
+        srv.stop()
+
+
+def test_the_samples_grace_periods_do_not_hold_up_other_releases(monkeypatch):
+    """Eight n > 1 prompts end at once, each keeping prefill's copy a grace period longer for late samples;
+    a plain request's release right after goes out at once, not after the graces (which once slept on the
+    four threads that also send releases)."""
+    import threading
+    import time
+
+    from kvlink.bootstrap import Outcome
+    from kvlink.vllm import scheduler as S
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import RemoteSource
+
+    monkeypatch.setattr(S, "SIBLING_GRACE_S", 5.0)
+    sent: dict[str, float] = {}
+    done = threading.Event()
+
+    class Client:
+        def release(self, engine_id, request_id, outcome):
+            sent[request_id] = time.monotonic()
+            if request_id == "plain":
+                done.set()
+            return False
+
+    sched = S.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        sched.clients = type("Pool", (), {"get": lambda self, url: Client(), "close": lambda self: None})()
+        for i in range(8):
+            src = RemoteSource(bootstrap_url="http://b:1", engine_id="pre", request_id=f"p{i}", block_ids=((1,),))
+            sched._release_shared(src, f"0_r{i}", pulled=True)  # the sample's release waits out its grace
+        t0 = time.monotonic()
+        sched._release_async(RemoteSource(bootstrap_url="http://b:1", engine_id="pre", request_id="plain",
+                                          block_ids=((1,),)), Outcome.PULLED)
+        assert done.wait(4.0), "a plain release waited behind the samples' grace periods"
+        assert sent["plain"] - t0 < 4.0 and not any(k.startswith("p") and k != "plain" for k in sent)
+    finally:
+        sched.shutdown()
+
+
+def test_a_request_too_big_for_the_staging_pool_gives_its_transfer_id_up():
+    """Concurrent pairing with host staging: a request larger than the pool is refused (decode computes
+    it); a decode long-polling its transfer id hears "released" at once instead of after lookup_wait_s."""
+    import time
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.bootstrap.errors import RequestReleased
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+                          staging_slots=2)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=2, compat_hash="x"), 60.0)
+            keep, answer = pre.request_finished(
+                _finished("big", {"do_remote_decode": True, "transfer_id": "t-big"}), [4, 5, 6])
+            assert not keep and "staging blocks" in answer["kvlink_error"]
+            t0 = time.monotonic()
+            with pytest.raises(RequestReleased):
+                cli.lookup_transfer("t-big", wait_s=10.0)  # decode's long poll
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        pre.shutdown()
+        srv.stop()

@@ -443,13 +443,17 @@ def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
 
     monkeypatch.setattr(BootstrapClient, "engine_ranks", dead)
     calls.clear()
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+    fresh = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()  # (request p-r ended at the first)
     t0 = time.monotonic()
-    truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
+    truth, blank, pre, dec = _pd(fresh.url, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
     try:
         assert pull_outcome(dec[0][3], "r") == "failed"
         assert len(calls) == 3 and time.monotonic() - t0 < 20  # the pull's deadline is 30 s
     finally:
         _close(pre, dec)
+        fresh.stop()
 
 
 def test_first_contact_refuses_fp8_layers_whose_scales_differ_naming_the_layer():

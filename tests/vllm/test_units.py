@@ -106,6 +106,14 @@ def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
     assert before + 3.0 <= held_until <= time.monotonic() + 3.0
 
 
+def test_the_proof_is_only_as_long_as_the_server_granted():
+    """Decode asks for 3 s; prefill published with 1 s, so the server grants 1: the proof handed out ends a
+    granted lease after the call was sent, not decode's own."""
+    before = time.monotonic()
+    (ev,) = _renew(FakeBootstrapClient(granted_s=1.0))
+    assert before + 1.0 <= ev[3] <= time.monotonic() + 1.0
+
+
 def test_lease_call_reports_lost_leases_and_retries_unreachable():
     from kvlink.bootstrap import RequestStatus
 
@@ -348,3 +356,50 @@ def test_the_transport_name_says_engine_rank_and_process_and_fits_the_limit():
     assert engine_name("prefill-0", 1, "0123456789abcdef") == "prefill-0/tp1/0123456789abcdef"
     long = engine_name("e" * 200, 3, "0123456789abcdef")
     assert len(long) == MAX_NAME and long.endswith("/tp3/0123456789abcdef")
+
+
+def test_the_attention_kernels_are_a_compat_field():
+    """Two engines whose KV tensors look alike but whose kernels lay a block's bytes out otherwise (another
+    backend, or vLLM CPU's AMX packing against its vector kernels' layout) get different compat hashes and
+    are refused by name at first contact."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm.compat import attn_desc, compat_fields, compat_hash
+
+    def layer(backend, isa=None):
+        return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend),
+                               **({"isa": isa} if isa else {}))
+
+    ctx = {"l0": layer("CPU_ATTN", "amx"), "l1": layer("CPU_ATTN", "amx"), "mlp": object()}
+    assert attn_desc(ctx, ["l0", "l1"]) == "CPU_ATTN/amx"
+    assert attn_desc({"l0": layer("FLASH_ATTN"), "l1": layer("B12X")}, ["l0", "l1"]) == "B12X,FLASH_ATTN"
+    assert attn_desc({}, ["l0"]) == ""  # nothing known: nothing added, both sides alike
+    base = dict(model="m", kv_dtype="bfloat16", layout="x", tokens_per_block=16, num_layers=2, kv_heads=2)
+    amx, vec = compat_fields(**base, attn="CPU_ATTN/amx"), compat_fields(**base, attn="CPU_ATTN/vec")
+    assert compat_hash(amx) != compat_hash(vec)
+    from tests.vllm.test_tp_mapping import _local, _reg
+
+    from kvlink.vllm.contact import PullFailed, legs_for
+
+    local = _local(0, 1, heads_per_rank=2)
+    local = local.__class__(**{**local.__dict__, "compat": vec, "compat_hash": compat_hash(vec)})
+    with pytest.raises(PullFailed) as e:
+        legs_for("pre", [_reg(0, 1, "ab", 2 * 16 * 64 * 2, compat_hash=compat_hash(amx), compat=amx)], local)
+    assert e.value.reason == "attn" and "CPU_ATTN/amx" in e.value.detail
+
+
+def test_context_parallelism_is_refused_with_the_reason():
+    """DCP/PCP ranks keep every n-th token of a block: a block moved to or from an engine without it holds
+    other positions, so the connector refuses to start rather than read them."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from kvlink.vllm.connector import why_not_context_parallel
+
+    assert why_not_context_parallel(SimpleNamespace(decode_context_parallel_size=1,
+                                                    prefill_context_parallel_size=1)) is None
+    assert why_not_context_parallel(SimpleNamespace()) is None  # a vLLM without it
+    why = why_not_context_parallel(SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
+    assert "decode_context_parallel_size=2" in why and "interleaved" in why
+    assert "prefill_context_parallel_size=4" in why_not_context_parallel(
+        SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=4))
