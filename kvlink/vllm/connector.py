@@ -30,7 +30,7 @@ from kvlink.vllm.lockstep import why_not_lockstep  # noqa: E402
 from kvlink.vllm.metadata import KVLinkMetadata  # noqa: E402
 from kvlink.vllm.plugin import attach_vllm_log_handlers  # noqa: E402
 from kvlink.vllm.scheduler import KVLinkScheduler  # noqa: E402
-from kvlink.vllm.staging import pool_slots, slot_bytes_of, staging_wanted  # noqa: E402
+from kvlink.vllm.staging import pool_slots, pp_slot_bytes, staging_wanted  # noqa: E402
 from kvlink.vllm.stats import KVLinkPromMetrics, KVLinkStats  # noqa: E402
 from kvlink.vllm.worker import KVLinkWorker, RankInfo  # noqa: E402
 
@@ -125,12 +125,32 @@ def _staging_slots(cfg: ConnectorConfig, vllm_config: "VllmConfig", kv_cache_con
     if kv_cache_config is None:
         raise RuntimeError(f"KVLinkConnector: {why}, but vLLM gave the scheduler no KV cache config to size the "
                            "staging pool with (vLLM >= 0.32 passes one)")
-    slots = pool_slots(cfg.staging_pool_mb, slot_bytes_of(kv_cache_config))
+    try:
+        slot_bytes = _slot_bytes(vllm_config, kv_cache_config)
+    except ValueError as e:
+        raise RuntimeError(f"KVLinkConnector: {e}") from None
+    slots = pool_slots(cfg.staging_pool_mb, slot_bytes)
     if slots < 1:
         raise RuntimeError(f"KVLinkConnector: staging_pool_mb={cfg.staging_pool_mb} holds no block of this model "
-                           f"({slot_bytes_of(kv_cache_config)} B for one block of every layer)")
+                           f"({slot_bytes} B for one block of every layer)")
     logger.info("kvlink: %s; staging pool of %d blocks per worker", why, slots)
     return slots
+
+
+def _slot_bytes(vllm_config: "VllmConfig", kv_cache_config: Any) -> int:
+    """One staging slot's bytes as the scheduler and every PP stage's worker count them (staging.py)."""
+    return pp_slot_bytes(kv_cache_config, vllm_config.model_config.get_total_num_hidden_layers(),
+                         vllm_config.parallel_config.pipeline_parallel_size)
+
+
+def _worker_slot_bytes(vllm_config: "VllmConfig", kv_cache_config: Any) -> int | None:
+    """The worker's copy of the slot size (None: no groups, or one the scheduler refuses if it stages)."""
+    if not getattr(kv_cache_config, "kv_cache_groups", None):
+        return None
+    try:
+        return _slot_bytes(vllm_config, kv_cache_config)
+    except ValueError:
+        return None
 
 
 def why_not_streamable(cfg: ConnectorConfig, staged: bool, backoff: int, windows: tuple,
@@ -272,7 +292,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                                                 _platform_fp8()),
                             rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
-                                        slot_bytes=slot_bytes_of(kv_cache_config) if groups else None,
+                                        slot_bytes=_worker_slot_bytes(vllm_config, kv_cache_config),
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},
                                         state_layers=_state_layers(kv_cache_config),
                                         num_groups=len(groups) if groups else None,

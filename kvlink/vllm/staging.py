@@ -70,6 +70,30 @@ def slot_bytes_of(kv_cache_config: Any) -> int:
     return total
 
 
+def pp_slot_bytes(kv_cache_config: Any, num_layers: int, pp_size: int,
+                  stage_sizes: list[int] | None = None) -> int:
+    """Bytes of one slot as every PP stage counts it, so all agree on the slot count. vLLM hands the scheduler
+    stage 0's KV cache config and each worker its own stage's; with uneven stages (vLLM gives the spare
+    layers to the middle ones) a per-stage slot would give the larger stages fewer slots than the scheduler
+    hands out. So slots are counted for the largest stage: its layers times one layer's page (every group's
+    page must be the same size; refused otherwise). ``stage_sizes``: layers per stage (vLLM's split)."""
+    own = slot_bytes_of(kv_cache_config)
+    if pp_size <= 1:
+        return own
+    if stage_sizes is None:
+        from vllm.distributed.utils import get_pp_indices
+
+        stage_sizes = [b - a for a, b in (get_pp_indices(num_layers, r, pp_size) for r in range(pp_size))]
+    if len(set(stage_sizes)) == 1:
+        return own
+    pages = {int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups}
+    if len(pages) != 1:
+        raise ValueError(f"kvlink: host staging with PP stages of unequal layer counts {stage_sizes} needs one page "
+                         f"size for every layer, this model has {sorted(pages)}: run PP with equal stages "
+                         "(VLLM_PP_LAYER_PARTITION) or without host staging")
+    return pages.pop() * max(stage_sizes)
+
+
 def pool_slots(pool_mb: int, slot_bytes: int) -> int:
     """Usable slots of a pool of ``pool_mb`` MiB (slot 0 is reserved)."""
     return max(0, pool_mb * MIB // slot_bytes - 1)

@@ -416,3 +416,31 @@ def test_a_restaged_request_whose_old_slots_came_back_is_copied_whole_not_from_a
     finally:
         w._streamer = None
         w.shutdown()
+
+
+def test_uneven_pp_stages_count_slots_for_the_largest_so_every_stage_has_the_schedulers():
+    """vLLM gives the scheduler stage 0's KV cache config and each worker its own; with 30 layers on PP=4 the
+    stages hold 7, 8, 8 and 7 layers. Counted per stage, stage 1 had fewer slots than the scheduler handed
+    out (a copy into a slot its pool lacks, mid-forward). Every side counts for the largest stage."""
+    from types import SimpleNamespace
+
+    from kvlink.vllm.staging import pp_slot_bytes
+
+    def config(layers, page=1000):
+        spec = SimpleNamespace(page_size_bytes=page)
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
+                                                                layer_names=[f"l{i}" for i in range(layers)])])
+
+    sizes = [7, 8, 8, 7]
+    counts = {pool_slots(1, pp_slot_bytes(config(n), 30, 4, sizes)) for n in sizes}
+    assert counts == {pool_slots(1, 8 * 1000)}  # one count, the largest stage's
+    assert pp_slot_bytes(config(8), 32, 4, [8, 8, 8, 8]) == 8000  # equal stages: as before
+    assert pp_slot_bytes(config(8), 8, 1) == 8000
+    mixed = config(7)
+    mixed.kv_cache_groups.append(SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=64), layer_names=["m"]))
+    with pytest.raises(ValueError, match="unequal layer counts"):
+        pp_slot_bytes(mixed, 30, 4, sizes)
+    pytest.importorskip("vllm")
+    with pytest.MonkeyPatch.context() as mp:  # vLLM's own split by default
+        mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+        assert pp_slot_bytes(config(7), 30, 4) == 8000
