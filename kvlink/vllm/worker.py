@@ -57,6 +57,7 @@ from kvlink.vllm.metadata import KVLinkMetadata
 from kvlink.vllm.nudge import Nudger
 from kvlink.vllm.plan import layer_indices
 from kvlink.vllm.puller import Puller, _Remote
+from kvlink.vllm.shard import MappingError, heads_of
 from kvlink.vllm.pulls import PullTable
 from kvlink.vllm.stager import DONE, Pending, Stager
 from kvlink.vllm.staging import MIB, SlotPool, pool_slots, staging_wanted
@@ -87,6 +88,23 @@ class RankInfo:
     def port_index(self) -> int:
         """This rank's transport port, counted from ``transport_port``: one per (PP stage, TP rank)."""
         return self.pp_rank * self.tp_size + self.tp_rank
+
+
+def head_dim_mismatch(layout_heads: int, tp_rank: int, tp_size: int, kv_heads: int) -> str | None:
+    """Why the KV tensors' head dimension is not this rank's KV heads (None: it is, or there is nothing to
+    compare: MLA, an unknown head count, a split vLLM itself would refuse). Some backends put something else
+    there (b12x and rocm_attn: the K or V slot, with every head in the last dimension); read as heads, a head
+    range of a block would be half of K or V."""
+    if not layout_heads or not kv_heads:
+        return None
+    try:
+        mine = len(heads_of(tp_rank, tp_size, kv_heads))
+    except MappingError:
+        return None
+    if layout_heads == mine:
+        return None
+    return (f"the KV cache's head dimension holds {layout_heads}, but TP rank {tp_rank} of {tp_size} holds {mine} "
+            f"of the model's {kv_heads} KV heads")
 
 
 def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
@@ -217,6 +235,12 @@ class KVLinkWorker(Puller):
             self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
         except (LayoutError, ValueError) as e:
             raise RuntimeError(f"kvlink: {e} ({what})") from None
+        why_heads = head_dim_mismatch(self.layout.heads, self.rank.tp_rank, self.rank.tp_size,
+                                      0 if self.rank.mla else self.rank.kv_heads)
+        if why_heads:
+            raise RuntimeError(f"kvlink: {why_heads} (attention {attn_kinds or 'unknown'}; {what}): its blocks "
+                               "are not laid out per KV head, which kvlink's head mapping assumes; refused "
+                               "rather than cut them wrong")
         if self._num_blocks and self.layout.num_blocks != self._num_blocks:
             raise RuntimeError(f"kvlink: vLLM's KV cache has {self._num_blocks} blocks but hands the attention "
                                f"backend {self.layout.num_blocks} (kernel blocks smaller than vLLM's blocks); kvlink "

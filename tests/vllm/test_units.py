@@ -403,3 +403,17 @@ def test_context_parallelism_is_refused_with_the_reason():
     assert "decode_context_parallel_size=2" in why and "interleaved" in why
     assert "prefill_context_parallel_size=4" in why_not_context_parallel(
         SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=4))
+
+
+def test_a_head_dimension_that_is_not_the_ranks_kv_heads_is_refused():
+    """Some GPU backends (b12x, rocm_attn) put the K or V slot where others put the KV head and every head in
+    the last dimension: cut by heads (decode at another TP), a block would be read as half of K or V. The
+    worker refuses such a cache at registration, naming the numbers; a per-head one passes."""
+    from kvlink.vllm.worker import head_dim_mismatch
+
+    assert head_dim_mismatch(2, 1, 2, 4) is None  # TP=2 of 4 heads: 2 a rank
+    assert head_dim_mismatch(1, 3, 8, 2) is None  # 2 heads replicated over TP=8: 1 a rank
+    assert head_dim_mismatch(0, 0, 1, 8) is None  # MLA / unknown: nothing to compare
+    assert head_dim_mismatch(2, 0, 2, 3) is None  # (3 heads over TP=2: vLLM itself refuses it)
+    why = head_dim_mismatch(2, 0, 1, 8)  # a K/V slot dimension of 2, 8 heads on the one rank
+    assert "holds 2" in why and "holds 8 of the model's 8 KV heads" in why
