@@ -31,7 +31,9 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
     return rc;
   }
   if (strcmp(name, p->name) != 0) {
-    /* A restarted process at the same address: its region ids name other memory. */
+    /* A restarted process at the same address: its region ids name other memory. The peer is retired
+     * (every later part on it fails here too); kvl_peer_connect opens a new one for the new engine. */
+    __atomic_store_n(&p->changed, 1, __ATOMIC_RELEASE);
     snprintf(why, cap, "%s:%u now answers as engine \"%s\", not \"%s\"", p->host, p->port, name, p->name);
     close(fd);
     return KVL_EPEERCHANGED;

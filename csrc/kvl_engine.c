@@ -211,7 +211,8 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
   int rc = 0;
   pthread_mutex_lock(&e->mu);
   for (uint32_t i = 0; i < e->npeers; i++) {
-    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0) {
+    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0 &&
+        !__atomic_load_n(&e->peers[i]->changed, __ATOMIC_ACQUIRE)) { /* a retired one is not reused */
       *peer_out = i;
       pthread_mutex_unlock(&e->mu);
       pthread_mutex_unlock(&e->connect_mu);

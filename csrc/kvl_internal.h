@@ -312,6 +312,7 @@ struct kvl__peer { /* set by kvl_peer_connect before publication; rr aside, read
   char name[KVL_MAX_NAME + 1];
   int nstreams;
   uint32_t rr; /* next stream for a one-part batch (atomic) */
+  int changed; /* another engine answered at its address (atomic): retired, a connect opens a new peer */
   int local_ok;  /* READs copy the peer's memory directly (set at connect) */
   int local_pid;
   char local_why[KVL_MAX_EVENT_MSG + 1];

@@ -329,12 +329,14 @@ class LookupAnswer(_Strict, kw_only=True):
     unknown: list[str] = []
 
 
-class RenewAnswer(_Strict, kw_only=True):
+class RenewAnswer(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire
     renewed: list[str] = []
     expired: list[str] = []
     released: list[str] = []
     unknown: list[str] = []
-    lease_s: float | None = None  # the least lease any renewed request got (at most its published one)
+    # set only when some renewed request got less than asked (prefill published it with a shorter lease):
+    # the least any got
+    lease_s: float | None = None
 
 
 class ReleaseAnswer(_Strict, kw_only=True):

@@ -391,8 +391,9 @@ class PairingTable:
 
         A request is renewed by ``lease_s`` but never by more than prefill published it with: prefill keeps
         its blocks on the strength of its own lease (held.py: a renewal the server took promises decode at
-        most that much), so a decode asking for longer must not be told it has it. ``lease_s`` in the answer:
-        the least any renewed request got (decode trusts that much from when it asked)."""
+        most that much), so a decode asking for longer must not be told it has it. ``lease_s`` in the answer,
+        only where some request got less than asked: the least any got (decode trusts that much from when it
+        asked)."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(lease_s)
@@ -412,7 +413,8 @@ class PairingTable:
                 continue
             tomb = self._tombstones.get((engine_id, request_id))
             (by_status[tomb[0]] if tomb is not None else unknown).append(request_id)
-        return RenewAnswer(renewed=renewed, expired=expired, released=released, unknown=unknown, lease_s=least)
+        return RenewAnswer(renewed=renewed, expired=expired, released=released, unknown=unknown,
+                           lease_s=least if least is not None and least < lease_s else None)
 
     def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
         """Decode is done with a request. Returns True if it was already released (idempotent; the first

@@ -365,7 +365,12 @@ class KVLinkScheduler:
             self._count("publish_failures")
             with self._held_lock:
                 self._publishing.discard(rid)
-                self._held.unreachable()  # look the held requests up at the next poll
+                if applied:
+                    self._held.unreachable()  # look the held requests up at the next poll
+                elif self._held.withdraw(rid) and self._planner.release(rid):
+                    # The server answered no (the id ended, a conflict, full): nobody can find these slots.
+                    self._gauges_stale = self._slots_freed = True
+                    self._freed.notify_all()
             if not applied:
                 self._abandon_transfer(rid, transfer_id)
             return
@@ -459,6 +464,7 @@ class KVLinkScheduler:
             return None, False  # a sibling sample pulls this prompt now: asked again next step (siblings.py)
         if verdict == "gone":  # the samples' release of prefill's copy was decided: computed here
             self._count("sibling_late")
+            self._processed.add(request.request_id)  # handled: nothing of it is released again
             return 0, False
         n = len(request.prompt_token_ids or ())
         if src.num_tokens is not None:

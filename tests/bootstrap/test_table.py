@@ -387,7 +387,7 @@ def test_renew_extends_and_reports_what_it_could_not(table, clock, engine):
     clock.advance(10)
     answer = table.renew(engine, ["a", "b", "zzz"], lease_s=20.0)
     assert (answer.renewed, answer.released, answer.unknown, answer.expired) == (["a"], ["b"], ["zzz"], [])
-    assert answer.lease_s == 20.0
+    assert answer.lease_s is None  # all it asked for: nothing said (an older client knows no such field)
     clock.advance(19)
     assert table.lookup(engine, ["a"]).ready
     clock.advance(1)
@@ -402,7 +402,7 @@ def test_a_renewal_promises_no_more_than_prefill_published(table, clock, engine)
     clock.advance(5)
     assert table.renew(engine, ["a"], lease_s=120.0).lease_s == 30.0
     assert table.renew(engine, ["a", "b"], lease_s=120.0).lease_s == 10.0  # the least of the call
-    assert table.renew(engine, ["a"], lease_s=3.0).lease_s == 3.0
+    assert table.renew(engine, ["a"], lease_s=3.0).lease_s is None  # granted as asked
     clock.advance(30.5)
     assert table.lookup(engine, ["a"]).expired == ["a"]
 

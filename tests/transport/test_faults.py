@@ -242,6 +242,12 @@ def test_a_restarted_peer_at_the_same_address_is_refused_unless_it_is_the_same_e
             assert not same_name
             assert "prefill/tp0/bbbb" in str(e) and "prefill/tp0/aaaa" in str(e)
             assert not dst.any()  # nothing read
+            with pytest.raises(PeerChanged):  # the old peer stays retired: no batch on it reads the new engine
+                init.read(peer, rdst, [0], region, [0], 4096).wait()
+            fresh = init.connect(f"{host}:{port}")  # a new connect is a new peer, named for the new engine
+            assert fresh.id != peer.id and fresh.name == "prefill/tp0/bbbb"
+            init.read(fresh, rdst, [0], region, [0], 4096).wait()
+            assert (dst == 2).all()
             return
         except PeerClosed:
             assert time.monotonic() < deadline

@@ -773,3 +773,73 @@ def test_a_request_too_big_for_the_staging_pool_gives_its_transfer_id_up():
     finally:
         pre.shutdown()
         srv.stop()
+
+
+def test_a_staged_publish_the_server_refuses_gives_its_slots_back_at_once():
+    """Host staging: the transfer id ended while prefill still copied (the proxy gave it up when prefill's
+    HTTP leg failed), so the staged publish is refused 410. Nobody can find those slots: they go back to
+    the pool now, not after a lease of lookups."""
+    from types import SimpleNamespace
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
+                          staging_slots=8)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=5, compat_hash="x"), 60.0)
+            keep, _ = pre.request_finished(_finished("r1", {"do_remote_decode": True, "transfer_id": "t-1"}),
+                                           [4, 5, 6])
+            assert keep and pre._stage_jobs([]) and pre._planner.pool.in_use == 3
+            cli.abandon_transfer(None, "t-1")
+            pre.update_connector_output(SimpleNamespace(finished_sending={"r1"}, finished_recving=set(),
+                                                        failed_recving=set(), kv_connector_worker_meta=None))
+            assert pre._planner.pool.in_use == 0 and pre._held.request_ids() == []
+    finally:
+        pre.shutdown()
+        srv.stop()
+
+
+def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(monkeypatch):
+    """n > 1: sample 0 pulled and, after the grace, prefill heard "pulled"; sample 1 asks later and is told
+    the copy is gone (it computes the prompt). It must not report prefill's request a second time."""
+    import time
+    from types import SimpleNamespace
+
+    from kvlink.vllm import scheduler as S
+    from kvlink.vllm.config import ConnectorConfig
+
+    monkeypatch.setattr(S, "SIBLING_GRACE_S", 0.1)
+    calls = []
+
+    class Client:
+        def release(self, engine_id, request_id, outcome):
+            calls.append((request_id, outcome.value))
+            return False
+
+    sched = S.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        sched.clients = type("Pool", (), {"get": lambda self, url: Client(), "close": lambda self: None})()
+        params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://b:1", "remote_engine_id": "pre",
+                  "remote_request_id": "p1", "remote_block_ids": [1, 2], "remote_num_tokens": 32}
+        first = _decode_request("0_r", 40, dict(params))
+        n, _ = sched.get_num_new_matched_tokens(first, 0)
+        sched.update_state_after_alloc(first, _blocks([5, 6]), n)
+        sched.update_connector_output(SimpleNamespace(finished_sending=set(), finished_recving={"0_r"},
+                                                      failed_recving=set(), kv_connector_worker_meta=None))
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls == [("p1", "pulled")]
+        late = _decode_request("1_r", 40, dict(params))
+        assert sched.get_num_new_matched_tokens(late, 0) == (0, False)
+        sched.update_state_after_alloc(late, _blocks([7, 8]), 0)
+        time.sleep(0.5)  # past a grace
+        assert calls == [("p1", "pulled")]
+        assert sched.get_kv_connector_stats().data["sibling_late"] == 1
+    finally:
+        sched.shutdown()
