@@ -463,7 +463,7 @@ class KVLinkScheduler:
         if verdict == "wait":
             return None, False  # a sibling sample pulls this prompt now: asked again next step (siblings.py)
         if verdict == "gone":  # the samples' release of prefill's copy was decided: computed here
-            self._count("sibling_late")
+            self._count("pull_after_release")
             self._processed.add(request.request_id)  # handled: nothing of it is released again
             return 0, False
         n = len(request.prompt_token_ids or ())

@@ -21,7 +21,8 @@ COUNTERS = (
     "window_refusals",  # decode computed a prompt itself: its last token's window lies in freed blocks
     "prompt_mismatch",  # decode: prefill computed other prompt tokens than decode's (params.prompt_digest); not used
     "pull_waits_nudged",  # decode: step waits (pull_step_wait_ms) a worker's nudge ended (nudge.py)
-    "sibling_late",  # decode, n > 1: a sample that asked after the samples' release was decided; computed here
+    "pull_after_release",  # decode: params of a prefill request decode already released (a late n > 1 sample,
+    # the same params sent again): computed here, never pulled
     # decode, streamed KV: pieces read, or dropped (not waited for); block reads before the record (a block
     # read in several layer ranges counts once per range)
     "pieces", "pieces_dropped", "blocks_streamed",

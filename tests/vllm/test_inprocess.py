@@ -124,7 +124,8 @@ def test_failed_pull_reported_per_request(engines, monkeypatch):
     from tests.vllm.helpers import free_port
 
     dead = {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{free_port()}",
-            "remote_block_ids": [1, 2, 3, 4], "remote_engine_id": "gone", "remote_request_id": "r"}
+            "remote_block_ids": [1, 2, 3, 4], "remote_engine_id": "gone", "remote_request_id": "r-2"}
+    # (not "r" again: params of a prefill request decode already released are computed, not pulled)
     assert decode(engines, "dec", prompts, [dead]) == want
     failed = set().union(*(r.failed_recving for r in seen))
     assert len(failed) == 1

@@ -840,6 +840,6 @@ def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(
         sched.update_state_after_alloc(late, _blocks([7, 8]), 0)
         time.sleep(0.5)  # past a grace
         assert calls == [("p1", "pulled")]
-        assert sched.get_kv_connector_stats().data["sibling_late"] == 1
+        assert sched.get_kv_connector_stats().data["pull_after_release"] == 1
     finally:
         sched.shutdown()
