@@ -81,15 +81,23 @@ def test_decode_given_another_prompts_params_computes_its_own(engines):
     assert released(engines)  # prefill told at once, not left to its lease
 
 
-def test_decode_looking_another_prompt_up_by_transfer_id_does_not_use_its_kv(engines):
-    a, b = two_prompts(seed=63)
-    params = by_transfer_id(engines, a, "digest-t1")
+def refused_by_transfer_id(engines, computed: list[int], asked: list[int], transfer_id: str) -> dict:
+    """Prefill computes ``computed`` under ``transfer_id``, decode is asked ``asked`` with it: decode answers
+    as a single engine, refuses prefill's KV (one prompt_mismatch, nothing pulled), and prefill is told.
+    Returns decode's counters after."""
+    params = by_transfer_id(engines, computed, transfer_id)
     before = engines.agents["dec"].recorded_now()
-    assert decode(engines, "dec", [b], [params]) == want(engines, [b])
+    assert decode(engines, "dec", [asked], [params]) == want(engines, [asked])
     after = engines.agents["dec"].recorded_now()
     assert after["prompt_mismatch"] - before["prompt_mismatch"] == 1
     assert after["pulls_ok"] == before["pulls_ok"]
     assert released(engines)
+    return after
+
+
+def test_decode_looking_another_prompt_up_by_transfer_id_does_not_use_its_kv(engines):
+    a, b = two_prompts(seed=63)
+    after = refused_by_transfer_id(engines, a, b, "digest-t1")
     # the same prompt by transfer id: the record's digest agrees, and the KV is pulled
     params = by_transfer_id(engines, a, "digest-t2")
     assert decode(engines, "dec", [a], [params]) == want(engines, [a])
@@ -101,14 +109,8 @@ def test_decode_with_a_shorter_other_prompt_by_transfer_id_does_not_use_its_kv(e
     needing no more blocks than prefill published (so block pairing alone would accept it). Digests cover
     as many tokens only on the same count: a prompt of another length is another prompt."""
     a, b = two_prompts(seed=64)
-    b = b[:-5]  # 5 blocks + 3 tokens -> 4 blocks + 30 tokens: still within prefill's blocks
-    params = by_transfer_id(engines, a, "digest-t3")
-    before = engines.agents["dec"].recorded_now()
-    assert decode(engines, "dec", [b], [params]) == want(engines, [b])
-    after = engines.agents["dec"].recorded_now()
-    assert after["prompt_mismatch"] - before["prompt_mismatch"] == 1
-    assert after["pulls_ok"] == before["pulls_ok"]
-    assert released(engines)
+    refused_by_transfer_id(engines, a, b[:-5], "digest-t3")  # 5 blocks + 3 tokens -> 4 blocks + 30 tokens:
+    # still within prefill's blocks
 
 
 class _Answers:

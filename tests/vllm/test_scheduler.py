@@ -671,41 +671,31 @@ def test_decode_releasing_before_prefills_publish_call_returns_frees_the_request
 
     from vllm.v1.request import RequestStatus
 
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration, Outcome
-    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.bootstrap import Outcome
     from kvlink.vllm.params import PrefillRequest
-    from kvlink.vllm.scheduler import KVLinkScheduler
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=4.0), "pre", "kv_producer", 32)
-    try:
-        with BootstrapClient(srv.url) as cli:
-            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
-                                                   protocol_version=1, compat_hash="x"), 60.0)
-            cli.publish("pre", "other", [[9]], num_tokens=32, lease_s=60.0)  # held already: the watcher polls
-            with sched._held_lock:
-                sched._held.published("other", 1)
-            publish = sched._publish
+    with _prefill_at_server(lease_s=4.0) as (sched, cli):
+        cli.publish("pre", "other", [[9]], num_tokens=32, lease_s=60.0)  # held already: the watcher polls
+        with sched._held_lock:
+            sched._held.published("other", 1)
+        publish = sched._publish
 
-            def publish_then_decode_releases(*args, **kwargs):
-                publish(*args, **kwargs)
-                cli.release("pre", "r1", Outcome.PULLED)
-                time.sleep(0.3)  # the watcher polls (every 20 ms) before the call returns
+        def publish_then_decode_releases(*args, **kwargs):
+            publish(*args, **kwargs)
+            cli.release("pre", "r1", Outcome.PULLED)
+            time.sleep(0.3)  # the watcher polls (every 20 ms) before the call returns
 
-            sched._publish = publish_then_decode_releases
-            req = SimpleNamespace(request_id="r1", kv_transfer_params=PrefillRequest("t-1").to_params(),
-                                  status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=64,
-                                  prompt_token_ids=list(range(64)))
-            assert sched.request_finished(req, [3, 4])[0]
-            deadline, freed = time.monotonic() + 2.0, []
-            while "r1" not in freed and time.monotonic() < deadline:
-                freed += sched._take_frees()
-                time.sleep(0.02)
-            assert "r1" in freed
-            assert sched.get_kv_connector_stats().data.get("released_pulled") == 1
-    finally:
-        sched.shutdown()
-        srv.stop()
+        sched._publish = publish_then_decode_releases
+        req = SimpleNamespace(request_id="r1", kv_transfer_params=PrefillRequest("t-1").to_params(),
+                              status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=64,
+                              prompt_token_ids=list(range(64)))
+        assert sched.request_finished(req, [3, 4])[0]
+        deadline, freed = time.monotonic() + 2.0, []
+        while "r1" not in freed and time.monotonic() < deadline:
+            freed += sched._take_frees()
+            time.sleep(0.02)
+        assert "r1" in freed
+        assert sched.get_kv_connector_stats().data.get("released_pulled") == 1
 
 
 def test_the_samples_grace_periods_do_not_hold_up_other_releases(monkeypatch):
@@ -751,28 +741,16 @@ def test_a_request_too_big_for_the_staging_pool_gives_its_transfer_id_up():
     it); a decode long-polling its transfer id hears "released" at once instead of after lookup_wait_s."""
     import time
 
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
     from kvlink.bootstrap.errors import RequestReleased
-    from kvlink.vllm.config import ConnectorConfig
-    from kvlink.vllm.scheduler import KVLinkScheduler
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
-                          staging_slots=2)
-    try:
-        with BootstrapClient(srv.url) as cli:
-            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
-                                                   protocol_version=2, compat_hash="x"), 60.0)
-            keep, answer = pre.request_finished(
-                _finished("big", {"do_remote_decode": True, "transfer_id": "t-big"}), [4, 5, 6])
-            assert not keep and "staging blocks" in answer["kvlink_error"]
-            t0 = time.monotonic()
-            with pytest.raises(RequestReleased):
-                cli.lookup_transfer("t-big", wait_s=10.0)  # decode's long poll
-            assert time.monotonic() - t0 < 5.0
-    finally:
-        pre.shutdown()
-        srv.stop()
+    with _prefill_at_server(staging_slots=2) as (pre, cli):
+        keep, answer = pre.request_finished(
+            _finished("big", {"do_remote_decode": True, "transfer_id": "t-big"}), [4, 5, 6])
+        assert not keep and "staging blocks" in answer["kvlink_error"]
+        t0 = time.monotonic()
+        with pytest.raises(RequestReleased):
+            cli.lookup_transfer("t-big", wait_s=10.0)  # decode's long poll
+        assert time.monotonic() - t0 < 5.0
 
 
 def test_a_staged_publish_the_server_refuses_gives_its_slots_back_at_once():
@@ -781,27 +759,14 @@ def test_a_staged_publish_the_server_refuses_gives_its_slots_back_at_once():
     the pool now, not after a lease of lookups."""
     from types import SimpleNamespace
 
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
-    from kvlink.vllm.config import ConnectorConfig
-    from kvlink.vllm.scheduler import KVLinkScheduler
-
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0), "pre", "kv_producer", 32,
-                          staging_slots=8)
-    try:
-        with BootstrapClient(srv.url) as cli:
-            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
-                                                   protocol_version=5, compat_hash="x"), 60.0)
-            keep, _ = pre.request_finished(_finished("r1", {"do_remote_decode": True, "transfer_id": "t-1"}),
-                                           [4, 5, 6])
-            assert keep and pre._stage_jobs([]) and pre._planner.pool.in_use == 3
-            cli.abandon_transfer(None, "t-1")
-            pre.update_connector_output(SimpleNamespace(finished_sending={"r1"}, finished_recving=set(),
-                                                        failed_recving=set(), kv_connector_worker_meta=None))
-            assert pre._planner.pool.in_use == 0 and pre._held.request_ids() == []
-    finally:
-        pre.shutdown()
-        srv.stop()
+    with _prefill_at_server(staging_slots=8) as (pre, cli):
+        keep, _ = pre.request_finished(_finished("r1", {"do_remote_decode": True, "transfer_id": "t-1"}),
+                                       [4, 5, 6])
+        assert keep and pre._stage_jobs([]) and pre._planner.pool.in_use == 3
+        cli.abandon_transfer(None, "t-1")
+        pre.update_connector_output(SimpleNamespace(finished_sending={"r1"}, finished_recving=set(),
+                                                    failed_recving=set(), kv_connector_worker_meta=None))
+        assert pre._planner.pool.in_use == 0 and pre._held.request_ids() == []
 
 
 def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(monkeypatch):
@@ -843,3 +808,23 @@ def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(
         assert sched.get_kv_connector_stats().data["pull_after_release"] == 1
     finally:
         sched.shutdown()
+
+
+@contextlib.contextmanager
+def _prefill_at_server(lease_s: float = 30.0, staging_slots: int | None = None):
+    """A prefill scheduler with a real bootstrap server, its engine registered: (scheduler, client)."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre = KVLinkScheduler(ConnectorConfig(bootstrap_url=srv.url, lease_s=lease_s), "pre", "kv_producer", 32,
+                          staging_slots=staging_slots)
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=5, compat_hash="x"), 60.0)
+            yield pre, cli
+    finally:
+        pre.shutdown()
+        srv.stop()
