@@ -24,13 +24,16 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
 from kvlink.bootstrap.client import canonical_url
 from kvlink.bootstrap.schema import PublishBody
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 class BadParams(ValueError):
@@ -254,3 +257,19 @@ def decode_params(prefill_answer: Any) -> dict[str, Any]:
     if not flag(answer, "do_remote_prefill"):
         return {"do_remote_prefill": False}
     return RemoteSource.from_params(answer).to_params()
+
+
+def request_digest(request: "Request", n: int) -> str | None:
+    """params.prompt_digest of a request's first ``n`` prompt tokens, with what else decides their KV: the
+    LoRA adapter and the multimodal inputs placed among them (identifier, offset, length). None where vLLM
+    feeds embeddings (prompt_embeds, also mixed with ids): their bytes are not hashed, nothing is compared."""
+    ids = request.prompt_token_ids
+    if ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    extras = [f"lora:{lora.lora_name}"] if lora is not None else []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        if pos.offset < n:
+            extras.append(f"{f.modality}:{f.identifier}@{pos.offset}+{pos.length}")
+    return prompt_digest(ids[:n], tuple(extras))  # fewer than n ids: another prompt, another digest

@@ -620,7 +620,7 @@ def test_the_request_digest_covers_the_lora_adapter_and_the_images_among_its_tok
     from types import SimpleNamespace
 
     from kvlink.vllm.params import prompt_digest
-    from kvlink.vllm.scheduler import request_digest
+    from kvlink.vllm.params import request_digest
 
     def req(lora=None, mm=(), embeds=None, ids=tuple(range(32))):
         return SimpleNamespace(prompt_token_ids=list(ids), prompt_embeds=embeds, mm_features=[
