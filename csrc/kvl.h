@@ -151,6 +151,8 @@ int kvl_batch_cancel(kvl_batch *b);
 /* Message of a failed batch (valid until release). */
 const char *kvl_batch_message(kvl_batch *b);
 size_t kvl_batch_descriptors(kvl_batch *b); /* after coalescing */
+/* Drops the caller's handle; a batch still running is canceled first (as by
+ * kvl_batch_cancel), so its memory may be freed once this returns. */
 void kvl_batch_release(kvl_batch *b);
 
 int kvl_notify(kvl_engine *e, uint32_t peer, const void *data, size_t len, uint32_t timeout_ms);

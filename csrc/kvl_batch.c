@@ -111,7 +111,9 @@ int kvl_batch_cancel(kvl_batch *b) {
 const char *kvl_batch_message(kvl_batch *b) { return b->msg; }
 size_t kvl_batch_descriptors(kvl_batch *b) { return b->ndesc; }
 void kvl_batch_release(kvl_batch *b) {
-  if (b) kvl__batch_unref(b);
+  if (!b) return;
+  kvl_batch_cancel(b); /* still running: stopped, so nothing lands in its memory once the caller lets it go */
+  kvl__batch_unref(b);
 }
 
 int kvl__batch_enter_io(kvl_batch *b) {

@@ -38,6 +38,22 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
     close(fd);
     return KVL_EPEERCHANGED;
   }
+  if (p->local.ok) { /* same-host READs copy from the pid probed at connect: still that process? */
+    kvl__local_peer now;
+    if ((rc = kvl__local_probe(e, fd, &now)) != 0) {
+      snprintf(why, cap, "same-host probe of %s:%u: %s", p->host, p->port, now.why);
+      close(fd);
+      return rc;
+    }
+    if (!now.ok || now.pid != p->local.pid) {
+      /* Another process under the same name (a restart): its memory is not the one probed. Retired. */
+      __atomic_store_n(&p->changed, 1, __ATOMIC_RELEASE);
+      snprintf(why, cap, "%s:%u (\"%s\") is no longer process %d (%s)", p->host, p->port, name, p->local.pid,
+               now.ok ? "another pid answers" : now.why);
+      close(fd);
+      return KVL_EPEERCHANGED;
+    }
+  }
   s->fd = fd;
   return 0;
 }
@@ -52,11 +68,30 @@ static int part_iov(kvl__stream *s, const kvl__part *pt, uint32_t from, uint32_t
   return (int)n;
 }
 
+/* CRC of a descriptor's local memory, one slice at a time, each bracketed
+ * like a receive: once kvl_batch_cancel returns nothing reads the memory. */
+static int local_crc(kvl_batch *b, const kvl__desc *d, const int *closing, uint32_t *out) {
+  const uint8_t *p = (const uint8_t *)(uintptr_t)d->local;
+  uint64_t left = d->length;
+  *out = 0;
+  while (left > 0) {
+    size_t n = left < KVL__CRC_SLICE ? (size_t)left : KVL__CRC_SLICE;
+    int rc = kvl__batch_enter_io(b);
+    if (rc) return rc;
+    rc = kvl__crc_until(out, p, n, b->deadline_ms, closing);
+    kvl__batch_leave_io(b);
+    if (rc) return rc;
+    p += n;
+    left -= n;
+  }
+  return 0;
+}
+
 static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   kvl_batch *b = pt->batch;
   kvl_engine *e = s->peer->e;
   uint64_t dl = b->deadline_ms, want = kvl__part_bytes(pt);
-  if (s->peer->local_ok && want >= KVL__LOCAL_MIN_BYTES && want / pt->count >= KVL__LOCAL_MIN_AVG)
+  if (s->peer->local.ok && want >= KVL__LOCAL_MIN_BYTES && want / pt->count >= KVL__LOCAL_MIN_AVG)
     return kvl__local_read(s, pt, why, cap);
   kvl__status st;
   int rc = kvl__send_request(s, pt, KVL__T_READ_REQ, dl);
@@ -93,7 +128,11 @@ static int run_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
     }
     for (uint32_t i = 0; i < pt->count; i++) {
       const kvl__desc *d = &b->desc[pt->first + i];
-      uint32_t got = kvl_crc32c(0, (const void *)(uintptr_t)d->local, (size_t)d->length);
+      uint32_t got;
+      if ((rc = local_crc(b, d, &e->closing, &got)) != 0) {
+        snprintf(why, cap, "%s checking the checksums from %s", kvl_strerror(rc), s->peer->name);
+        return rc;
+      }
       if (got != kvl__get_u32((const uint8_t *)&s->crcs[i])) {
         snprintf(why, cap, "checksum mismatch in descriptor %u (region 0x%x offset %llu, %llu bytes)",
                  pt->first + i, d->region, (unsigned long long)d->offset, (unsigned long long)d->length);
@@ -118,11 +157,12 @@ static int run_write(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   }
   if (rc == 0 && e->cfg.crc) {
     if (kvl__grow((void **)&s->crcs, &s->crc_cap, (size_t)pt->count * 4) != 0) return KVL_ENOMEM;
-    for (uint32_t i = 0; i < pt->count; i++) {
-      const kvl__desc *d = &b->desc[pt->first + i];
-      kvl__put_u32((uint8_t *)&s->crcs[i], kvl_crc32c(0, (const void *)(uintptr_t)d->local, (size_t)d->length));
+    uint32_t crc = 0;
+    for (uint32_t i = 0; rc == 0 && i < pt->count; i++) {
+      if ((rc = local_crc(b, &b->desc[pt->first + i], &e->closing, &crc)) == 0)
+        kvl__put_u32((uint8_t *)&s->crcs[i], crc);
     }
-    rc = kvl__send_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing);
+    if (rc == 0) rc = kvl__send_all(s->fd, s->crcs, (size_t)pt->count * 4, dl, &e->closing);
   }
   if (rc == KVL_EPEERCLOSED) { /* a refusal arrives before the hang-up: prefer its reason */
     int r2 = kvl__recv_status(s, KVL__T_WRITE_RESP, s->seq, &st, kvl__now_ms() + 1000, why, cap);
@@ -252,7 +292,7 @@ static void *stream_main(void *arg) {
 
 /* A waiter that finds its one-part batch still queued runs it itself: a
  * thread hand-off costs more than a small transfer on this path. */
-void kvl__stream_steal(kvl_batch *b) {
+void kvl__stream_steal(kvl_batch *b, uint64_t until_ms) {
   if (b->parts_total != 1) return;
   kvl__part *pt = &b->parts[0];
   /* While b->mu is held an unfinished part's stream cannot be freed: the
@@ -265,6 +305,7 @@ void kvl__stream_steal(kvl_batch *b) {
     mine = pt->queued && s->head == pt && !s->busy && !__atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE);
     if (mine) claim(s);
     pthread_mutex_unlock(&s->mu);
+    if (mine && until_ms < b->deadline_ms) b->deadline_ms = until_ms; /* ours alone now: the waiter's timeout */
   }
   pthread_mutex_unlock(&b->mu);
   if (!mine) return;

@@ -1,6 +1,6 @@
 /* kvl_crc32c.c - CRC32C (Castagnoli). Uses the SSE4.2 crc32 instruction when
  * the CPU has it (checked once), else a table. */
-#include "kvl.h"
+#include "kvl_internal.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -55,4 +55,17 @@ uint32_t kvl_crc32c(uint32_t crc, const void *data, size_t len) {
   if (have_hw) return ~crc_hw(crc, data, len);
 #endif
   return ~crc_sw(crc, data, len);
+}
+
+int kvl__crc_until(uint32_t *crc, const void *p, size_t len, uint64_t deadline, const int *closing) {
+  const uint8_t *q = p;
+  while (len > 0) {
+    int rc = kvl__waited_too_long(deadline, closing);
+    if (rc) return rc;
+    size_t n = len < KVL__CRC_SLICE ? len : KVL__CRC_SLICE;
+    *crc = kvl_crc32c(*crc, q, n);
+    q += n;
+    len -= n;
+  }
+  return 0;
 }

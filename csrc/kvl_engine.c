@@ -74,7 +74,6 @@ static void engine_free(kvl_engine *e) {
   kvl__regions_destroy(&e->regions);
   pthread_mutex_destroy(&e->conns_mu);
   pthread_mutex_destroy(&e->mu);
-  pthread_mutex_destroy(&e->connect_mu);
   free(e->token);
   free(e);
 }
@@ -87,7 +86,6 @@ int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
    * takes the one unwind path at the end. */
   e->listen_fd = -1;
   pthread_mutex_init(&e->mu, NULL);
-  pthread_mutex_init(&e->connect_mu, NULL);
   pthread_mutex_init(&e->conns_mu, NULL);
   kvl__events_init(&e->events);
   kvl__notifs_init(&e->notifs);
@@ -203,29 +201,33 @@ static kvl__peer *peer_get(kvl_engine *e, uint32_t id) {
 static __thread char last_msg[KVL_MAX_EVENT_MSG + 1];
 const char *kvl_last_message(void) { return last_msg; }
 
+/* The live peer at host:port, or -1 (e->mu held). A retired one is not reused. */
+static int find_peer(kvl_engine *e, const char *host, uint16_t port) {
+  for (uint32_t i = 0; i < e->npeers; i++)
+    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0 &&
+        !__atomic_load_n(&e->peers[i]->changed, __ATOMIC_ACQUIRE))
+      return (int)i;
+  return -1;
+}
+
+/* Connects without holding an engine lock (a silent peer delays only its own
+ * callers); two concurrent connects to one address both handshake, and the
+ * second to finish uses the first's peer. */
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out) {
   last_msg[0] = 0;
   if (!host || strlen(host) >= sizeof(((kvl__peer *)0)->host) || port == 0) return KVL_EINVAL;
   if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
-  pthread_mutex_lock(&e->connect_mu); /* one connect at a time: dedup and the limit stay exact */
   int rc = 0;
   pthread_mutex_lock(&e->mu);
-  for (uint32_t i = 0; i < e->npeers; i++) {
-    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0 &&
-        !__atomic_load_n(&e->peers[i]->changed, __ATOMIC_ACQUIRE)) { /* a retired one is not reused */
-      *peer_out = i;
-      pthread_mutex_unlock(&e->mu);
-      pthread_mutex_unlock(&e->connect_mu);
-      return 0;
-    }
-  }
-  if (e->npeers >= KVL_MAX_PEERS) rc = KVL_EFULL;
+  int found = find_peer(e, host, port);
+  if (found < 0 && e->npeers >= KVL_MAX_PEERS) rc = KVL_EFULL;
   pthread_mutex_unlock(&e->mu);
-  kvl__peer *p = rc ? NULL : calloc(1, sizeof *p);
-  if (!p) {
-    pthread_mutex_unlock(&e->connect_mu);
-    return rc ? rc : KVL_ENOMEM;
+  if (found >= 0) {
+    *peer_out = (uint32_t)found;
+    return 0;
   }
+  kvl__peer *p = rc ? NULL : calloc(1, sizeof *p);
+  if (!p) return rc ? rc : KVL_ENOMEM;
   p->e = e;
   snprintf(p->host, sizeof p->host, "%s", host);
   p->port = port;
@@ -255,22 +257,29 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     }
   }
   if (rc == 0 && e->cfg.same_host) {
-    rc = kvl__local_probe(e, p->streams[0].fd, p);
-    if (rc == 0 && !p->local_ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
-    if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local_why);
+    rc = kvl__local_probe(e, p->streams[0].fd, &p->local);
+    if (rc == 0 && !p->local.ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
+    if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local.why);
   }
   if (rc == 0) {
-    for (int k = 0; k < p->nstreams && rc == 0; k++) rc = kvl__stream_start(&p->streams[k]);
-    /* A thread that started serves until destroy; keep the peer so it is joined. */
     pthread_mutex_lock(&e->mu);
-    *peer_out = e->npeers;
-    e->peers[e->npeers++] = p;
+    found = find_peer(e, host, port);
+    if (found >= 0) {
+      *peer_out = (uint32_t)found; /* another call connected meanwhile: ours goes */
+    } else if (e->npeers >= KVL_MAX_PEERS) {
+      rc = KVL_EFULL;
+    } else {
+      for (int k = 0; k < p->nstreams && rc == 0; k++) rc = kvl__stream_start(&p->streams[k]);
+      /* A thread that started serves until destroy: keep the peer so it is joined, retired if one failed. */
+      if (rc) __atomic_store_n(&p->changed, 1, __ATOMIC_RELEASE);
+      *peer_out = e->npeers;
+      e->peers[e->npeers++] = p;
+      p = NULL;
+    }
     pthread_mutex_unlock(&e->mu);
-    if (rc) snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
-  } else {
-    peer_free(p);
+    if (rc) snprintf(last_msg, sizeof last_msg, rc == KVL_EFULL ? "too many peers" : "cannot start a stream thread");
   }
-  pthread_mutex_unlock(&e->connect_mu);
+  if (p) peer_free(p);
   if (rc) {
     const char *why = last_msg[0] ? last_msg : kvl_strerror(rc);
     kvl__event_log(&e->events, rc, "connect to %s:%u failed: %s", host, port, why);
@@ -288,8 +297,8 @@ int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap) {
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap) {
   kvl__peer *p = peer_get(e, peer);
   if (!p) return KVL_ENOPEER;
-  snprintf(why, cap, "%s", e->cfg.same_host ? p->local_why : "same-host path off");
-  return p->local_ok;
+  snprintf(why, cap, "%s", e->cfg.same_host ? p->local.why : "same-host path off");
+  return p->local.ok;
 }
 
 int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs, const uint32_t *remote_regions,
@@ -317,7 +326,8 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
 }
 
 int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
-  kvl__stream_steal(b); /* a small batch nobody took yet runs here: cheaper than a hand-off */
+  /* A small batch nobody took yet runs here (cheaper than a hand-off), by the wait's timeout. */
+  kvl__stream_steal(b, kvl__now_ms() + timeout_ms);
   return kvl__batch_wait(b, timeout_ms);
 }
 

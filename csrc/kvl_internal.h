@@ -7,8 +7,8 @@
  *   kvl_client.c  kvl_server.c        requester streams, responder threads
  *   kvl_local.c                       the same-host path of both
  *   kvl_request.c                     one request on a requester stream
- *   kvl_batch.c kvl_region.c kvl_auth.c
- *   kvl_events.c kvl_notifs.c kvl_sock.c kvl_proto.c kvl_sha256.c kvl_crc32c.c kvl_err.c
+ *   kvl_batch.c kvl_region.c kvl_auth.c kvl_crc32c.c
+ *   kvl_events.c kvl_notifs.c kvl_sock.c kvl_proto.c kvl_sha256.c kvl_err.c
  *
  * Lock comments: "mu" names the lock of the struct the field is in; "set
  * before publication" means written once before another thread can see the
@@ -150,6 +150,13 @@ int kvl__wait_readable(int fd, const int *closing);
  * peer closed between frames. */
 int kvl__recv_header(int fd, uint8_t *hb, uint32_t timeout_ms, const int *closing, int *orderly);
 int kvl__send_all(int fd, const void *p, size_t len, uint64_t deadline, const int *closing);
+/* KVL_ECLOSED once closing is set, KVL_ETIMEDOUT past deadline (0: none), else 0. */
+int kvl__waited_too_long(uint64_t deadline, const int *closing);
+/* Continue *crc (CRC32C) over len bytes at p, a slice of KVL__CRC_SLICE at a
+ * time, giving up between slices past deadline or once closing is set: a
+ * peer's descriptors may ask for terabytes of checksums. */
+#define KVL__CRC_SLICE (1u << 20)
+int kvl__crc_until(uint32_t *crc, const void *p, size_t len, uint64_t deadline, const int *closing); /* kvl_crc32c.c */
 int kvl__recv_all(int fd, void *p, size_t len, uint64_t deadline, const int *closing);
 
 /* ---- regions (kvl_region.c) -------------------------------------------- */
@@ -201,11 +208,13 @@ int kvl__events_pop(kvl__events *q, int *code, char *msg, size_t cap); /* 1 if o
 uint64_t kvl__events_dropped(kvl__events *q);
 
 #define KVL__NOTIF_MAX 65536
+#define KVL__NOTIF_MAX_BYTES (16u << 20) /* payload bytes queued, at most */
 typedef struct kvl__notif kvl__notif;
-typedef struct { /* FIFO of received notifications, at most KVL__NOTIF_MAX */
+typedef struct { /* FIFO of received notifications, at most KVL__NOTIF_MAX and KVL__NOTIF_MAX_BYTES */
   pthread_mutex_t mu;
   kvl__notif *head, *tail; /* mu */
   uint32_t count;          /* mu */
+  size_t bytes;            /* mu: payload bytes queued */
   uint64_t dropped;        /* mu */
 } kvl__notifs;
 
@@ -305,6 +314,12 @@ struct kvl__stream {
   struct iovec riov[KVL__IOV_MAX]; /* same-host: remote side */
 };
 
+typedef struct {  /* what the same-host probe found (kvl_local.c) */
+  int ok;         /* READs copy the peer's memory directly */
+  int pid;
+  char why[KVL_MAX_EVENT_MSG + 1];
+} kvl__local_peer;
+
 struct kvl__peer { /* set by kvl_peer_connect before publication; rr aside, read-only afterwards */
   kvl_engine *e;
   char host[256];
@@ -313,9 +328,7 @@ struct kvl__peer { /* set by kvl_peer_connect before publication; rr aside, read
   int nstreams;
   uint32_t rr; /* next stream for a one-part batch (atomic) */
   int changed; /* another engine answered at its address (atomic): retired, a connect opens a new peer */
-  int local_ok;  /* READs copy the peer's memory directly (set at connect) */
-  int local_pid;
-  char local_why[KVL_MAX_EVENT_MSG + 1];
+  kvl__local_peer local; /* set at connect; a reconnect checks the process is still the one probed */
   kvl__stream streams[KVL_MAX_STREAMS];
 };
 
@@ -337,7 +350,6 @@ struct kvl_engine {
   kvl__events events;   /* own lock */
   kvl__notifs notifs;   /* own lock */
 
-  pthread_mutex_t connect_mu; /* serializes kvl_peer_connect */
   pthread_mutex_t mu;         /* guards peers, npeers (destroy reads them alone) */
   kvl__peer *peers[KVL_MAX_PEERS];
   uint32_t npeers;
@@ -370,8 +382,9 @@ void kvl__stream_stop(kvl__stream *s);
 #define KVL__LINGER_US 50000u /* a worker busy this recently ticks ... */
 #define KVL__TICK_US 1000u    /* ... this often, instead of sleeping */
 void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable);
-/* Run a single-part batch's part in the calling thread if no worker took it yet. */
-void kvl__stream_steal(kvl_batch *b);
+/* Run a single-part batch's part in the calling thread if no worker took it
+ * yet, by until_ms at the latest (the batch's deadline is lowered to it). */
+void kvl__stream_steal(kvl_batch *b, uint64_t until_ms);
 /* one request on a stream, shared with the same-host path (kvl_request.c) */
 int kvl__recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
                      size_t cap);
@@ -381,7 +394,7 @@ uint64_t kvl__part_bytes(const kvl__part *pt);
 int kvl__local_serve_probe(kvl_engine *e, int fd, uint32_t seq);
 int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_t *body, uint64_t **addrs,
                           size_t *cap, char *why, size_t wcap);
-int kvl__local_probe(kvl_engine *e, int fd, kvl__peer *p);
+int kvl__local_probe(kvl_engine *e, int fd, kvl__local_peer *lp); /* nonzero: the connection is unusable */
 int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap);
 /* send an ERROR-class frame (status body) (kvl_auth.c) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);

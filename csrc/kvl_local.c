@@ -103,49 +103,52 @@ int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_
 
 /* ---- requester -------------------------------------------------------------- */
 
-int kvl__local_probe(kvl_engine *e, int fd, kvl__peer *p) {
+int kvl__local_probe(kvl_engine *e, int fd, kvl__local_peer *lp) {
+  lp->ok = 0;
+  lp->pid = 0;
+  lp->why[0] = 0;
   uint8_t hb[KVL__HDR_LEN], body[KVL__PROBE_BODY];
   kvl__hdr h;
   uint64_t deadline = kvl__now_ms() + e->cfg.handshake_timeout_ms;
   kvl__hdr_encode(hb, KVL__T_LPROBE, 0, 0, 0);
   int rc = kvl__send_all(fd, hb, sizeof hb, deadline, &e->closing);
   if (rc == 0) rc = kvl__recv_all(fd, hb, sizeof hb, deadline, &e->closing);
-  if (rc == 0) rc = kvl__hdr_decode(hb, &h, p->local_why, sizeof p->local_why);
+  if (rc == 0) rc = kvl__hdr_decode(hb, &h, lp->why, sizeof lp->why);
   if (rc == 0 && (h.type != KVL__T_LPROBE_RESP || h.body_len != KVL__PROBE_BODY)) {
-    snprintf(p->local_why, sizeof p->local_why, "peer answered the same-host probe with frame type %u", h.type);
+    snprintf(lp->why, sizeof lp->why, "peer answered the same-host probe with frame type %u", h.type);
     rc = KVL_EPROTO;
   }
   if (rc == 0) rc = kvl__recv_all(fd, body, sizeof body, deadline, &e->closing);
   if (rc) {
-    if (!p->local_why[0]) snprintf(p->local_why, sizeof p->local_why, "probe: %s", kvl_strerror(rc));
+    if (!lp->why[0]) snprintf(lp->why, sizeof lp->why, "probe: %s", kvl_strerror(rc));
     return rc; /* the connection is unusable: the caller fails the connect */
   }
   if (kvl__get_u32(body) != 0) {
-    snprintf(p->local_why, sizeof p->local_why, "peer does not serve same-host reads (its same_host is off)");
+    snprintf(lp->why, sizeof lp->why, "peer does not serve same-host reads (its same_host is off)");
     return 0;
   }
   pid_t pid = (pid_t)kvl__get_u32(body + 4);
   const uint8_t *cookie = body + 8 + KVL__BOOT_ID_LEN;
   uint64_t addr = kvl__get_u64(body + 8 + KVL__BOOT_ID_LEN + KVL__NONCE_LEN);
   if (memcmp(body + 8, e->boot_id, KVL__BOOT_ID_LEN) != 0) {
-    snprintf(p->local_why, sizeof p->local_why, "peer runs on another host (boot id differs)");
+    snprintf(lp->why, sizeof lp->why, "peer runs on another host (boot id differs)");
     return 0;
   }
   uint8_t got[KVL__NONCE_LEN];
   struct iovec l = {got, sizeof got}, r = {(void *)(uintptr_t)addr, sizeof got};
   ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
   if (n != (ssize_t)sizeof got) {
-    snprintf(p->local_why, sizeof p->local_why, "process_vm_readv of peer pid %d refused: %s", (int)pid,
+    snprintf(lp->why, sizeof lp->why, "process_vm_readv of peer pid %d refused: %s", (int)pid,
              n < 0 ? strerror(errno) : "short read");
     return 0;
   }
   if (memcmp(got, cookie, sizeof got) != 0) {
-    snprintf(p->local_why, sizeof p->local_why, "pid %d is not the peer (another pid namespace?)", (int)pid);
+    snprintf(lp->why, sizeof lp->why, "pid %d is not the peer (another pid namespace?)", (int)pid);
     return 0;
   }
-  p->local_pid = pid;
-  p->local_ok = 1;
-  snprintf(p->local_why, sizeof p->local_why, "same host: copying from pid %d with process_vm_readv", (int)pid);
+  lp->pid = pid;
+  lp->ok = 1;
+  snprintf(lp->why, sizeof lp->why, "same host: copying from pid %d with process_vm_readv", (int)pid);
   return 0;
 }
 
@@ -195,11 +198,11 @@ int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
       snprintf(why, cap, "batch finished while copying");
       return rc;
     }
-    ssize_t got = process_vm_readv(p->local_pid, s->iov, (unsigned long)n, s->riov, (unsigned long)n, 0);
+    ssize_t got = process_vm_readv(p->local.pid, s->iov, (unsigned long)n, s->riov, (unsigned long)n, 0);
     int err = errno;
     kvl__batch_leave_io(b);
     if (got != (ssize_t)bytes) {
-      snprintf(why, cap, "process_vm_readv from pid %d: %s", (int)p->local_pid,
+      snprintf(why, cap, "process_vm_readv from pid %d: %s", (int)p->local.pid,
                got < 0 ? strerror(err) : "short copy");
       return KVL_ESYS;
     }

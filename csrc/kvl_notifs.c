@@ -1,6 +1,7 @@
 /* kvl_notifs.c - received notifications: a FIFO that responder threads push
  * each NOTIFY body onto (with the sender's engine name) and the caller pops
- * with kvl_notif_next. It is bounded by count (KVL__NOTIF_MAX); a push beyond
+ * with kvl_notif_next. It is bounded by count (KVL__NOTIF_MAX) and by payload
+ * bytes (KVL__NOTIF_MAX_BYTES: a peer may send 4 KiB each); a push beyond
  * that is refused, counted as dropped, and the sender is told the queue is
  * full. It has its own lock. */
 #include "kvl_internal.h"
@@ -39,7 +40,7 @@ int kvl__notifs_push(kvl__notifs *q, const char *from, const uint8_t *data, size
   n->len = len;
   memcpy(n->data, data, len);
   pthread_mutex_lock(&q->mu);
-  if (q->count >= KVL__NOTIF_MAX) {
+  if (q->count >= KVL__NOTIF_MAX || q->bytes + len > KVL__NOTIF_MAX_BYTES) {
     q->dropped++;
     pthread_mutex_unlock(&q->mu);
     free(n);
@@ -49,6 +50,7 @@ int kvl__notifs_push(kvl__notifs *q, const char *from, const uint8_t *data, size
   else q->head = n;
   q->tail = n;
   q->count++;
+  q->bytes += len;
   pthread_mutex_unlock(&q->mu);
   return 0;
 }
@@ -64,6 +66,7 @@ int kvl__notifs_pop(kvl__notifs *q, char *from, size_t from_cap, void *buf, size
     q->head = n->next;
     if (!q->head) q->tail = NULL;
     q->count--;
+    q->bytes -= n->len;
   }
   pthread_mutex_unlock(&q->mu);
   if (!n) return 0;

@@ -46,11 +46,17 @@ static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t 
   return kvl__send_status(c->fd, type, seq, &st, kvl__now_ms() + c->e->cfg.op_timeout_ms, &c->e->closing);
 }
 
-/* CRC of each descriptor in [first, first+n), resolved to iov. */
-static void crc_descs(kvl__conn *c, uint32_t first, uint32_t n, uint32_t *out) {
+/* CRC of each descriptor in [first, first+n), resolved to iov; by the
+ * request's deadline (descriptors may overlap: a peer can ask for terabytes). */
+static int crc_descs(kvl__conn *c, uint32_t first, uint32_t n, uint64_t deadline, uint32_t *out) {
   kvl__regions_resolve(&c->e->regions, c->body, first, n, c->iov);
-  for (uint32_t i = 0; i < n; i++)
-    kvl__put_u32((uint8_t *)&out[first + i], kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len));
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t crc = 0;
+    int rc = kvl__crc_until(&crc, c->iov[i].iov_base, c->iov[i].iov_len, deadline, &c->e->closing);
+    if (rc) return rc;
+    kvl__put_u32((uint8_t *)&out[first + i], crc);
+  }
+  return 0;
 }
 
 static uint32_t chunk(uint32_t count, uint32_t first) {
@@ -67,8 +73,10 @@ static int send_read_data(kvl__conn *c, const kvl__hdr *h, uint32_t count, uint6
   st.total = total;
   size_t blen = kvl__status_encode(rh + KVL__HDR_LEN, &st);
   kvl__hdr_encode(rh, KVL__T_READ_RESP, 0, h->seq, (uint32_t)blen);
-  if (crc)
-    for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) crc_descs(c, first, chunk(count, first), c->crcs);
+  for (uint32_t first = 0; crc && first < count; first += KVL__IOV_MAX) {
+    int rc = crc_descs(c, first, chunk(count, first), deadline, c->crcs);
+    if (rc) return rc;
+  }
   for (uint32_t first = 0; first < count; first += KVL__IOV_MAX) {
     uint32_t n = chunk(count, first);
     int k = 0;
@@ -99,7 +107,9 @@ static int recv_write_data(kvl__conn *c, uint32_t count, int crc, uint64_t deadl
     uint32_t n = chunk(count, first);
     kvl__regions_resolve(&e->regions, c->body, first, n, c->iov);
     for (uint32_t i = 0; i < n; i++) {
-      if (kvl_crc32c(0, c->iov[i].iov_base, c->iov[i].iov_len) != kvl__get_u32((uint8_t *)&c->crcs[first + i])) {
+      uint32_t got = 0;
+      if ((rc = kvl__crc_until(&got, c->iov[i].iov_base, c->iov[i].iov_len, deadline, &e->closing)) != 0) return rc;
+      if (got != kvl__get_u32((uint8_t *)&c->crcs[first + i])) {
         *bad = first + i;
         return KVL_ECRC;
       }

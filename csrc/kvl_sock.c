@@ -153,7 +153,7 @@ static int iov_advance(struct iovec **iov, int *n, size_t done) {
   return *n;
 }
 
-static int waited_too_long(uint64_t deadline, const int *closing) {
+int kvl__waited_too_long(uint64_t deadline, const int *closing) {
   if (closing && __atomic_load_n(closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
   if (deadline && kvl__now_ms() >= deadline) return KVL_ETIMEDOUT;
   return 0;
@@ -172,7 +172,7 @@ int kvl__sendv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *c
       continue;
     }
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      int rc = waited_too_long(deadline, closing);
+      int rc = kvl__waited_too_long(deadline, closing);
       if (rc) return rc;
       continue;
     }
@@ -205,7 +205,7 @@ int kvl__recvv(int fd, struct iovec *iov, int n, uint64_t deadline, const int *c
     }
     if (r == 0) return KVL_EPEERCLOSED;
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-      int rc = waited_too_long(deadline, closing);
+      int rc = kvl__waited_too_long(deadline, closing);
       if (rc) return rc;
       continue;
     }
@@ -230,7 +230,7 @@ int kvl__recv_header(int fd, uint8_t *hb, uint32_t timeout_ms, const int *closin
       return KVL_EPEERCLOSED;
     }
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return KVL_EPEERCLOSED;
-    int rc = waited_too_long(got ? deadline : 0, closing);
+    int rc = kvl__waited_too_long(got ? deadline : 0, closing);
     if (rc) return rc;
   }
   return 0;

@@ -57,3 +57,56 @@ def test_cancel_after_completion_changes_nothing(pair):
 def test_binding_turns_a_bad_handle_into_an_error():
     with pytest.raises(InvalidArgument, match="cancel batch"):
         B.batch_cancel(B.ffi.NULL)
+
+
+def test_waiting_runs_a_small_batch_itself_and_still_keeps_its_timeout(stalled):
+    """A waiter that takes a small one-part batch off the queue (the latency path) runs it in its own thread;
+    against a silent peer wait(timeout) still ends at its timeout, not at the batch's own (30 s here)."""
+    import time
+
+    init, peer, rdst = stalled
+    b = init.read(peer, rdst, [0], 1, [0], 4096, timeout_s=30.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError_):
+        b.wait(timeout_s=0.3)
+    assert time.monotonic() - t0 < 5.0
+    assert init.stats()["parts_inline"] == 1  # the waiter ran it (else this test proves nothing)
+
+
+def test_releasing_a_running_batch_stops_it_before_its_memory_goes(make_engine):
+    """Batch.release() (or garbage collection) of a READ still in flight: once it returns nothing lands in the
+    destination, though the peer sends every byte right after."""
+    import threading
+    import time
+
+    from tests import wire
+
+    n = 8 << 20
+    go, sent = threading.Event(), threading.Event()
+    ls = __import__("socket").create_server(("127.0.0.1", 0))
+
+    def target():
+        c, _ = ls.accept()
+        wire.server_handshake(c, b"kvlink-test-token")
+        (_, _, _, _, seq, _), _ = wire.recv_frame(c)
+        go.wait(10)
+        try:
+            c.sendall(wire.frame(wire.READ_RESP, wire.status_body(0, total=n), seq=seq) + b"\xab" * n)
+        except OSError:
+            pass  # the initiator hung up: what we want
+        sent.set()
+        time.sleep(2)
+        c.close()
+
+    threading.Thread(target=target, daemon=True).start()
+    init = make_engine(name="i", listen=None, streams=1)
+    peer = init.connect(f"127.0.0.1:{ls.getsockname()[1]}")
+    dst = np.zeros(n, dtype=np.uint8)
+    b = init.read(peer, init.register(dst), 0, 0x10001, 0, n, timeout_s=20)
+    time.sleep(0.2)  # on the wire: the worker waits for the answer
+    b.release()
+    go.set()
+    assert sent.wait(10)
+    time.sleep(0.3)
+    assert not dst.any()
+    ls.close()

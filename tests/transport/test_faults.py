@@ -252,3 +252,41 @@ def test_a_restarted_peer_at_the_same_address_is_refused_unless_it_is_the_same_e
         except PeerClosed:
             assert time.monotonic() < deadline
     assert same_name and (dst == 2).all()
+
+
+def test_a_silent_peer_delays_only_its_own_connect(make_engine):
+    """A peer that accepts and never says a word holds its connect up to the handshake timeout (per stream);
+    a connect to a healthy peer meanwhile goes through at once, and two concurrent connects to one address
+    end with one peer."""
+    import socket
+    import threading
+    import time
+
+    from kvlink.errors import KVLinkError
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+    good = make_engine(name="good")
+    init = make_engine(name="i", listen=None, streams=4, handshake_timeout_s=3.0)
+    failed = []
+
+    def bad():
+        try:
+            init.connect(f"127.0.0.1:{silent.getsockname()[1]}")
+        except KVLinkError as e:
+            failed.append(e)
+
+    t = threading.Thread(target=bad)
+    t.start()
+    time.sleep(0.3)  # the silent connect is waiting for its handshake
+    t0 = time.monotonic()
+    peers = []
+    both = [threading.Thread(target=lambda: peers.append(init.connect(good.address))) for _ in range(2)]
+    for th in both:
+        th.start()
+    for th in both:
+        th.join(10)
+    assert time.monotonic() - t0 < 2.0
+    assert len(peers) == 2 and peers[0].id == peers[1].id
+    t.join(30)
+    assert failed  # the silent one timed out
+    silent.close()

@@ -104,6 +104,27 @@ def test_unknown_and_stale_region_ids(pair):
     still_serves(p)
 
 
+def test_checksummed_read_of_terabytes_ends_at_the_deadline(make_engine):
+    """A READ asking for one region 65,536 times with checksums (1 TiB): the responder stops at the request's
+    deadline, the region can be unregistered, and the engine closes at once, instead of checksumming for days."""
+    import threading
+
+    target = make_engine(name="target", op_timeout_s=1.0)
+    src = np.ones(16 << 20, dtype=np.uint8)
+    r = target.register(src, Access.READ)
+    with wire.connect(target.address) as s:
+        wire.client_handshake(s, b"kvlink-test-token")
+        s.sendall(wire.frame(wire.READ_REQ, wire.descs_body([(r.id, 0, src.nbytes)] * 65536), seq=1,
+                             flags=wire.F_CRC))
+        s.settimeout(15.0)
+        assert hung_up(s)  # cut off at the deadline (op_timeout 1 s), not served for days
+    assert "timed out" in wait_event(target, "1099511627776 bytes")
+    r.unregister(timeout_s=5.0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (target.close(), done.set()), daemon=True).start()
+    assert done.wait(10.0)
+
+
 # ---- authentication and version ------------------------------------------------------
 
 def test_wrong_token_is_refused_both_ways(pair, make_engine):

@@ -24,7 +24,10 @@ from kvlink.transport import Access, Engine, EngineConfig
 if sys.argv[1] == "undumpable":
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nobody may read our memory
 buf = np.arange(8 << 20, dtype=np.uint8) * 7
-e = Engine(EngineConfig(name="remote-target", token=b"kvlink-test-token", same_host="auto"))
+if len(sys.argv) > 3:
+    buf[:] = int(sys.argv[3])
+e = Engine(EngineConfig(name="remote-target", token=b"kvlink-test-token", same_host="auto",
+                        listen=sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1:0"))
 r = e.register(buf, Access.READ)
 print(json.dumps({"address": e.address, "region": r.id}), flush=True)
 sys.stdin.read()
@@ -35,11 +38,13 @@ sys.stdin.read()
 def remote_target():
     procs = []
 
-    def start(mode: str = "normal") -> dict:
-        p = subprocess.Popen([sys.executable, "-c", TARGET, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    def start(mode: str = "normal", *args: str) -> dict:
+        p = subprocess.Popen([sys.executable, "-c", TARGET, mode, *args], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
         procs.append(p)
-        return json.loads(p.stdout.readline())
+        info = json.loads(p.stdout.readline())
+        info["proc"] = p
+        return info
 
     yield start
     for p in procs:
@@ -192,3 +197,31 @@ def test_a_target_with_same_host_off_gives_out_no_address_and_the_read_goes_over
     strict = make_engine(name="strict", listen=None, same_host="require")
     with pytest.raises(KVLinkError, match="same_host is off"):
         strict.connect(target.address)
+
+
+def test_a_restarted_same_host_peer_under_the_same_name_is_another_peer(make_engine, remote_target):
+    """The peer process restarts at the same address under the same engine name: a reconnect finds another
+    pid behind the same-host path and retires the peer (PeerChanged: its region ids name another process's
+    memory), for small (TCP) and large (same-host) READs alike; a new connect reads the new process."""
+    from kvlink.errors import PeerChanged, PeerClosed
+
+    first = remote_target("normal", "127.0.0.1:0", "1")
+    init = make_engine(name="init", listen=None, same_host="auto", streams=1)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    rd = init.register(dst)
+    peer = init.connect(first["address"])
+    assert peer.same_host
+    init.read(peer, rd, 0, first["region"], 0, 1 << 20).wait()
+    assert (dst == 1).all()
+    first["proc"].stdin.close()
+    first["proc"].wait(timeout=10)
+    second = remote_target("normal", first["address"], "2")
+    with pytest.raises(PeerClosed):  # the connection the first process closed
+        init.read(peer, rd, 0, first["region"], 0, 4096).wait()
+    for n in (1 << 20, 4096, 1 << 20):  # reopened: another process answers
+        with pytest.raises(PeerChanged, match="no longer process|now answers"):
+            init.read(peer, rd, 0, first["region"], 0, n).wait()
+    again = init.connect(second["address"])
+    assert again.id != peer.id and again.same_host
+    init.read(again, rd, 0, second["region"], 0, 1 << 20).wait()
+    assert (dst == 2).all()
