@@ -75,8 +75,11 @@ def pp_slot_bytes(kv_cache_config: Any, num_layers: int, pp_size: int,
     """Bytes of one slot as every PP stage counts it, so all agree on the slot count. vLLM hands the scheduler
     stage 0's KV cache config and each worker its own stage's; with uneven stages (vLLM gives the spare
     layers to the middle ones) a per-stage slot would give the larger stages fewer slots than the scheduler
-    hands out. So slots are counted for the largest stage: its layers times one layer's page (every group's
-    page must be the same size; refused otherwise). ``stage_sizes``: layers per stage (vLLM's split)."""
+    hands out. Equal stages by layer count may still hold unequal KV layers (attention-free layers, a
+    drafter's on the last stage). So slots are counted for the largest stage: its layers times one layer's
+    page, the same on every stage (a stage with more KV layers than that gets a larger pool, never fewer
+    slots). Where groups' pages differ: equal stages count their own (assumed alike), unequal ones are
+    refused. ``stage_sizes``: layers per stage (vLLM's split)."""
     own = slot_bytes_of(kv_cache_config)
     if pp_size <= 1:
         return own
@@ -84,9 +87,9 @@ def pp_slot_bytes(kv_cache_config: Any, num_layers: int, pp_size: int,
         from vllm.distributed.utils import get_pp_indices
 
         stage_sizes = [b - a for a, b in (get_pp_indices(num_layers, r, pp_size) for r in range(pp_size))]
-    if len(set(stage_sizes)) == 1:
-        return own
     pages = {int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups}
+    if len(pages) != 1 and len(set(stage_sizes)) == 1:
+        return own
     if len(pages) != 1:
         raise ValueError(f"kvlink: host staging with PP stages of unequal layer counts {stage_sizes} needs one page "
                          f"size for every layer, this model has {sorted(pages)}: run PP with equal stages "

@@ -435,6 +435,9 @@ def test_uneven_pp_stages_count_slots_for_the_largest_so_every_stage_has_the_sch
     counts = {pool_slots(1, pp_slot_bytes(config(n), 30, 4, sizes)) for n in sizes}
     assert counts == {pool_slots(1, 8 * 1000)}  # one count, the largest stage's
     assert pp_slot_bytes(config(8), 32, 4, [8, 8, 8, 8]) == 8000  # equal stages: as before
+    # equal stages by layers, unequal by KV layers (attention-free layers): one count still
+    stage0, stage1 = (pool_slots(64, pp_slot_bytes(config(n), 80, 2, [40, 40])) for n in (30, 35))
+    assert stage0 == stage1
     assert pp_slot_bytes(config(8), 8, 1) == 8000
     mixed = config(7)
     mixed.kv_cache_groups.append(SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=64), layer_names=["m"]))
