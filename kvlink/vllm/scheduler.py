@@ -464,12 +464,13 @@ class KVLinkScheduler(Producer):
 
     def has_pending_block_frees(self) -> bool:
         """vLLM blocks will come back without preempting anyone: held for decode, freed but not handed over,
-        or being staged. Staged requests hold no vLLM block, so they do not count (vLLM would stop
+        or being staged (queued ones only where streamed requests' reserved slots do not stand in their way:
+        StagePlanner.freeing_blocks). Staged requests hold no vLLM block, so they do not count (vLLM would stop
         preempting while it waits for frees that never come)."""
         with self._held_lock:
             if self._planner is None:
                 return bool(self._held)
-            return bool(self._device_frees) or self._held.num_blocks > 0 or self._planner.device_blocks() > 0
+            return bool(self._device_frees) or self._held.num_blocks > 0 or self._planner.freeing_blocks() > 0
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:

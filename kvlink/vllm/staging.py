@@ -268,6 +268,20 @@ class StagePlanner:
         """Device blocks vLLM still keeps for requests queued or being copied."""
         return sum(len(j.blocks) for j in (*self._queued.values(), *self._copying.values()))
 
+    def freeing_blocks(self) -> int:
+        """Device blocks that come back to vLLM without it preempting anyone: those being copied, and those
+        of queued requests that fit, each in its turn, in the pool once staged requests' slots are free again
+        (decode or their leases free them). Not those of a request (and the ones queued behind it) that
+        needs slots reserved by streamed requests still computing: those end only if vLLM can schedule
+        them, which may take a preemption."""
+        n = sum(len(j.blocks) for j in self._copying.values())
+        room = self.pool.capacity - sum(len(s) for s in self._reserved.values())
+        for j in self._queued.values():  # first come, first staged
+            if len(j.blocks) > room:
+                break
+            n += len(j.blocks)
+        return n
+
     def busy(self) -> bool:
         return bool(self._queued or self._copying)
 

@@ -447,3 +447,24 @@ def test_uneven_pp_stages_count_slots_for_the_largest_so_every_stage_has_the_sch
     with pytest.MonkeyPatch.context() as mp:  # vLLM's own split by default
         mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
         assert pp_slot_bytes(config(7), 30, 4) == 8000
+
+
+def test_a_request_queued_behind_streamed_reservations_is_not_a_free_vllm_may_wait_for():
+    """Streamed requests still computing reserved the whole pool; a finished request queues for room keeping
+    its device blocks. Those come back only once the streamed ones finish, which may need vLLM to preempt:
+    counted as a pending free, vLLM stopped preempting and stalled until the queued request's wait ran out
+    (lease_s). Queued requests that fit once staged ones are released still count."""
+    pl = StagePlanner(SlotPool(8), wait_s=30.0)
+    assert pl.reserve("s1", 4) and pl.reserve("s2", 3)
+    assert pl.admit("j", (10, 11), 0.0) is None  # 2 blocks; 1 slot free and 7 reserved
+    assert pl.take_jobs(1.0) == ([], [])
+    assert pl.device_blocks() == 2 and pl.freeing_blocks() == 0
+    assert pl.admit("k", (12,), 0.0) is None  # fits, but queued behind j: waits as long
+    assert pl.freeing_blocks() == 0
+    pl.unreserve("s2")  # a streamed request aborted: j fits (then k), in turn, as staged ones are released
+    assert pl.freeing_blocks() == 3
+    assert pl.admit("m", tuple(range(20, 25)), 0.0) is None  # 5 blocks: more than the 4 that s1 leaves
+    assert pl.freeing_blocks() == 3
+    start, _ = pl.take_jobs(1.0)
+    assert [j.request_id for j in start] == ["j", "k"]
+    assert pl.freeing_blocks() == 3  # j and k copying; m still behind s1's reservation
