@@ -40,6 +40,14 @@ What Mooncake cannot do, and how it shows:
 - Mooncake gives up waiting on a batch after ``transfer_timeout_s``
   (its ``MC_TRANSFER_TIMEOUT``, default 30 s) and frees it while slices may
   still be queued; such a batch is reported as :class:`NotSettled` too.
+- Mooncake answers a batch's status at its first failed slice, while the
+  chunk's other slices go on, and nothing reports their end: a failed chunk
+  is reported (failed, settled) only ``settle_s`` after Mooncake's answer.
+  A batch is reported by poll/wait only once settled (or NotSettled).
+- One peer per address: ``connect`` again (after an error, a restart) retires
+  the old peer (it takes no new batch; its thread and side channel end once
+  its queued batches have). Received notifications are bounded as with the
+  native engine (65,536 and 16 MiB; beyond that the sender gets QueueFull).
 
 Quirks handled: a per-peer queue limit (``max_queued``, Mooncake's
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, default 1024; a larger batch on a
@@ -64,7 +72,7 @@ import numpy as np
 
 from kvlink.backends.mooncake_config import MooncakeConfig, mooncake_device_memory
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
-from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled,
+from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, QueueFull,
                            RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
@@ -74,6 +82,7 @@ from kvlink.transport.region import Access, memory_for
 logger = logging.getLogger(__name__)
 
 MAX_NOTIFY = 4096  # the native engine's limit, kept the same for callers
+MAX_NOTES, MAX_NOTE_BYTES = 65536, 16 << 20  # received and not drained, at most (as the native engine)
 
 
 _MOONCAKE_ENV_LOCK = threading.Lock()  # the environment Mooncake reads is process-wide
@@ -188,9 +197,10 @@ class MooncakeBatch:
             raise self._error
 
     def poll(self) -> bool:
-        """True when finished; raises the batch's error if it failed."""
+        """True when finished; raises the batch's error if it failed. A batch is reported only once Mooncake
+        is done with it (settled) or gave up on it (NotSettled): never while a chunk may still write."""
         with self._cond:
-            if self._state == self.PENDING:
+            if self._state == self.PENDING or not (self._settled or self._unsafe):
                 return False
             self._raise()
             return True
@@ -202,7 +212,7 @@ class MooncakeBatch:
         flight does not settle within the backend's settle_s)."""
         t = self._timeout_s + 1.0 if timeout_s is None else timeout_s
         with self._cond:
-            done = self._cond.wait_for(lambda: self._state != self.PENDING, timeout=max(0.0, t))
+            done = self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t))
             if done:
                 self._raise()
                 return
@@ -265,8 +275,9 @@ class MooncakeBackend:
         self._regions: dict[int, MooncakeRegion] = {}  # guarded by _cond
         self._peers: dict[int, MooncakePeer] = {}      # guarded by _cond
         self._notes: list[tuple[str, bytes]] = []      # guarded by _cond
+        self._note_bytes = 0                           # payload bytes in _notes; guarded by _cond
         self._stats = dict.fromkeys(("batches", "descriptors", "bytes_read", "bytes_written", "failed",
-                                     "canceled", "notifies_sent", "notifies_received", "chunks"), 0)
+                                     "canceled", "notifies_sent", "notifies_received", "notifies_dropped", "chunks"), 0)
         self._rid = itertools.count(secrets.randbelow(1 << 20) << 8 | 1)  # ids never reused
         self._pid = itertools.count(1)
         self._closed = False
@@ -364,9 +375,25 @@ class MooncakeBackend:
         peer = MooncakePeer(next(self._pid), address, client.peer_name, session, client, table)
         peer._worker = threading.Thread(target=self._work, args=(peer,), name="kvlink-mc-peer", daemon=True)
         with self._cond:
+            old = [p for p in self._peers.values() if p.address == address]
+            for p in old:  # a reconnect (after an error, a restart): one live peer per address
+                del self._peers[p.id]
             self._peers[peer.id] = peer
         peer._worker.start()
+        for p in old:
+            self._retire(p)
         return peer
+
+    def _retire(self, peer: MooncakePeer) -> None:
+        """A peer replaced by a new connect: no new batch takes it (``_submit`` checks), its thread ends once
+        the batches queued before are done, then its side channel closes (the target's slot with it)."""
+        peer._queue.put(None)
+
+        def close_when_done():
+            peer._worker.join()
+            peer._client.close()
+
+        threading.Thread(target=close_when_done, name="kvlink-mc-retire", daemon=True).start()
 
     def _fetch(self, client: SideClient) -> bytes:
         reply = client.request(b"T", self.config.op_timeout_s)
@@ -424,6 +451,8 @@ class MooncakeBackend:
         batch = MooncakeBatch(self, local, op, chunks, d.nbytes, t)
         with self._cond:
             self._check_open()
+            if self._regions.get(local.id) is not local:  # unregistered meanwhile (it waits only for counted ones)
+                raise ValueError("local region is not registered with this backend")
             local.inflight += 1
             self._stats["batches"] += 1
             self._stats["descriptors"] += n
@@ -468,6 +497,11 @@ class MooncakeBackend:
                     # latter case it freed the batch with slices possibly still queued.
                     unsafe = time.monotonic() - t0 >= self.mooncake.transfer_timeout_s
                     error, state = RemoteError(f"mooncake: {batch.op} from {peer.name} failed"), MooncakeBatch.FAILED
+                    if not unsafe:
+                        # It answers at the first failed slice and frees the batch; the chunk's other slices
+                        # go on and say nothing when they end. Nothing reports them: the batch is told
+                        # failed (and settled) only settle_s later.
+                        time.sleep(self.mooncake.settle_s)
                     break
             with self._cond:
                 if state == MooncakeBatch.FAILED:
@@ -491,20 +525,30 @@ class MooncakeBackend:
         if not isinstance(payload, (bytes, bytearray)) or not 1 <= len(payload) <= MAX_NOTIFY:
             raise ValueError(f"payload must be 1..{MAX_NOTIFY} bytes")
         t = self.config.op_timeout_s if timeout_s is None else timeout_s
-        if peer._client.request(b"N" + bytes(payload), t) != b"K":
+        reply = peer._client.request(b"N" + bytes(payload), t)
+        if reply == b"F":
+            raise QueueFull(f"peer {peer.name} refused the notification: its queue is full")
+        if reply != b"K":
             raise RemoteError("side channel: notification not acknowledged")
         with self._cond:
             self._stats["notifies_sent"] += 1
 
-    def _queue_note(self, sender: str, payload: bytes) -> None:
+    def _queue_note(self, sender: str, payload: bytes) -> bool:
+        """Queue a received notification; False (refused, counted) beyond the native engine's bounds."""
         with self._cond:
+            if (len(payload) > MAX_NOTIFY or len(self._notes) >= MAX_NOTES
+                    or self._note_bytes + len(payload) > MAX_NOTE_BYTES):
+                self._stats["notifies_dropped"] += 1
+                return False
             self._notes.append((sender, payload))
+            self._note_bytes += len(payload)
             self._stats["notifies_received"] += 1
+            return True
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         """Received notifications as (sender name, payload), oldest first."""
         with self._cond:
-            notes, self._notes = self._notes, []
+            notes, self._notes, self._note_bytes = self._notes, [], 0
         return notes
 
     def stats(self) -> dict[str, int]:

@@ -115,7 +115,7 @@ class SideServer:
     """Serves the region table and receives notifications on (host, port)."""
 
     def __init__(self, host: str, port: int, token: bytes | None, name: str, table: Callable[[], bytes],
-                 on_notify: Callable[[str, bytes], None], handshake_timeout_s: float, max_conns: int):
+                 on_notify: Callable[[str, bytes], bool], handshake_timeout_s: float, max_conns: int):
         self._key = token or b""
         self._name, self._table, self._on_notify = name, table, on_notify
         self._hs_timeout, self._max_conns = handshake_timeout_s, max_conns
@@ -183,8 +183,7 @@ class SideServer:
                 if body == b"T":
                     send_frame(conn, tag.seal(b"T" + self._table()))
                 elif body[:1] == b"N" and len(body) > 1:
-                    self._on_notify(sender, body[1:])
-                    send_frame(conn, tag.seal(b"K"))
+                    send_frame(conn, tag.seal(b"K" if self._on_notify(sender, body[1:]) else b"F"))
                 else:
                     raise ProtocolError(f"side channel: unknown request {body[:1]!r}")
         except (PeerClosed, OSError):

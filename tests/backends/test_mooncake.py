@@ -381,3 +381,87 @@ def test_close_with_batches_queued_does_not_hang(make_pair):
         assert b.settled
         with pytest.raises(KVLinkError):
             b.wait(1)
+
+
+# -- what Mooncake does not report, made safe ----------------------------------------------------
+def test_a_chunk_failing_at_one_descriptor_is_reported_only_once_its_other_descriptors_are_done(make_backend):
+    """Mooncake answers a batch's status at its first failed slice (here: a region the target unregistered
+    after the table was fetched) while the chunk's other slices still land. The batch is reported failed only
+    settle_s later: once wait() raises, nothing more lands in the destination."""
+    options = MooncakeConfig(settle_s=2.0)
+    target = make_backend("mooncake", options=options, name="target")
+    init = make_backend("mooncake", options=options, name="initiator", listen=None)
+    a = np.random.default_rng(1).integers(1, 256, 16 << 20, dtype=np.uint8)
+    ra, rb = target.register(a), target.register(np.full(1 << 20, 7, np.uint8))
+    dst = np.zeros(16 << 20, dtype=np.uint8)
+    rd = init.register(dst)
+    peer = init.connect(target.address)
+    rb.unregister()  # the initiator's cached table still names it
+    n, size = 127, 64 << 10
+    offs = np.arange(1, n + 1, dtype=np.uint64) * size
+    b = init.read(peer, rd, np.concatenate(([0], offs)).astype(np.uint64),
+                  np.array([rb.id] + [ra.id] * n, np.uint32), np.concatenate(([0], offs)).astype(np.uint64),
+                  np.array([4096] + [size] * n, np.uint64))
+    with pytest.raises(KVLinkError):
+        b.wait(30)
+    assert b.settled
+    snap = dst.copy()
+    time.sleep(0.5)
+    assert np.array_equal(snap, dst)
+
+
+def test_unregister_between_a_submits_checks_and_its_count_refuses_the_batch(make_pair, monkeypatch):
+    """A batch checked against a live region that is unregistered before it is counted on it: refused, and
+    nothing lands in the unregistered memory (Mooncake's own path does not check that local memory is
+    registered)."""
+    import kvlink.backends.mooncake as M
+
+    p = make_pair("mooncake")
+    real = M.check_descriptors
+
+    def unregister_meanwhile(*a, **kw):
+        d = real(*a, **kw)
+        p.rdst.unregister()
+        return d
+
+    monkeypatch.setattr(M, "check_descriptors", unregister_meanwhile)
+    with pytest.raises(ValueError, match="not registered"):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 1 << 20)
+    time.sleep(0.3)
+    assert not p.dst.any()
+
+
+def test_connecting_again_replaces_the_peer_and_holds_no_more_connections(make_backend):
+    """Each connect (the connector reconnects after an error) used to add a thread and a side-channel
+    connection for good: past the target's max_conns every connect failed. A new connect to an address
+    retires the old peer: its connection closes, the count stays at one."""
+    target = make_backend("mooncake", name="target", max_conns=2)
+    region = target.register(np.arange(1 << 20, dtype=np.uint64).astype(np.uint8))
+    init = make_backend("mooncake", name="initiator", listen=None)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rd = init.register(dst)
+    peers = []
+    for _ in range(6):
+        peers.append(init.connect(target.address))
+        init.read(peers[-1], rd, [0], region.id, [4096], 4096).wait()
+        assert init.stats()["peers"] == 1
+    assert np.array_equal(dst, (np.arange(4096, 8192, dtype=np.uint64)).astype(np.uint8))
+    with pytest.raises(ValueError, match="unknown peer"):
+        init.read(peers[0], rd, [0], region.id, [0], 16)  # a retired peer takes no batch
+
+
+def test_notifications_nobody_drains_are_bounded(make_pair):
+    """As with the native engine: 16 MiB of notifications at most wait to be drained; the next is refused
+    (QueueFull at the sender, counted at the receiver) and a drain makes room again."""
+    from kvlink.errors import QueueFull
+
+    p = make_pair("mooncake")
+    big = b"n" * 4096
+    for _ in range(4096):
+        p.init.notify(p.peer, big)
+    with pytest.raises(QueueFull):
+        p.init.notify(p.peer, big)
+    assert p.target.stats()["notifies_dropped"] == 1
+    assert len(p.target.drain_notifications()) == 4096
+    p.init.notify(p.peer, big)
+    assert p.target.drain_notifications() == [("initiator", big)]
