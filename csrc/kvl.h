@@ -112,8 +112,13 @@ const char *kvl_strerror(int code);
 void kvl_config_init(kvl_config *cfg);
 int kvl_engine_create(const kvl_config *cfg, kvl_engine **out);
 int kvl_engine_port(const kvl_engine *e);
+/* Makes calls under way in other threads (a connect, a notify, a wait for
+ * a region) give up soon with KVL_ECLOSED, and new ones fail at once; the
+ * engine is still valid until kvl_engine_destroy. */
+void kvl_engine_stop(kvl_engine *e);
 /* Fails every batch in flight with KVL_ECLOSED, closes every connection and
- * joins every thread. Batches stay valid until kvl_batch_release. */
+ * joins every thread. No call on e may be under way in another thread.
+ * Batches stay valid until kvl_batch_release. */
 void kvl_engine_destroy(kvl_engine *e);
 void kvl_engine_stats(kvl_engine *e, kvl_stats *out);
 

@@ -146,9 +146,13 @@ static void peer_free(kvl__peer *p) {
   free(p);
 }
 
+void kvl_engine_stop(kvl_engine *e) {
+  if (e) __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
+}
+
 void kvl_engine_destroy(kvl_engine *e) {
   if (!e) return;
-  __atomic_store_n(&e->closing, 1, __ATOMIC_RELEASE);
+  kvl_engine_stop(e);
   if (e->has_listener) pthread_join(e->listener, NULL);
   for (uint32_t i = 0; i < e->npeers; i++) peer_free(e->peers[i]); /* fails what is queued, joins */
   kvl__server_reap(e, 1);

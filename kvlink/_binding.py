@@ -84,6 +84,10 @@ def engine_create(*, listen_host: str | None, listen_port: int, token: bytes | N
     return out[0]
 
 
+def engine_stop(h: Handle) -> None:
+    lib.kvl_engine_stop(h)
+
+
 def engine_destroy(h: Handle) -> None:
     lib.kvl_engine_destroy(h)
 

@@ -61,6 +61,7 @@ const char *kvl_last_message(void);
 void kvl_config_init(kvl_config *cfg);
 int kvl_engine_create(const kvl_config *cfg, kvl_engine **out);
 int kvl_engine_port(const kvl_engine *e);
+void kvl_engine_stop(kvl_engine *e);
 void kvl_engine_destroy(kvl_engine *e);
 void kvl_engine_stats(kvl_engine *e, kvl_stats *out);
 

@@ -72,8 +72,8 @@ import numpy as np
 
 from kvlink.backends.mooncake_config import MooncakeConfig, mooncake_device_memory
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
-from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, QueueFull,
-                           RemoteError, SystemError_, TimeoutError_, UnknownRegion)
+from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, PeerClosed,
+                           QueueFull, RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
 from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
@@ -430,6 +430,9 @@ class MooncakeBackend:
             raise ValueError("local region is not registered with this backend")
         if not isinstance(peer, MooncakePeer) or self._peers.get(peer.id) is not peer:
             raise ValueError("unknown peer (connect() it with this backend)")
+        if peer._client.gone():
+            raise PeerClosed(f"peer {peer.name} at {peer.address} closed its side channel (its process ended or "
+                             "restarted: its regions are not the ones known here); connect again")
         t = self.config.op_timeout_s if timeout_s is None else timeout_s
         d = check_descriptors(local.length, local_offsets, remote_regions, remote_offsets, lengths)
         n, regs, lens = len(d), d.each_region(), d.each_length()

@@ -244,5 +244,26 @@ class SideClient:
             except OSError as e:
                 raise PeerClosed(f"side channel: {e}") from None
 
+    def gone(self) -> bool:
+        """The peer closed this connection (its process ended: a restart at the same address is another
+        process, whose memory the cached table does not describe). Nothing arrives unasked on it, so
+        anything readable between requests is the end."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a request is under way: it will tell
+        try:
+            if self._sock.fileno() < 0:
+                return True
+            self._sock.setblocking(False)
+            try:
+                return self._sock.recv(1, socket.MSG_PEEK) == b""
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return True
+        finally:
+            if self._sock.fileno() >= 0:
+                self._sock.setblocking(True)
+            self._lock.release()
+
     def close(self) -> None:
         self._sock.close()

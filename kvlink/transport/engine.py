@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,8 @@ class Engine:
         self.kind = "tcp" if cfg.same_host == "off" else "same-host"
         self.capabilities = Capabilities(crc=True, same_host=cfg.same_host != "off")
         self._lock = threading.Lock()
+        self._calls = 0  # calls inside the C engine now (under _lock); close() waits for none
+        self._idle = threading.Condition(self._lock)
         # Registered regions: held so their memory (Region._keep) lives while peers may still read it.
         self._regions: set[Region] = set()
         self.port = B.engine_port(self._h)
@@ -55,20 +59,34 @@ class Engine:
                     cfg.crc, "token" if cfg.token else "none")
 
     # -- lifecycle -----------------------------------------------------------------
-    def _handle(self) -> Any:
-        h = self._h
-        if h is None:
-            raise Closed("engine is closed")
-        return h
+    @contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The C handle for one call; close() waits for the calls under way before it frees the engine."""
+        with self._lock:
+            h = self._h
+            if h is None:
+                raise Closed("engine is closed")
+            self._calls += 1
+        try:
+            yield h
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if not self._calls:
+                    self._idle.notify_all()
 
     @property
     def address(self) -> str | None:
         return None if self._host is None else join_hostport(self._host, self.port)
 
     def close(self) -> None:
-        """Fail every batch in flight, close every connection, join every thread."""
+        """Fail every batch in flight, close every connection, join every thread. Calls under way in other
+        threads are told to give up (Closed) and waited for first: the engine is freed under none of them."""
         with self._lock:
             h, self._h = self._h, None
+            if h is not None:
+                B.engine_stop(h)
+                self._idle.wait_for(lambda: not self._calls)
         if h is not None:
             self._log_events(h)
             B.engine_destroy(h)
@@ -90,11 +108,12 @@ class Engine:
     def connect(self, address: str) -> Peer:
         """Connect (all streams, authenticated) to a peer engine at 'host:port'."""
         host, port = split_hostport(address, "peer address")
-        try:
-            pid, name = B.peer_connect(self._handle(), host, port)
-        finally:
-            self._log_events(self._h)
-        local, why = B.peer_local(self._handle(), pid)
+        with self._using() as h:
+            try:
+                pid, name = B.peer_connect(h, host, port)
+            finally:
+                self._log_events(h)
+            local, why = B.peer_local(h, pid)
         if self.config.same_host != "off":
             logger.info("kvlink peer %s (%s): %s", address, name, why if local else f"TCP, because {why}")
         return Peer(pid, address, name, local)
@@ -122,12 +141,14 @@ class Engine:
         if type(local_offsets) is int and type(remote_offsets) is int and type(lengths) is int \
                 and type(remote_regions) is int:
             check_one(local.length, local_offsets, remote_regions, remote_offsets, lengths)  # no arrays
-            h = B.submit_one(self._handle(), peer.id, op, local.addr + local_offsets, remote_regions,
-                             remote_offsets, lengths, max(1, int(t * 1000)))
+            with self._using() as e:
+                h = B.submit_one(e, peer.id, op, local.addr + local_offsets, remote_regions, remote_offsets,
+                                 lengths, max(1, int(t * 1000)))
             return Batch(h, local, lengths, t)
         d = check_descriptors(local.length, local_offsets, remote_regions, remote_offsets, lengths)
-        h = B.submit(self._handle(), peer.id, op, d.local_offsets + np.uint64(local.addr), d.remote_regions,
-                     d.remote_offsets, d.lengths, max(1, int(t * 1000)))
+        with self._using() as e:
+            h = B.submit(e, peer.id, op, d.local_offsets + np.uint64(local.addr), d.remote_regions,
+                         d.remote_offsets, d.lengths, max(1, int(t * 1000)))
         return Batch(h, local, d.nbytes, t)
 
     # -- notifications, events, stats ----------------------------------------------
@@ -136,18 +157,22 @@ class Engine:
         if not isinstance(payload, (bytes, bytearray)) or not 1 <= len(payload) <= B.MAX_NOTIFY:
             raise ValueError(f"payload must be 1..{B.MAX_NOTIFY} bytes")
         t = self.config.op_timeout_s if timeout_s is None else timeout_s
-        B.notify(self._handle(), peer.id, bytes(payload), max(1, int(t * 1000)))
+        with self._using() as h:
+            B.notify(h, peer.id, bytes(payload), max(1, int(t * 1000)))
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         """Received notifications as (sender engine name, payload), oldest first."""
-        return B.drain_notifications(self._handle())
+        with self._using() as h:
+            return B.drain_notifications(h)
 
     def events(self) -> list[tuple[str, str]]:
         """Drain what the engine logged (refused peers and why, failed batches) and log it."""
-        return self._log_events(self._handle())
+        with self._using() as h:
+            return self._log_events(h)
 
     def stats(self) -> dict[str, int]:
-        return B.engine_stats(self._handle())
+        with self._using() as h:
+            return B.engine_stats(h)
 
     @staticmethod
     def _log_events(h: Any) -> list[tuple[str, str]]:

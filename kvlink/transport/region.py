@@ -58,13 +58,15 @@ class Region:
         self._engine = engine
         self.addr, self.length, self._keep, self.writable = memory_for(obj, access)
         self.access = Access(access)
-        self.id = B.region_register(engine._handle(), self.addr, self.length, int(self.access))
+        with engine._using() as h:
+            self.id = B.region_register(h, self.addr, self.length, int(self.access))
         self._live = True
 
     def unregister(self, timeout_s: float = 30.0) -> None:
         """Refuse new remote accesses, wait for those in flight, then forget the region."""
         if self._live:
-            B.region_unregister(self._engine._handle(), self.id, int(timeout_s * 1000))
+            with self._engine._using() as h:
+                B.region_unregister(h, self.id, int(timeout_s * 1000))
             self._live = False
             self._engine._regions.discard(self)
 

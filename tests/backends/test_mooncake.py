@@ -465,3 +465,26 @@ def test_notifications_nobody_drains_are_bounded(make_pair):
     assert len(p.target.drain_notifications()) == 4096
     p.init.notify(p.peer, big)
     assert p.target.drain_notifications() == [("initiator", big)]
+
+
+def test_a_peer_whose_process_ended_takes_no_batch_until_connected_again(make_backend, mc_target):
+    """Mooncake cannot tell a restarted process from the old one (a process at the same address may hold
+    other memory at the addresses the cached table names). The side channel's end says the process ended:
+    batches to that peer are refused with PeerClosed, and the connector connects again (a fresh table)."""
+    from kvlink.errors import PeerClosed
+
+    t = mc_target()
+    init = make_backend("mooncake", name="i", listen=None)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(t.address)
+    init.read(peer, rdst, [0], t.region, [0], 4096).wait()
+    t.kill()
+    deadline = time.monotonic() + 10
+    while not peer._client.gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(PeerClosed, match="connect again"):
+        init.read(peer, rdst, [0], t.region, [0], 4096)
+    again = mc_target()
+    p2 = init.connect(again.address)
+    init.read(p2, rdst, [0], again.region, [0], 4096).wait()

@@ -290,3 +290,36 @@ def test_a_silent_peer_delays_only_its_own_connect(make_engine):
     t.join(30)
     assert failed  # the silent one timed out
     silent.close()
+
+
+def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_under_it(make_engine):
+    """close() from one thread while another is inside a connect (a silent peer holds its handshake): the
+    connect is told to give up, close waits for it, then frees the engine; no call runs on freed memory
+    (it used to: a crash at shutdown). Calls after close raise Closed."""
+    import socket
+    import threading
+    import time
+
+    from kvlink.errors import Closed, KVLinkError
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+    init = make_engine(name="i", listen=None, streams=2, handshake_timeout_s=5.0)
+    errors = []
+
+    def connect():
+        try:
+            init.connect(f"127.0.0.1:{silent.getsockname()[1]}")
+        except KVLinkError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    time.sleep(0.3)  # inside the handshake
+    t0 = time.monotonic()
+    init.close()
+    assert time.monotonic() - t0 < 8.0
+    t.join(10)
+    assert not t.is_alive() and errors
+    with pytest.raises(Closed):
+        init.stats()
+    silent.close()
