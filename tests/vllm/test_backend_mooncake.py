@@ -4,9 +4,13 @@ the same; only the backend behind kvlink.backends.open_backend changes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.vllm.helpers import BLOCK, Engines, decode, greedy, recording_kv_config, token_prompts
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engines (Engines), also when run alone
 
 
 @pytest.fixture(scope="module")
