@@ -101,7 +101,7 @@ void kvl_rawtcp_stop(struct kvl_rawtcp *r) {
   free(r);
 }
 
-int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out) { return kvl__connect(host, port, 5000, fd_out); }
+int kvl_rawtcp_connect(const char *host, uint16_t port, int *fd_out) { return kvl__connect(host, port, 5000, NULL, fd_out); }
 
 /* Ask for n bytes (or RAW_INFO/RAW_RSS) and receive the answer into dst. */
 int kvl_rawtcp_fetch(int fd, uint64_t n, void *dst, uint64_t cap, uint64_t *got) {

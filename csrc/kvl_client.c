@@ -20,7 +20,7 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
   uint64_t now = kvl__now_ms();
   uint32_t t = e->cfg.connect_timeout_ms;
   if (deadline > now && deadline - now < t) t = (uint32_t)(deadline - now);
-  int fd, rc = kvl__connect(p->host, p->port, t, &fd);
+  int fd, rc = kvl__connect(p->host, p->port, t, &e->closing, &fd);
   if (rc) {
     snprintf(why, cap, "connecting to %s:%u: %s", p->host, p->port, kvl_strerror(rc));
     return rc == KVL_ETIMEDOUT ? KVL_ETIMEDOUT : KVL_ECONNECT;

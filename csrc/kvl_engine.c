@@ -246,7 +246,7 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
   }
   for (int k = 0; k < p->nstreams && rc == 0; k++) {
     kvl__stream *s = &p->streams[k];
-    rc = kvl__connect(host, port, e->cfg.connect_timeout_ms, &s->fd);
+    rc = kvl__connect(host, port, e->cfg.connect_timeout_ms, &e->closing, &s->fd);
     if (rc) {
       snprintf(last_msg, sizeof last_msg, "connecting to %s:%u: %s", host, port, kvl_strerror(rc));
       break;

@@ -136,7 +136,7 @@ void kvl__wdesc_put(uint8_t *body, uint32_t i, const kvl__wdesc *d);
 #define KVL__IOV_MAX 1024
 #define KVL__DRAIN_MAX (256ull << 20) /* most bytes of a refused WRITE we swallow */
 int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, int *is_loopback);
-int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, int *fd_out);
+int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, const int *closing, int *fd_out);
 void kvl__sock_tune(int fd);
 void kvl__peer_str(int fd, char *buf, size_t cap);
 /* Send/receive every byte of iov before deadline (0: none); closing is polled

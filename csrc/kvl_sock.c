@@ -83,7 +83,7 @@ int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out
   return 0;
 }
 
-int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, int *fd_out) {
+int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, const int *closing, int *fd_out) {
   struct addrinfo hints, *res = NULL;
   char ports[8];
   memset(&hints, 0, sizeof hints);
@@ -105,11 +105,16 @@ int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, int *fd_o
   }
   if (rc != 0) {
     struct pollfd p = {fd, POLLOUT, 0};
-    int err = 0;
+    int err = 0, got = 0;
     socklen_t el = sizeof err;
-    if (poll(&p, 1, (int)timeout_ms) != 1) {
-      close(fd);
-      return KVL_ETIMEDOUT;
+    uint64_t deadline = kvl__now_ms() + timeout_ms;
+    while (!got) { /* in slices: closing ends the wait too */
+      if ((rc = kvl__waited_too_long(deadline, closing)) != 0) {
+        close(fd);
+        return rc;
+      }
+      uint64_t left = deadline - kvl__now_ms();
+      got = poll(&p, 1, (int)(left < KVL__SLICE_MS ? left : KVL__SLICE_MS)) == 1;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
       close(fd);

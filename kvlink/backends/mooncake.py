@@ -274,6 +274,8 @@ class MooncakeBackend:
         self._cond = threading.Condition()
         self._regions: dict[int, MooncakeRegion] = {}  # guarded by _cond
         self._peers: dict[int, MooncakePeer] = {}      # guarded by _cond
+        self._retired: list[MooncakePeer] = []         # replaced peers, their threads joined at close; _cond
+        self._late = 0                                 # failed batches settling later (_settle_later); _cond
         self._notes: list[tuple[str, bytes]] = []      # guarded by _cond
         self._note_bytes = 0                           # payload bytes in _notes; guarded by _cond
         self._stats = dict.fromkeys(("batches", "descriptors", "bytes_read", "bytes_written", "failed",
@@ -306,17 +308,20 @@ class MooncakeBackend:
                 return
             self._closed = True
             peers = list(self._peers.values())
+            for p in peers:
+                p._queue.put(None)
+            peers += self._retired  # (their None is queued already)
             regions = list(self._regions.values())
         if self._side is not None:
             self._side.close()
-        for p in peers:
-            p._queue.put(None)
         stuck = False
         for p in peers:
             if p._worker is not None:
                 p._worker.join(self.mooncake.settle_s)
                 stuck |= p._worker.is_alive()
             p._client.close()
+        with self._cond:  # failed chunks whose other slices may still land
+            stuck |= not self._cond.wait_for(lambda: self._late == 0, timeout=self.mooncake.settle_s + 1.0)
         if stuck:  # destroying the engine under a thread still inside it would crash the process
             logger.warning("kvlink mooncake backend: transfers still in flight at close; engine leaked")
             return
@@ -360,8 +365,13 @@ class MooncakeBackend:
     # -- peers -------------------------------------------------------------------------
     def connect(self, address: str) -> MooncakePeer:
         """Authenticate to a peer's side channel at 'host:port', fetch its region
-        table and open its Mooncake segment."""
+        table and open its Mooncake segment. One peer per address, as with the
+        native engine: a live one is returned; one whose side channel closed
+        (its process ended or restarted) is retired for a new one."""
         self._check_open()
+        live = self._live_peer(address)
+        if live is not None:
+            return live
         host, port = split_hostport(address, "peer address")
         cfg = self.config
         client = SideClient(host, port, cfg.token, cfg.name, cfg.connect_timeout_s, cfg.handshake_timeout_s)
@@ -375,25 +385,24 @@ class MooncakeBackend:
         peer = MooncakePeer(next(self._pid), address, client.peer_name, session, client, table)
         peer._worker = threading.Thread(target=self._work, args=(peer,), name="kvlink-mc-peer", daemon=True)
         with self._cond:
-            old = [p for p in self._peers.values() if p.address == address]
-            for p in old:  # a reconnect (after an error, a restart): one live peer per address
-                del self._peers[p.id]
-            self._peers[peer.id] = peer
-        peer._worker.start()
-        for p in old:
-            self._retire(p)
+            self._check_open()
+            live = self._live_peer(address)
+            if live is None:
+                for p in [p for p in self._peers.values() if p.address == address]:
+                    del self._peers[p.id]  # gone: it takes no new batch (_submit checks under this lock)
+                    self._retired.append(p)
+                    p._queue.put(None)  # its thread ends after the batches queued before
+                self._peers[peer.id] = peer
+                peer._worker.start()
+        if live is not None:  # another connect got there first
+            client.close()
+            return live
         return peer
 
-    def _retire(self, peer: MooncakePeer) -> None:
-        """A peer replaced by a new connect: no new batch takes it (``_submit`` checks), its thread ends once
-        the batches queued before are done, then its side channel closes (the target's slot with it)."""
-        peer._queue.put(None)
-
-        def close_when_done():
-            peer._worker.join()
-            peer._client.close()
-
-        threading.Thread(target=close_when_done, name="kvlink-mc-retire", daemon=True).start()
+    def _live_peer(self, address: str) -> MooncakePeer | None:
+        with self._cond:
+            peers = [p for p in self._peers.values() if p.address == address]
+        return next((p for p in peers if not p._client.gone()), None)
 
     def _fetch(self, client: SideClient) -> bytes:
         reply = client.request(b"T", self.config.op_timeout_s)
@@ -428,8 +437,7 @@ class MooncakeBackend:
         self._check_open()
         if not isinstance(local, MooncakeRegion) or local._backend is not self or not local.registered:
             raise ValueError("local region is not registered with this backend")
-        if not isinstance(peer, MooncakePeer) or self._peers.get(peer.id) is not peer:
-            raise ValueError("unknown peer (connect() it with this backend)")
+        self._check_peer(peer)
         if peer._client.gone():
             raise PeerClosed(f"peer {peer.name} at {peer.address} closed its side channel (its process ended or "
                              "restarted: its regions are not the ones known here); connect again")
@@ -452,16 +460,24 @@ class MooncakeBackend:
         c = self._chunk
         chunks = [(laddr[k:k + c].tolist(), raddr[k:k + c].tolist(), lens[k:k + c].tolist()) for k in range(0, n, c)]
         batch = MooncakeBatch(self, local, op, chunks, d.nbytes, t)
-        with self._cond:
+        with self._cond:  # one lock with unregister and with a retire's end-of-queue mark
             self._check_open()
+            self._check_peer(peer)
             if self._regions.get(local.id) is not local:  # unregistered meanwhile (it waits only for counted ones)
                 raise ValueError("local region is not registered with this backend")
             local.inflight += 1
             self._stats["batches"] += 1
             self._stats["descriptors"] += n
             self._stats["bytes_read" if op == "read" else "bytes_written"] += batch.nbytes
-        peer._queue.put(batch)
+            peer._queue.put(batch)
         return batch
+
+    def _check_peer(self, peer: MooncakePeer) -> None:
+        if any(p is peer for p in self._retired):
+            raise PeerClosed(f"peer {peer.name} at {peer.address} was replaced (its side channel closed: its process "
+                             "ended or restarted); connect again")
+        if not isinstance(peer, MooncakePeer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("unknown peer (connect() it with this backend)")
 
     def _batch_done(self, region: MooncakeRegion) -> None:
         with self._cond:
@@ -478,7 +494,7 @@ class MooncakeBackend:
             if batch is None:
                 break
             submit = eng.batch_transfer_async_read if batch.op == "read" else eng.batch_transfer_async_write
-            error, state, unsafe = None, MooncakeBatch.DONE, False
+            error, state, unsafe, late = None, MooncakeBatch.DONE, False, False
             for local_addrs, remote_addrs, lens in batch._chunks:
                 if batch._should_stop() or self._closed:
                     error, state = Canceled("mooncake batch canceled"), MooncakeBatch.CANCELED
@@ -500,18 +516,19 @@ class MooncakeBackend:
                     # latter case it freed the batch with slices possibly still queued.
                     unsafe = time.monotonic() - t0 >= self.mooncake.transfer_timeout_s
                     error, state = RemoteError(f"mooncake: {batch.op} from {peer.name} failed"), MooncakeBatch.FAILED
-                    if not unsafe:
-                        # It answers at the first failed slice and frees the batch; the chunk's other slices
-                        # go on and say nothing when they end. Nothing reports them: the batch is told
-                        # failed (and settled) only settle_s later.
-                        time.sleep(self.mooncake.settle_s)
+                    # It answers at the first failed slice and frees the batch; the chunk's other slices go on
+                    # and say nothing when they end: the batch is told failed (and settled) settle_s later.
+                    late = not unsafe
                     break
             with self._cond:
                 if state == MooncakeBatch.FAILED:
                     self._stats["failed"] += 1
                 elif state == MooncakeBatch.CANCELED:
                     self._stats["canceled"] += 1
-            batch._finish(state, error, unsafe)
+            if late:
+                self._settle_later(batch, state, error)
+            else:
+                batch._finish(state, error, unsafe)
         while True:  # closing: whatever is still queued was never submitted
             try:
                 batch = peer._queue.get_nowait()
@@ -519,6 +536,21 @@ class MooncakeBackend:
                 return
             if batch is not None:
                 batch._finish(MooncakeBatch.CANCELED, Closed("mooncake backend closed"))
+
+    def _settle_later(self, batch: MooncakeBatch, state: int, error: KVLinkError | None) -> None:
+        """Finish ``batch`` settle_s from now (its chunk's other slices may land until then), on a timer:
+        the peer's thread goes on with the next batches. close() waits for these."""
+        def finish():
+            batch._finish(state, error)
+            with self._cond:
+                self._late -= 1
+                self._cond.notify_all()
+
+        with self._cond:
+            self._late += 1
+        timer = threading.Timer(self.mooncake.settle_s, finish)
+        timer.daemon = True
+        timer.start()
 
     # -- notifications, stats ----------------------------------------------------------
     def notify(self, peer: MooncakePeer, payload: bytes, timeout_s: float | None = None) -> None:

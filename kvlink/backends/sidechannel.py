@@ -251,18 +251,16 @@ class SideClient:
         if not self._lock.acquire(blocking=False):
             return False  # a request is under way: it will tell
         try:
-            if self._sock.fileno() < 0:
-                return True
             self._sock.setblocking(False)
             try:
                 return self._sock.recv(1, socket.MSG_PEEK) == b""
             except (BlockingIOError, InterruptedError):
                 return False
-            except OSError:
-                return True
-        finally:
-            if self._sock.fileno() >= 0:
+            finally:
                 self._sock.setblocking(True)
+        except OSError:  # closed (here, or by close() meanwhile)
+            return True
+        finally:
             self._lock.release()
 
     def close(self) -> None:

@@ -387,8 +387,9 @@ def test_close_with_batches_queued_does_not_hang(make_pair):
 def test_a_chunk_failing_at_one_descriptor_is_reported_only_once_its_other_descriptors_are_done(make_backend):
     """Mooncake answers a batch's status at its first failed slice (here: a region the target unregistered
     after the table was fetched) while the chunk's other slices still land. The batch is reported failed only
-    settle_s later: once wait() raises, nothing more lands in the destination."""
-    options = MooncakeConfig(settle_s=2.0)
+    settle_s later: once wait() raises, nothing more lands in the destination. Batches queued behind it to
+    the same peer go on meanwhile."""
+    options = MooncakeConfig(settle_s=5.0)
     target = make_backend("mooncake", options=options, name="target")
     init = make_backend("mooncake", options=options, name="initiator", listen=None)
     a = np.random.default_rng(1).integers(1, 256, 16 << 20, dtype=np.uint8)
@@ -402,6 +403,10 @@ def test_a_chunk_failing_at_one_descriptor_is_reported_only_once_its_other_descr
     b = init.read(peer, rd, np.concatenate(([0], offs)).astype(np.uint64),
                   np.array([rb.id] + [ra.id] * n, np.uint32), np.concatenate(([0], offs)).astype(np.uint64),
                   np.array([4096] + [size] * n, np.uint64))
+    t0 = time.monotonic()
+    ok = init.read(peer, rd, [0], ra.id, [0], 4096)  # queued behind it: not held up for settle_s
+    ok.wait(30)
+    assert time.monotonic() - t0 < 3.0 and not b.settled
     with pytest.raises(KVLinkError):
         b.wait(30)
     assert b.settled
@@ -431,23 +436,47 @@ def test_unregister_between_a_submits_checks_and_its_count_refuses_the_batch(mak
     assert not p.dst.any()
 
 
-def test_connecting_again_replaces_the_peer_and_holds_no_more_connections(make_backend):
+def test_connecting_again_reuses_the_live_peer_and_holds_no_more_connections(make_backend):
     """Each connect (the connector reconnects after an error) used to add a thread and a side-channel
-    connection for good: past the target's max_conns every connect failed. A new connect to an address
-    retires the old peer: its connection closes, the count stays at one."""
+    connection for good: past the target's max_conns every connect failed. As with the native engine, a
+    connect to an address with a live peer returns that peer."""
     target = make_backend("mooncake", name="target", max_conns=2)
     region = target.register(np.arange(1 << 20, dtype=np.uint64).astype(np.uint8))
     init = make_backend("mooncake", name="initiator", listen=None)
     dst = np.zeros(4096, dtype=np.uint8)
     rd = init.register(dst)
-    peers = []
-    for _ in range(6):
-        peers.append(init.connect(target.address))
-        init.read(peers[-1], rd, [0], region.id, [4096], 4096).wait()
-        assert init.stats()["peers"] == 1
+    peers = [init.connect(target.address) for _ in range(6)]
+    assert {p.id for p in peers} == {peers[0].id} and init.stats()["peers"] == 1
+    init.read(peers[0], rd, [0], region.id, [4096], 4096).wait()
     assert np.array_equal(dst, (np.arange(4096, 8192, dtype=np.uint64)).astype(np.uint8))
-    with pytest.raises(ValueError, match="unknown peer"):
-        init.read(peers[0], rd, [0], region.id, [0], 16)  # a retired peer takes no batch
+
+
+def test_a_batch_racing_the_replacement_of_its_gone_peer_is_refused_not_stranded(make_pair, monkeypatch):
+    """A submit checked its peer, then the peer's side channel closed and a connect replaced it (its thread
+    ends after what was queued) before the batch was queued: the batch would sit on a queue nobody reads,
+    never settled, its region counted busy for good. The check and the queueing are one step: refused."""
+    import kvlink.backends.mooncake as M
+    from kvlink.errors import PeerClosed
+
+    p = make_pair("mooncake")
+    real = M.check_descriptors
+    fresh = []
+
+    def replaced_meanwhile(*a, **kw):
+        d = real(*a, **kw)
+        if not fresh:
+            p.peer._client.gone = lambda: True  # as if its process had ended
+            fresh.append(p.init.connect(p.target.address))
+        return d
+
+    monkeypatch.setattr(M, "check_descriptors", replaced_meanwhile)
+    with pytest.raises(PeerClosed, match="connect again"):
+        p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096)
+    assert fresh[0] is not p.peer and p.rdst.inflight == 0
+    monkeypatch.setattr(M, "check_descriptors", real)
+    p.init.read(fresh[0], p.rdst, [0], p.rsrc.id, [0], 4096).wait()
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
+    p.rdst.unregister(timeout_s=2)
 
 
 def test_notifications_nobody_drains_are_bounded(make_pair):

@@ -292,7 +292,8 @@ def test_a_silent_peer_delays_only_its_own_connect(make_engine):
     silent.close()
 
 
-def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_under_it(make_engine):
+@pytest.mark.parametrize("stage", ["handshake", "tcp-connect"])
+def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_under_it(make_engine, stage):
     """close() from one thread while another is inside a connect (a silent peer holds its handshake): the
     connect is told to give up, close waits for it, then frees the engine; no call runs on freed memory
     (it used to: a crash at shutdown). Calls after close raise Closed."""
@@ -302,8 +303,19 @@ def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_unde
 
     from kvlink.errors import Closed, KVLinkError
 
-    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
-    init = make_engine(name="i", listen=None, streams=2, handshake_timeout_s=5.0)
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16 if stage == "handshake" else 0)
+    fill = []
+    if stage == "tcp-connect":  # a full backlog: the TCP connect itself waits (connect_timeout)
+        for _ in range(4):
+            c = socket.socket()
+            c.setblocking(False)
+            try:
+                c.connect(silent.getsockname())
+            except BlockingIOError:
+                pass
+            fill.append(c)
+        time.sleep(0.2)
+    init = make_engine(name="i", listen=None, streams=2, handshake_timeout_s=5.0, connect_timeout_s=5.0)
     errors = []
 
     def connect():
@@ -317,9 +329,11 @@ def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_unde
     time.sleep(0.3)  # inside the handshake
     t0 = time.monotonic()
     init.close()
-    assert time.monotonic() - t0 < 8.0
+    assert time.monotonic() - t0 < 3.0  # told to give up, not waited out (5 s)
     t.join(10)
     assert not t.is_alive() and errors
     with pytest.raises(Closed):
         init.stats()
+    for c in fill:
+        c.close()
     silent.close()
