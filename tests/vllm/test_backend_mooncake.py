@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from tests.vllm.helpers import BLOCK, Engines, decode, greedy, recording_kv_config, token_prompts
+from tests.vllm.helpers import (BLOCK, Engines, corrupting_kv_config, decode, greedy, prefill, recording_kv_config,
+                                token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engines (Engines), also when run alone
 
@@ -20,6 +21,7 @@ def mc_engines(tiny_model):
     e.make("pre", recording_kv_config("kv_producer", transport_backend="mooncake"))
     e.make("dec", dict(recording_kv_config("kv_consumer", transport_backend="mooncake"),
                        kv_load_failure_policy="recompute"))
+    e.make("dec_bad", corrupting_kv_config(transport_backend="mooncake"))
     yield e
     e.close()
 
@@ -37,3 +39,14 @@ def test_prefill_to_decode_through_mooncake(mc_engines):
     after = agent.recorded_now()
     assert after["pulls_ok"] - before["pulls_ok"] == len(prompts)
     assert after["bytes_pulled"] > before["bytes_pulled"]
+
+
+def test_negative_control_kv_corrupted_after_a_mooncake_pull_changes_the_output(mc_engines):
+    """The equality above comes from the bytes Mooncake moved: a decode that overwrites them answers
+    otherwise."""
+    e = mc_engines
+    prompts = token_prompts([BLOCK * 4], seed=12)
+    want = [list(o.outputs[0].token_ids) for o in e.generate("base", prompts, greedy())]
+    params = prefill(e, prompts)
+    assert e.agents["dec_bad"]._worker.engine.kind == "mooncake"
+    assert decode(e, "dec_bad", prompts, params) != want

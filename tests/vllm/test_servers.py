@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 
 from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import Server, complete, free_port, http_json, kv_config, text, token_prompts
+from tests.vllm.helpers import (Server, complete, corrupting_kv_config, free_port, http_json, kv_config, text,
+                                token_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +29,28 @@ def pd(tiny_model, tmp_path_factory):
                   kv_load_failure_policy="recompute")
     pre = Server(tiny_model, pre_kv, cpu=0, log=logs / "prefill.log")
     dec = Server(tiny_model, dec_kv, cpu=1, log=logs / "decode.log")
+    bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=10.0), cpu=1, log=logs / "corrupt.log")
     proxies = []
     try:
-        pre.wait_ready()
-        dec.wait_ready()
+        for s in (pre, dec, bad):
+            s.wait_ready()
         from kvlink.proxy.config import ProxyConfig
         from kvlink.proxy.router import build_app
 
-        seq = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), timeout_s=60)))
-        conc = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), mode="concurrent",
-                                               timeout_s=60, prefill_bootstrap=(f"http://127.0.0.1:{bport}",),
-                                               prefill_engine_ids=("prefill-0",))))
-        proxies += [seq, conc]
-        yield {"pre": pre, "dec": dec, "seq": seq.url, "conc": conc.url, "logs": logs}
+        def proxy(decode, mode):
+            conc = dict(mode="concurrent", prefill_bootstrap=(f"http://127.0.0.1:{bport}",),
+                        prefill_engine_ids=("prefill-0",)) if mode == "conc" else {}
+            proxies.append(AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(decode.url,), timeout_s=60,
+                                                           **conc))))
+            return proxies[-1].url
+
+        yield {"pre": pre, "dec": dec, "seq": proxy(dec, "seq"), "conc": proxy(dec, "conc"), "logs": logs,
+               "seq_bad": proxy(bad, "seq"), "conc_bad": proxy(bad, "conc")}
     finally:
         for p in proxies:
             p.stop()
-        pre.stop()
-        dec.stop()
+        for s in (pre, dec, bad):
+            s.stop()
 
 
 def baseline(pd, prompts):
@@ -75,6 +80,16 @@ def test_pd_equals_baseline(pd, mode):
     assert got == want
 
 
+@pytest.mark.parametrize("mode", ["seq", "conc"])
+def test_negative_control_corrupted_kv_changes_the_output(pd, mode):
+    """The same pairing into a decode whose connector overwrites what it pulled with noise: other answers,
+    so the equality above comes from the moved KV."""
+    prompts = token_prompts([64, 230], seed=12)
+    want = baseline(pd, prompts)
+    got = [text(complete(pd[f"{mode}_bad"], p)) for p in prompts]
+    assert got[0] != want[0] and got[1] != want[1]
+
+
 def test_decode_metrics_time_each_pull_and_its_handoff(pd):
     """Every pulled request lands once in kvlink_pull_seconds and once in kvlink_handoff_seconds (KV in
     place until vLLM's step collects it) on decode's /metrics."""
@@ -93,16 +108,28 @@ def test_decode_metrics_time_each_pull_and_its_handoff(pd):
         time.sleep(0.5)
 
 
+def test_the_default_backend_copies_a_same_host_prefill_directly(pd):
+    """transport_backend "auto" on one host: decode's READs copy prefill's memory (process_vm_readv), not
+    TCP, and the answer is the single server's."""
+    local0 = pd["dec"].metric("kvlink_bytes_local_total") or 0.0
+    prompts = token_prompts([600], seed=16)
+    assert [text(complete(pd["seq"], p)) for p in prompts] == baseline(pd, prompts)
+    deadline = time.monotonic() + 20
+    while (pd["dec"].metric("kvlink_bytes_local_total") or 0.0) <= local0:
+        assert time.monotonic() < deadline, "no byte copied same-host"
+        time.sleep(0.3)
+
+
 @pytest.mark.parametrize("mode", ["seq", "conc"])
 def test_several_samples_through_the_proxy_pull_once(pd, mode):
     """n=3, seeded sampling, through kvlink proxy: the samples equal a server computing them locally, no pull
     fails (no sample recomputes the prompt), and prefill holds nothing afterwards."""
     from tests.vllm.helpers import http_json
 
-    def samples(url, prompt):
+    def samples(url, prompt, **sampling):
         status, out = http_json(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8,
                                                           "n": 3, "seed": 5, "temperature": 1.0,
-                                                          "ignore_eos": True}, timeout=60)
+                                                          "ignore_eos": True, **sampling}, timeout=60)
         assert status == 200, out
         return sorted(c["text"] for c in out["choices"])
 
@@ -117,6 +144,12 @@ def test_several_samples_through_the_proxy_pull_once(pd, mode):
     while (pd["dec"].metric("kvlink_pulls_ok_total") or 0.0) - ok < 3:
         assert time.monotonic() < deadline, "every sample's pull is reported ok"
         time.sleep(0.3)
+    assert wait_held_zero(pd)
+    # Negative control: n=3 into a decode that corrupts what it pulled. top_k=1 (vLLM refuses n > 1 with
+    # temperature 0): the tiny random model's seeded samples hardly depend on the prompt, its argmax does.
+    other, right = token_prompts([150, 150], seed=118 if mode == "seq" else 119)
+    assert samples(pd[f"{mode}_bad"], other, top_k=1) != samples(pd["pre"].url, other, top_k=1)
+    assert samples(pd[mode], right, top_k=1) == samples(pd["pre"].url, right, top_k=1)  # (the same, decoded right)
     assert wait_held_zero(pd)
 
 

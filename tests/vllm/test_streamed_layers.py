@@ -6,8 +6,9 @@ decode reads that layer's share while prefill computes on.
 Prefill's connector here is tests.fakes_connector.SlowLayersConnector: each layer of a streaming step takes
 150 ms longer on entry to its attention op and as long on exit, so decode reads during the forward every
 time, not when this host's timing allows. Outputs must equal a single server's, and a decode whose
-connector corrupts what it pulled must change them. The "step" granularity is run beside it: its one-chunk
-prompts stream nothing (its pieces come after a step).
+connector corrupts what it pulled must change them. The "step" granularity is run beside it (256-token
+chunks): its one-chunk prompts stream nothing (its pieces come after a step), longer ones stream a piece
+after each step but the last, with its own negative control.
 Multi-chunk layer-wise streaming, aborts and faults: test_streamed.py, test_streamed_faults.py.
 """
 
@@ -20,6 +21,7 @@ from tests.vllm.helpers import (BLOCK, Server, assert_each_streamed, complete, c
                                 free_port, kv_config, metric, text, token_prompts)
 
 ONE_CHUNK = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "16")
+STEP_CHUNK = 256  # the "step" prefill's chunk: longer prompts take several steps, each streamed after it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def lw(tiny_model, tmp_path_factory):
                    env={"KVLINK_TRACE": str(logs / "trace-exit.jsonl")})
     step = Server(tiny_model, dict(kv_config("kv_producer", bootstrap_port=sport, lease_s=20.0, stream_kv=True,
                                              stream_granularity="step"), engine_id="prefill-step"),
-                  cpu=0, log=logs / "prefill-step.log", extra_args=ONE_CHUNK)
+                  cpu=0, log=logs / "prefill-step.log",
+                  extra_args=("--max-num-batched-tokens", str(STEP_CHUNK), "--max-num-seqs", "16"))
     dec = Server(tiny_model, dict(kv_config("kv_consumer", lookup_wait_s=20.0, pull_timeout_s=60.0),
                                   kv_load_failure_policy="recompute"), cpu=1, log=logs / "decode.log", env=traced)
     bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0), cpu=1, log=logs / "corrupt.log")
@@ -53,6 +56,7 @@ def lw(tiny_model, tmp_path_factory):
 
         yield {"pre": pre, "step": step, "dec": dec, "bad": bad, "trace": logs / "trace.jsonl", "layer": proxy(pre, bport, "prefill-l", dec),
                "layer_bad": proxy(pre, bport, "prefill-l", bad), "by_step": proxy(step, sport, "prefill-step", dec),
+               "by_step_bad": proxy(step, sport, "prefill-step", bad),
                "exit": exit_, "on_exit": proxy(exit_, xport, "prefill-x", dec), "trace_exit": logs / "trace-exit.jsonl"}
     finally:
         for p in proxies:
@@ -172,8 +176,26 @@ def test_negative_control_corrupted_layer_wise_stream_changes_the_output(lw):
 
 
 def test_by_step_a_one_chunk_prompt_streams_nothing_and_equals_a_single_server(lw):
-    prompts = token_prompts([31, 700, 1500], seed=62)
+    prompts = token_prompts([31, STEP_CHUNK - 6], seed=62)
     want = [text(complete(lw["bad"].url, p)) for p in prompts]
     sent0 = metric(lw["step"], "kvlink_pieces_sent_total")
     assert [text(complete(lw["by_step"], p, timeout=120)) for p in prompts] == want
     assert metric(lw["step"], "kvlink_pieces_sent_total") == sent0  # no step before the one that publishes
+
+
+def test_by_step_prompts_of_several_chunks_stream_and_equal_a_single_server(lw):
+    """stream_granularity "step": each chunked-prefill step but the last announces the blocks it completed,
+    decode reads them while prefill computes the next chunks, and the answers are the single server's."""
+    prompts = token_prompts([700, 1500], seed=63)
+    want = [text(complete(lw["bad"].url, p)) for p in prompts]
+    sent0, streamed0 = metric(lw["step"], "kvlink_pieces_sent_total"), metric(lw["dec"], "kvlink_blocks_streamed_total")
+    assert [text(complete(lw["by_step"], p, timeout=120)) for p in prompts] == want
+    assert metric(lw["step"], "kvlink_pieces_sent_total") > sent0
+    assert metric(lw["dec"], "kvlink_blocks_streamed_total") > streamed0
+
+
+def test_negative_control_corrupted_step_wise_stream_changes_the_output(lw):
+    prompts = token_prompts([700, 1500], seed=64)
+    want = [text(complete(lw["dec"].url, p)) for p in prompts]
+    got = [text(complete(lw["by_step_bad"], p, timeout=120)) for p in prompts]
+    assert got[0] != want[0] and got[1] != want[1]

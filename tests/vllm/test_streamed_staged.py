@@ -38,9 +38,11 @@ def ss(tiny_model, tmp_path_factory):
                                                transport_backend="tcp", **STAGED),
                                      kv_load_failure_policy="recompute"), cpu=1, log=logs / "decode-staged.log")
     bad = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0), cpu=1, log=logs / "corrupt.log")
+    bad_landed = Server(tiny_model, corrupting_kv_config(lookup_wait_s=20.0, transport_backend="tcp", **STAGED), cpu=1,
+                        log=logs / "corrupt-staged.log")
     proxies = []
     try:
-        for s in (pre, dec, landed, bad):
+        for s in (pre, dec, landed, bad, bad_landed):
             s.wait_ready()
         from kvlink.proxy.config import ProxyConfig
         from kvlink.proxy.router import build_app
@@ -52,12 +54,12 @@ def ss(tiny_model, tmp_path_factory):
             proxies.append(p)
             return p.url
 
-        yield {"pre": pre, "dec": dec, "landed": landed, "bad": bad, "conc": proxy(dec),
-               "conc_landed": proxy(landed), "conc_bad": proxy(bad)}
+        yield {"pre": pre, "dec": dec, "landed": landed, "bad": bad, "bad_landed": bad_landed, "conc": proxy(dec),
+               "conc_landed": proxy(landed), "conc_bad": proxy(bad), "conc_bad_landed": proxy(bad_landed)}
     finally:
         for p in proxies:
             p.stop()
-        for s in (pre, dec, landed, bad):
+        for s in (pre, dec, landed, bad, bad_landed):
             s.stop()
 
 
@@ -84,6 +86,16 @@ def test_negative_control_corrupted_pool_stream_changes_the_output(ss):
     want = [text(complete(ss["dec"].url, p)) for p in prompts]
     got = [text(complete(ss["conc_bad"], p, timeout=120)) for p in prompts]
     assert got[0] != want[0] and got[1] != want[1]
+
+
+def test_negative_control_corrupted_after_landing_through_decodes_pool_changes_the_output(ss):
+    """The same for a decode that lands through its own pool: the equality above comes from the bytes the
+    landing copies put in vLLM's blocks."""
+    prompts = token_prompts([300, 900], seed=75)
+    want = [text(complete(ss["dec"].url, p)) for p in prompts]
+    got = [text(complete(ss["conc_bad_landed"], p, timeout=120)) for p in prompts]
+    assert got[0] != want[0] and got[1] != want[1]
+    assert metric(ss["bad_landed"], "kvlink_bytes_landed_total") > 0
 
 
 def test_aborted_streamed_requests_give_their_slots_back(ss):

@@ -488,3 +488,58 @@ def test_kv_scales_are_read_from_each_attention_module_or_refused():
         kv_scales(ctx, ["a", "b"])
     with pytest.raises(RuntimeError, match="layer c"):
         kv_scales(ctx, ["c"])
+
+
+@pytest.mark.parametrize("tp_p, split_p, tp_d, split_d", [
+    (2, [LAYERS], 1, [LAYERS]),  # decode reads each head from the prefill rank that computed it
+    (1, [LAYERS], 2, [LAYERS]),
+    (2, [2, 3], 4, [3, 2]),  # PP on both sides, unequal TP
+])
+def test_streamed_pieces_are_read_once_every_prefill_rank_reported_them(boot, tp_p, split_p, tp_d, split_d):
+    """Streaming with TP/PP > 1: a piece (the first blocks of a request prefill still computes) is readable
+    only once every prefill rank (TP x PP) reported it: before, a rank may not have written its heads or
+    layers. Then each decode rank reads its shard of the streamed blocks, the record brings the tail, and
+    exactly its shard lands."""
+    import uuid
+
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.bootstrap.schema import StreamPiece
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    heads = 4
+    truth, blank = Model("cpu", heads, 12, seed=11), Model("cpu", heads, 8, seed=12)
+    pre = _engine("pre", "kv_producer", truth, tp_p, split_p, ConnectorConfig(transport_backend="tcp"), heads)
+    dec = _engine("dec", "kv_consumer", blank, tp_d, split_d,
+                  ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=20.0), heads)
+    try:
+        for *_, w in pre:
+            w._ensure_registered(boot)
+        tid, remote = "t-" + uuid.uuid4().hex, [rb for _, rb in PAIRS]
+        for *_, w in dec:
+            w._submit(PullSpec(request_id="r", local_block_ids=tuple(lb for lb, _ in PAIRS), first_block=0,
+                               source=RemoteSource(bootstrap_url=boot, engine_id="pre", transfer_id=tid)))
+
+        seen = [0] * len(dec)
+
+        def streamed():  # (get_stats hands over what was counted since the last call)
+            for i, (*_, w) in enumerate(dec):
+                seen[i] += ((st := w.get_stats()) and st.data.get("blocks_streamed", 0)) or 0
+            return seen
+
+        piece = StreamPiece(transfer_id=tid, request_id="p-r", index=1, num_tokens=BS * 2, block_ids=[remote[:2]])
+        with BootstrapClient(boot) as cli:
+            for t, s, _, w in pre[:-1]:
+                cli.stream_pieces("pre", w.rank.port_index, len(pre), [piece])
+            time.sleep(0.5)
+            assert not any(streamed()), "read before every prefill rank reported the piece"
+            cli.stream_pieces("pre", pre[-1][3].rank.port_index, len(pre), [piece])
+            deadline = time.monotonic() + 20
+            while not all(streamed()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert all(streamed()), "a decode rank read nothing of the streamed piece"
+            cli.publish("pre", "p-r", [remote], num_tokens=BS * len(PAIRS), lease_s=30.0, transfer_id=tid)
+        _check_landed(truth, blank, dec, tp_d)
+    finally:
+        _close(pre, dec)
