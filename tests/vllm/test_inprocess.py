@@ -206,3 +206,22 @@ def test_n_samples_of_one_prompt_pull_its_kv_once(engines):
     sched = engines.scheduler_connector("dec").recorded_now()
     assert len(engines.scheduler_side("dec")._siblings) == 0
     assert sched["released_pulled"] >= 1
+
+
+def test_n_samples_decode_the_pulled_kv_and_a_corrupted_pull_changes_them(engines):
+    """The seeded samples above barely depend on the prompt with this tiny random model (another prompt gives
+    the same texts), so they prove the path, not the bytes. With top_k=1 (vLLM refuses n > 1 at temperature
+    0) each sample is the argmax: the three equal the engine's own, and a decode that corrupts what it pulled
+    answers otherwise."""
+    from vllm import SamplingParams
+
+    def sampling(kp=None):
+        return SamplingParams(n=3, temperature=1.0, top_k=1, seed=1234, max_tokens=8, ignore_eos=True,
+                              extra_args={"kv_transfer_params": kp} if kp else None)
+
+    def outputs(name, prompt, kp=None):
+        return sorted(list(c.token_ids) for c in engines.generate(name, [prompt], sampling(kp))[0].outputs)
+
+    right, other = token_prompts([BLOCK * 5 + 9, BLOCK * 5 + 9], seed=23)
+    assert outputs("dec", right, prefill(engines, [right])[0]) == outputs("base", right)
+    assert outputs("dec_bad", other, prefill(engines, [other])[0]) != outputs("base", other)
