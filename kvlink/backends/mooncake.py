@@ -279,7 +279,7 @@ class MooncakeBackend:
         self._notes: list[tuple[str, bytes]] = []      # guarded by _cond
         self._note_bytes = 0                           # payload bytes in _notes; guarded by _cond
         self._stats = dict.fromkeys(("batches", "descriptors", "bytes_read", "bytes_written", "failed",
-                                     "canceled", "notifies_sent", "notifies_received", "notifies_dropped", "chunks"), 0)
+                                     "canceled", "notifies_sent", "notifies_received", "notifs_dropped", "chunks"), 0)
         self._rid = itertools.count(secrets.randbelow(1 << 20) << 8 | 1)  # ids never reused
         self._pid = itertools.count(1)
         self._closed = False
@@ -573,7 +573,7 @@ class MooncakeBackend:
         with self._cond:
             if (len(payload) > MAX_NOTIFY or len(self._notes) >= MAX_NOTES
                     or self._note_bytes + len(payload) > MAX_NOTE_BYTES):
-                self._stats["notifies_dropped"] += 1
+                self._stats["notifs_dropped"] += 1
                 return False
             self._notes.append((sender, payload))
             self._note_bytes += len(payload)

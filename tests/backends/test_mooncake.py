@@ -479,18 +479,18 @@ def test_a_batch_racing_the_replacement_of_its_gone_peer_is_refused_not_stranded
     p.rdst.unregister(timeout_s=2)
 
 
-def test_notifications_nobody_drains_are_bounded(make_pair):
-    """As with the native engine: 16 MiB of notifications at most wait to be drained; the next is refused
+def test_notifications_nobody_drains_are_bounded(make_pair, kind):
+    """16 MiB of notifications at most wait to be drained (4,096 of the largest); the next is refused
     (QueueFull at the sender, counted at the receiver) and a drain makes room again."""
     from kvlink.errors import QueueFull
 
-    p = make_pair("mooncake")
+    p = make_pair(kind)
     big = b"n" * 4096
     for _ in range(4096):
         p.init.notify(p.peer, big)
     with pytest.raises(QueueFull):
         p.init.notify(p.peer, big)
-    assert p.target.stats()["notifies_dropped"] == 1
+    assert p.target.stats()["notifs_dropped"] == 1
     assert len(p.target.drain_notifications()) == 4096
     p.init.notify(p.peer, big)
     assert p.target.drain_notifications() == [("initiator", big)]

@@ -124,23 +124,6 @@ def test_notifications_carry_sender_name(pair):
         p.init.notify(p.peer, b"x" * 4097)
 
 
-def test_notifications_nobody_drains_are_bounded_by_bytes(pair):
-    """A peer can queue at most 16 MiB of notifications (4,096 of the largest) at an engine that never drains
-    them; the next is refused as QueueFull and counted, and a drain makes room again."""
-    from kvlink.errors import QueueFull
-
-    p = pair()
-    big = b"n" * 4096
-    for _ in range(4096):
-        p.init.notify(p.peer, big)
-    with pytest.raises(QueueFull):
-        p.init.notify(p.peer, big)
-    assert p.target.stats()["notifs_dropped"] == 1
-    assert len(p.target.drain_notifications()) == 4096
-    p.init.notify(p.peer, big)
-    assert p.target.drain_notifications() == [("initiator", big)]
-
-
 @pytest.mark.parametrize("crc", [False, True])
 def test_crc_on_and_off_move_the_same_bytes(pair, crc):
     p = pair(crc=crc)

@@ -254,6 +254,27 @@ def test_a_restarted_peer_at_the_same_address_is_refused_unless_it_is_the_same_e
     assert same_name and (dst == 2).all()
 
 
+def _connect_aside(init, silent) -> tuple:
+    """A thread connecting ``init`` to a listener that never answers; (the thread, its errors), 0.3 s in."""
+    import threading
+    import time
+
+    from kvlink.errors import KVLinkError
+
+    errors = []
+
+    def connect():
+        try:
+            init.connect(f"127.0.0.1:{silent.getsockname()[1]}")
+        except KVLinkError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    time.sleep(0.3)
+    return t, errors
+
+
 def test_a_silent_peer_delays_only_its_own_connect(make_engine):
     """A peer that accepts and never says a word holds its connect up to the handshake timeout (per stream);
     a connect to a healthy peer meanwhile goes through at once, and two concurrent connects to one address
@@ -262,22 +283,10 @@ def test_a_silent_peer_delays_only_its_own_connect(make_engine):
     import threading
     import time
 
-    from kvlink.errors import KVLinkError
-
     silent = socket.create_server(("127.0.0.1", 0), backlog=16)
     good = make_engine(name="good")
     init = make_engine(name="i", listen=None, streams=4, handshake_timeout_s=3.0)
-    failed = []
-
-    def bad():
-        try:
-            init.connect(f"127.0.0.1:{silent.getsockname()[1]}")
-        except KVLinkError as e:
-            failed.append(e)
-
-    t = threading.Thread(target=bad)
-    t.start()
-    time.sleep(0.3)  # the silent connect is waiting for its handshake
+    t, failed = _connect_aside(init, silent)  # waiting for its handshake
     t0 = time.monotonic()
     peers = []
     both = [threading.Thread(target=lambda: peers.append(init.connect(good.address))) for _ in range(2)]
@@ -298,10 +307,9 @@ def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_unde
     connect is told to give up, close waits for it, then frees the engine; no call runs on freed memory
     (it used to: a crash at shutdown). Calls after close raise Closed."""
     import socket
-    import threading
     import time
 
-    from kvlink.errors import Closed, KVLinkError
+    from kvlink.errors import Closed
 
     silent = socket.create_server(("127.0.0.1", 0), backlog=16 if stage == "handshake" else 0)
     fill = []
@@ -316,17 +324,7 @@ def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_unde
             fill.append(c)
         time.sleep(0.2)
     init = make_engine(name="i", listen=None, streams=2, handshake_timeout_s=5.0, connect_timeout_s=5.0)
-    errors = []
-
-    def connect():
-        try:
-            init.connect(f"127.0.0.1:{silent.getsockname()[1]}")
-        except KVLinkError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=connect)
-    t.start()
-    time.sleep(0.3)  # inside the handshake
+    t, errors = _connect_aside(init, silent)
     t0 = time.monotonic()
     init.close()
     assert time.monotonic() - t0 < 3.0  # told to give up, not waited out (5 s)
