@@ -9,7 +9,8 @@ example because it recomputed the prompt. Decoding from noise written over exact
 must change the output; that proves the blocks decode reads are the ones kvlink wrote.
 
 LockstepCorruptingConnector (a RecordingConnector, decode with stream_lockstep) does the same to each layer of
-an armed request's blocks in its step, once that layer has landed.
+an armed request's blocks in its step, once that layer has landed. CorruptGroup0Connector and
+CorruptGroup1Connector corrupt one KV cache group of a model with several (each group's bytes must matter).
 
 DyingLayersConnector (a SlowLayersConnector) makes its process exit right after announcing the last layer of
 the step that ends a streamed prompt.
@@ -115,6 +116,45 @@ class CorruptingConnector(_FillTracking):
             gen = torch.Generator().manual_seed(SEED)
             for t in self._worker.kv_caches.values():  # block index is dim 0 in every layer's tensor
                 t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+
+
+class GroupCorruptingConnector(RecordingConnector):
+    """CorruptingConnector for one KV cache group (``GROUP``) of a model with several (hybrid, Mamba): noise
+    over the blocks a pull filled in that group, in that group's layers only. Noise over every group at once
+    shows that some pulled bytes matter; one group at a time, that each group's do."""
+
+    GROUP = 0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._filled: dict[str, tuple[int, ...]] = {}  # request id -> its pull's blocks of GROUP
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVLinkMetadata):
+            for spec in meta.pulls:
+                self._filled[spec.request_id] = tuple(b for t in spec.tables if t.group == self.GROUP
+                                                      for b in t.local_block_ids[t.first_block:] if b != 0)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        results = super().get_transfer_results(finished_req_ids)
+        failed = results.failed_recving or set()
+        for rid in results.finished_recving or set():
+            blocks = self._filled.pop(rid, ())
+            if rid not in failed and blocks:
+                for name, t in self._worker.kv_caches.items():
+                    if self._worker._layer_group.get(name, 0) == self.GROUP:
+                        _noise(t, blocks)
+        return results
+
+
+class CorruptGroup0Connector(GroupCorruptingConnector):
+    GROUP = 0
+
+
+class CorruptGroup1Connector(GroupCorruptingConnector):
+    GROUP = 1
 
 
 class LockstepCorruptingConnector(_FillTracking):

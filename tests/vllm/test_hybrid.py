@@ -36,6 +36,8 @@ def engines(hybrid_model):
     e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"))
     fill_null_block(e, "dec")
     e.make("dec_bad", corrupting_kv_config())
+    for g in (0, 1):  # one KV cache group corrupted at a time
+        e.make(f"dec_bad_g{g}", dict(corrupting_kv_config(), kv_connector=f"CorruptGroup{g}Connector"))
     yield e
     e.close()
 
@@ -113,6 +115,15 @@ def test_corrupted_kv_changes_output(engines):
     prompts = token_prompts([300], seed=33)
     want = outputs(engines, "base", prompts)
     assert decode(engines, "dec_bad", prompts, prefill(engines, prompts)) != want
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_each_groups_pulled_blocks_are_read_corrupting_one_group_changes_the_output(engines, group):
+    """Noise over the pulled blocks of one KV cache group only (in that group's layers): each group's
+    bytes are what decode reads, not only some group's."""
+    prompts = token_prompts([300], seed=34 + group)
+    want = outputs(engines, "base", prompts)
+    assert decode(engines, f"dec_bad_g{group}", prompts, prefill(engines, prompts)) != want
 
 
 def test_a_group_kind_kvlink_cannot_move_is_refused_naming_its_spec():

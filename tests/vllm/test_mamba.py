@@ -30,6 +30,8 @@ def engines(mamba_model):
     e.make("pre", recording_kv_config("kv_producer"), **OFF)
     e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"), **OFF)
     e.make("dec_bad", corrupting_kv_config(), **OFF)
+    for g in (0, 1):  # one KV cache group corrupted at a time: 0 the Mamba state, 1 attention
+        e.make(f"dec_bad_g{g}", dict(corrupting_kv_config(), kv_connector=f"CorruptGroup{g}Connector"), **OFF)
     yield e
     e.close()
 
@@ -67,6 +69,15 @@ def test_corrupted_state_and_kv_change_the_output(engines):
     prompts = token_prompts([300], seed=42)
     want = outputs(engines, "base", prompts)
     assert decode(engines, "dec_bad", prompts, prefill(engines, [list(p) for p in prompts])) != want
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_corrupting_only_the_state_or_only_the_attention_kv_changes_the_output(engines, group):
+    """Group 0 is the Mamba state (one block per request), group 1 the attention KV: each pulled on its
+    own is what decode continues from."""
+    prompts = token_prompts([300], seed=44 + group)
+    want = outputs(engines, "base", prompts)
+    assert decode(engines, f"dec_bad_g{group}", prompts, prefill(engines, [list(p) for p in prompts])) != want
 
 
 def test_the_state_matters_and_a_failed_pull_recomputes(engines):
