@@ -84,6 +84,40 @@ def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
         srv.stop()
 
 
+
+def test_real_vllm_tp2_streams_each_ranks_shard_while_it_computes(tiny_model, tmp_path):
+    """Streamed KV at TP=2 on real vLLM: a kv_both server streaming to itself (concurrent pairing, 64-token
+    chunks). A piece is readable once both ranks reported it; each decode rank reads its shard of the
+    streamed blocks, then the tail, and the answer is the server's own. (The negative control of the TP=2
+    read path is the test above: both move blocks through the same plans.)"""
+    import concurrent.futures as cf
+    import uuid
+
+    from tests.vllm.helpers import Server, complete, concurrent_legs, free_port, kv_config, metric, text, token_prompts
+
+    bport = free_port()
+    kv = dict(kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_port=bport,
+                        stream_kv=True, lookup_wait_s=60.0, pull_timeout_s=120.0), engine_id="tp2-stream")
+    srv = Server(tiny_model, kv, cpu="0|1", log=tmp_path / "tp2-stream.log",
+                 extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                             "--no-enable-prefix-caching", "--max-num-batched-tokens", "64"])
+    try:
+        srv.wait_ready()
+        for n in (20, 300, 700):
+            prompt = token_prompts([n], seed=60 + n)[0]
+            want = text(complete(srv.url, prompt))
+            pre, dec = concurrent_legs(f"http://127.0.0.1:{bport}", "tp2-stream", "t-" + uuid.uuid4().hex)
+            with cf.ThreadPoolExecutor(2) as ex:
+                first = ex.submit(complete, srv.url, prompt, pre, max_tokens=1, timeout=180)
+                got = ex.submit(complete, srv.url, prompt, dec, timeout=180)
+                first.result()
+                assert text(got.result()) == want, n
+        assert metric(srv, "kvlink_pieces_sent_total") > 0
+        assert metric(srv, "kvlink_blocks_streamed_total") > 0
+        assert metric(srv, "kvlink_pulls_failed_total") == 0
+    finally:
+        srv.stop()
+
 @pytest.fixture
 def tp2():
     from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
