@@ -44,9 +44,10 @@ What Mooncake cannot do, and how it shows:
   chunk's other slices go on, and nothing reports their end: a failed chunk
   is reported (failed, settled) only ``settle_s`` after Mooncake's answer.
   A batch is reported by poll/wait only once settled (or NotSettled).
-- One peer per address: ``connect`` again (after an error, a restart) retires
-  the old peer (it takes no new batch; its thread and side channel end once
-  its queued batches have). Received notifications are bounded as with the
+- One peer per address, as with the native engine: ``connect`` again returns
+  the live peer; one whose side channel closed (its process ended or
+  restarted) takes no batch (PeerClosed) and the next connect replaces it
+  (its thread ends once its queued batches have). Received notifications are bounded as with the
   native engine (65,536 and 16 MiB; beyond that the sender gets QueueFull).
 
 Quirks handled: a per-peer queue limit (``max_queued``, Mooncake's
