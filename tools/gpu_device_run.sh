@@ -24,7 +24,7 @@ for d in vllm vllm/distributed vllm/distributed/kv_transfer vllm/distributed/kv_
   touch /tmp/standin/$d/__init__.py
 done
 touch $v1/__init__.py
-echo 'class KVConnectorMetadata: pass' > $v1/base.py
+printf 'class KVConnectorMetadata: pass\n\n\nclass KVConnectorWorkerMetadata: pass\n' > $v1/base.py
 cat > $v1/metrics.py <<'PY'
 from dataclasses import dataclass, field
 
