@@ -13,9 +13,10 @@ have been read before prefill published, and the corrupting decode's output must
 rounds a token computed alone (decode's path: PD decode computes the last prompt token so) otherwise than
 inside a chunk, which flips near-ties of the random model with no connector involved (test_mla.py,
 ``stable``). So for MLA the single server is held to prompts of 64k + 1 tokens: in prefill's chunks it
-computes the last token alone, as decode does, over the same context; fp8 is held to it for every prompt. The layouts' byte-for-byte
-checks are tests/vllm/test_mla.py and test_fp8.py (in-process engines, sequential pairing); this module
-proves streaming moves those layouts as the whole-request path does."""
+computes the last token alone, as decode does, over the same context; fp8 is held to it for every prompt.
+
+The layouts' byte-for-byte checks are tests/vllm/test_mla.py and test_fp8.py (in-process engines,
+sequential pairing); this module proves streaming moves those layouts as the whole-request path does."""
 
 from __future__ import annotations
 
