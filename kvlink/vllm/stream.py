@@ -427,7 +427,7 @@ class PieceSender:
         if not pieces:
             return
         if trace.enabled():
-            trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers) for p in pieces])
+            trace.event("piece_send", pieces=[(p.transfer_id, p.index, p.layers, p.spec.epoch) for p in pieces])
         cpu = time.thread_time()
         try:
             ended = self._send(pieces)
