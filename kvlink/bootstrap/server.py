@@ -294,6 +294,18 @@ class BootstrapApp:
                 event.set()
 
 
+def listen_url(host: str, port: int) -> str:
+    """The URL a client on this host reaches a server listening on ``host``:``port`` at (a wildcard
+    address is reached on loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 class BootstrapServer:
     """The bootstrap server in a background thread with its own event loop.
 
@@ -322,14 +334,7 @@ class BootstrapServer:
 
     @property
     def url(self) -> str:
-        host = self.config.host
-        if host in ("0.0.0.0", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self._port}"
+        return listen_url(self.config.host, self._port)
 
     def start(self) -> BootstrapServer:
         if self._thread is not None:

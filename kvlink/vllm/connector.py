@@ -59,6 +59,14 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
 
 
+def dp_index_of(vllm_config: "VllmConfig") -> int:
+    """This engine's DP rank. vLLM runs the DP ranks of a dense model as independent engines, each told DP
+    rank 0 of 1; ``data_parallel_index`` keeps the real one (older vLLMs: ``data_parallel_rank``)."""
+    pc = vllm_config.parallel_config
+    index = getattr(pc, "data_parallel_index", None)
+    return int(index if isinstance(index, int) else pc.data_parallel_rank or 0)
+
+
 def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[tuple[int, int] | None, ...], tuple[int, ...], int]:
     """Refuse, at start-up, KV cache groups kvlink cannot move exactly. Returns, per group, its sliding window
     (window, extra retained tokens) or None, and its tokens per block; and the prompt tokens prefill leaves
@@ -266,7 +274,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                                             bool(getattr(vllm_config.parallel_config, "use_ubatching", False)))
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
-                                          backoff=backoff, streamable=streamable)
+                                          backoff=backoff, streamable=streamable, dp_index=dp_index_of(vllm_config))
             self._sched.lockstep_prefix_caching(self._prefix_caching)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),

@@ -25,6 +25,7 @@ from kvlink import trace
 from kvlink.bootstrap.errors import RequestExpired, RequestReleased
 from kvlink.bootstrap.schema import RequestStatus
 from kvlink.vllm import params as kvparams
+from kvlink.vllm.config import ConnectorConfigError
 from kvlink.vllm.params import BadParams, PrefillRequest, RemoteSource, request_digest
 from kvlink.vllm.plan import NULL_BLOCK
 
@@ -38,13 +39,29 @@ class Producer:
     """The prefill methods of KVLinkScheduler (see the module's docstring)."""
 
     def _start_bootstrap(self) -> None:
+        """The embedded bootstrap server, unless ``bootstrap_url`` names one. Under data parallelism every DP
+        rank reads the same ``bootstrap_port``: DP rank 0 serves it and the other ranks publish to it, so
+        one address pairs the whole deployment (the concurrent proxy's ``--prefill-bootstrap``). With port
+        0 each DP rank serves its own, on a port of its own (sequential pairing: the params name it)."""
+        if self.bootstrap_url is None and self.dp_index > 0 and self.cfg.bootstrap_port:
+            from kvlink.bootstrap.server import listen_url
+
+            self.bootstrap_url = listen_url(self.cfg.bootstrap_host, self.cfg.bootstrap_port)
+            logger.info("kvlink: engine %s (DP rank %d) publishes to DP rank 0's embedded bootstrap server at %s",
+                        self.engine_id, self.dp_index, self.bootstrap_url)
         if self.bootstrap_url is None:
             from kvlink.bootstrap import BootstrapConfig, BootstrapServer
 
             self._server = BootstrapServer(BootstrapConfig(
                 host=self.cfg.bootstrap_host, port=self.cfg.bootstrap_port, token=self.cfg.bootstrap_token,
                 default_request_lease_s=self.cfg.lease_s, max_wait_s=min(30.0, self.cfg.lookup_wait_s)))
-            self._server.start()
+            try:
+                self._server.start()
+            except OSError as e:
+                raise ConnectorConfigError(
+                    f"KVLinkConnector: the embedded bootstrap server cannot listen on {self.cfg.bootstrap_host}:"
+                    f"{self.cfg.bootstrap_port} ({e}); free the port, set another bootstrap_port, or name a "
+                    "running server with bootstrap_url") from None
             self.bootstrap_url = self._server.url
             logger.info("kvlink: embedded bootstrap server for engine %s at %s", self.engine_id,
                         self.bootstrap_url)

@@ -249,7 +249,8 @@ class Puller:
                 with self._lock:
                     self._stats.add(f"compat_refused.{e.reason}")
             # fail, not resolve_failed: a streamed piece's READ may be on the wire (it is stopped first)
-            self._apply(lambda t, now: t.fail(rid, _why(e), now))
+            why = _why(e)
+            self._apply(lambda t, now: t.fail(rid, why, now))
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
         self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
@@ -379,13 +380,14 @@ class Puller:
                 nbytes, ndesc = nbytes + plan.nbytes, ndesc + len(plan)
         except Exception as e:  # noqa: BLE001
             self._drop_remote(remote)
+            why = _why(e)
             if not parts:
-                self._apply(lambda t, now: t.post_failed(a.batch, _why(e), now))
+                self._apply(lambda t, now: t.post_failed(a.batch, why, now))
                 return
             # Parts already on the wire may write until they are stopped: the pulls fail once they settle.
             # One event: between two, vLLM's thread could see the posted parts end (_settle_finished) and
             # trust the batch with the missing parts' layers never written.
-            handle, why = _Batches(parts), _why(e)
+            handle = _Batches(parts)
             self._apply(lambda t, now: [*t.posted(a.batch, handle, nbytes, 0, ndesc, now),
                                         *t.batch_unsettled(a.batch, why, now)])
             return

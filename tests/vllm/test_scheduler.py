@@ -828,3 +828,33 @@ def _prefill_at_server(lease_s: float = 30.0, staging_slots: int | None = None):
     finally:
         pre.shutdown()
         srv.stop()
+
+
+def test_data_parallel_ranks_share_dp_rank_0s_embedded_bootstrap_server_on_a_fixed_port():
+    """Every DP rank reads the same bootstrap_port: rank 0 serves it, the others publish to it (they used
+    to try to listen on it too, and the second engine died with EADDRINUSE). A port taken by anything else
+    is refused with a reason that names it. Port 0: each rank serves its own."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from tests.ports import free_port
+
+    port = free_port()
+    cfg = ConnectorConfig(bootstrap_host="127.0.0.1", bootstrap_port=port)
+    ranks = []
+    try:
+        ranks.append(KVLinkScheduler(cfg, "pre_dp0", "kv_producer", 32, dp_index=0))
+        ranks.append(KVLinkScheduler(cfg, "pre_dp1", "kv_producer", 32, dp_index=1))
+        assert ranks[0]._server is not None and ranks[1]._server is None
+        assert ranks[0].bootstrap_url == ranks[1].bootstrap_url == f"http://127.0.0.1:{port}"
+        with BootstrapClient(ranks[1].bootstrap_url) as cli:
+            assert cli.health()
+        with pytest.raises(ConnectorConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            KVLinkScheduler(cfg, "other", "kv_producer", 32, dp_index=0)
+        own = [KVLinkScheduler(ConnectorConfig(bootstrap_host="127.0.0.1"), f"e_dp{i}", "kv_producer", 32,
+                               dp_index=i) for i in (0, 1)]
+        ranks += own
+        assert all(r._server is not None for r in own) and own[0].bootstrap_url != own[1].bootstrap_url
+    finally:
+        for r in ranks:
+            r.shutdown()
