@@ -35,7 +35,7 @@ class ConnectorConfig:
     # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
     transport_backend: str = "auto"
     transport_host: str = "127.0.0.1"
-    transport_port: int = 0  # rank (pp, tp) listens on transport_port + pp * tp_size + tp (0: any free port)
+    transport_port: int = 0  # rank (dp, pp, tp) listens on transport_port + (dp * pp_size + pp) * tp_size + tp (0: any)
     transport_advertise: str | None = None  # host:port published instead of the listen address (port + i too)
     transport_token: str | None = None
     transport_streams: int = 2

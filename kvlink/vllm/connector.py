@@ -298,7 +298,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             num_layers=mc.get_total_num_hidden_layers(), groups=groups_desc(kv_cache_config),
                             kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", ""),
                                                 _platform_fp8()),
-                            rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)))
+                            rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)),
+                            dp_index=dp_index_of(vllm_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=_worker_slot_bytes(vllm_config, kv_cache_config),
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},

@@ -83,11 +83,18 @@ class RankInfo:
     groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
     kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (fp8 variants share the uint8 tensor dtype)
     rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
+    dp_index: int = 0  # the DP rank vLLM launched this engine as (a dense model's DP ranks say dp_rank 0 of 1)
+
+    @property
+    def index(self) -> int:
+        """This rank among its engine's TP x PP ranks (a DP rank is an engine of its own)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @property
     def port_index(self) -> int:
-        """This rank's transport port, counted from ``transport_port``: one per (PP stage, TP rank)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
+        """This rank's transport port, counted from ``transport_port``: one per (DP rank, PP stage, TP rank)
+        (every DP rank reads the same ``transport_port``)."""
+        return self.dp_index * self.pp_size * self.tp_size + self.index
 
 
 def head_dim_mismatch(layout_heads: int, tp_rank: int, tp_size: int, kv_heads: int) -> str | None:
@@ -456,7 +463,7 @@ class KVLinkWorker(Puller):
             from kvlink.bootstrap.schema import StreamPiece
 
             cli = self._clients_for(self._bootstrap_url)
-            rank, ranks = self.rank.port_index, self.rank.tp_size * self.rank.pp_size
+            rank, ranks = self.rank.index, self.rank.tp_size * self.rank.pp_size
 
             def send(pieces):
                 return cli.stream_pieces(self.rank.engine_id, rank, ranks, [StreamPiece(**p.fields())

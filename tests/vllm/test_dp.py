@@ -3,9 +3,10 @@ hands requests to itself. vLLM runs a dense model's DP ranks as independent engi
 ``_dp0`` / ``_dp1``) and spreads requests over them, so a decode on one DP rank pulls from the prefill of
 the other as often as from its own.
 
-The bootstrap port is fixed, as a deployment behind the concurrent proxy sets it: DP rank 0's embedded
-bootstrap server listens there and rank 1 publishes to it (before, rank 1 also tried to listen on it and
-the server failed to start). Checked: answers equal the server's own without params (a single server),
+The bootstrap and transport ports are fixed, as a deployment behind the concurrent proxy sets them: DP
+rank 0's embedded bootstrap server listens there and rank 1 publishes to it, and DP rank d's transport
+listens on transport_port + d (before, rank 1 tried to listen on both of rank 0's ports and the server
+failed to start). Checked: answers equal the server's own without params (a single server),
 sequential pairing with both DP ranks as prefill, concurrent pairing streamed through
 ``kvlink proxy --mode concurrent`` (one ``--prefill-bootstrap`` for both ranks, no engine id: the rank that
 takes the request is vLLM's choice), and a negative control whose connector corrupts what it pulled.
@@ -25,9 +26,10 @@ LENGTHS = [20, 64, 300, 301, 302, 303, 450, 451]
 
 
 def dp_server(model: str, tmp_path, name: str, corrupt: bool = False) -> tuple[Server, int]:
-    bport = free_port()
+    bport, tport = free_port(), free_port(2)
     kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
-                   bootstrap_port=bport, stream_kv=True, lookup_wait_s=10.0, pull_timeout_s=60.0)
+                   bootstrap_port=bport, transport_port=tport, stream_kv=True, lookup_wait_s=10.0,
+                   pull_timeout_s=60.0)
     if corrupt:  # tests/fakes_connector.py: noise over every block it pulled
         kv.update(kv_connector="CorruptingConnector", kv_connector_module_path="tests.fakes_connector")
     srv = Server(model, dict(kv, kv_load_failure_policy="recompute"), cpu="0|1", log=tmp_path / f"{name}.log",

@@ -531,10 +531,10 @@ def test_streamed_pieces_are_read_once_every_prefill_rank_reported_them(boot, tp
         piece = StreamPiece(transfer_id=tid, request_id="p-r", index=1, num_tokens=BS * 2, block_ids=[remote[:2]])
         with BootstrapClient(boot) as cli:
             for t, s, _, w in pre[:-1]:
-                cli.stream_pieces("pre", w.rank.port_index, len(pre), [piece])
+                cli.stream_pieces("pre", w.rank.index, len(pre), [piece])
             time.sleep(0.5)
             assert not any(streamed()), "read before every prefill rank reported the piece"
-            cli.stream_pieces("pre", pre[-1][3].rank.port_index, len(pre), [piece])
+            cli.stream_pieces("pre", pre[-1][3].rank.index, len(pre), [piece])
             deadline = time.monotonic() + 20
             while not all(streamed()) and time.monotonic() < deadline:
                 time.sleep(0.02)

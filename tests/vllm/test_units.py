@@ -417,3 +417,18 @@ def test_a_head_dimension_that_is_not_the_ranks_kv_heads_is_refused():
     assert head_dim_mismatch(2, 0, 2, 3) is None  # (3 heads over TP=2: vLLM itself refuses it)
     why = head_dim_mismatch(2, 0, 1, 8)  # a K/V slot dimension of 2, 8 heads on the one rank
     assert "holds 2" in why and "holds 8 of the model's 8 KV heads" in why
+
+
+def test_a_rank_s_transport_port_counts_dp_ranks_pp_stages_and_tp_ranks_and_its_stream_rank_does_not():
+    """Every DP rank reads the same transport_port, so DP rank d's ranks listen past DP rank d-1's; the
+    rank a piece is streamed under counts the engine's own TP x PP ranks only (a DP rank is an engine)."""
+    from kvlink.vllm.worker import RankInfo
+
+    seen = {}
+    for dp in range(2):
+        for pp in range(2):
+            for tp in range(3):
+                r = RankInfo(f"e_dp{dp}", tp, 3, 0, 1, "m", pp_rank=pp, pp_size=2, dp_index=dp)
+                seen[r.port_index] = (dp, pp, tp)
+                assert r.index == pp * 3 + tp
+    assert sorted(seen) == list(range(12))
