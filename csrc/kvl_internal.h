@@ -163,7 +163,7 @@ int kvl__recv_all(int fd, void *p, size_t len, uint64_t deadline, const int *clo
 typedef struct {
   uint64_t addr, len; /* regions' mu; also read without it by kvl__regions_resolve while pinned */
   uint32_t access;
-  uint16_t gen;
+  uint32_t gen; /* 1..KVL__GEN_MAX (kvl_region.c) */
   uint8_t state; /* 0 free, 1 active, 2 draining */
   uint64_t inflight; /* pins held by requests being served */
 } kvl__region;
@@ -172,6 +172,7 @@ typedef struct {
   pthread_mutex_t mu;
   pthread_cond_t drained;
   uint32_t count;                    /* mu */
+  uint32_t next;                     /* mu: the slot the next registration tries first (in turn) */
   kvl__region slot[KVL_MAX_REGIONS]; /* mu */
 } kvl__regions;
 

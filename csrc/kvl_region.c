@@ -1,8 +1,11 @@
 /* kvl_region.c - the table of registered memory regions. A region id packs
- * a slot index and a generation, so an id from an unregistered region never
- * reaches memory that a later registration reuses the slot for. Peers pin
- * the regions they access (inflight) for the duration of one request;
- * removal refuses new accesses at once and waits for the pins to drop. */
+ * a slot index (low KVL__IDX_BITS) and a generation (the rest), so an id
+ * from an unregistered region never reaches memory that a later
+ * registration reuses the slot for. Slots are handed out in turn, so a
+ * slot's generation moves once per KVL_MAX_REGIONS registrations: an id
+ * comes back only after about 2^31 of them. Peers pin the regions they
+ * access (inflight) for the duration of one request; removal refuses new
+ * accesses at once and waits for the pins to drop. */
 #include "kvl_internal.h"
 
 #include <errno.h>
@@ -10,14 +13,19 @@
 #include <string.h>
 #include <time.h>
 
-static uint32_t make_id(uint32_t idx, uint16_t gen) { return (uint32_t)gen << 16 | (idx + 1); }
+#define KVL__IDX_BITS 13 /* slot index + 1: 1..KVL_MAX_REGIONS */
+#define KVL__GEN_MAX ((1u << (32 - KVL__IDX_BITS)) - 1)
+_Static_assert(KVL_MAX_REGIONS < (1u << KVL__IDX_BITS), "region slot index must fit its bits");
+
+static uint32_t make_id(uint32_t idx, uint32_t gen) { return gen << KVL__IDX_BITS | (idx + 1); }
+static uint32_t slot_of(uint32_t id) { return (id & ((1u << KVL__IDX_BITS) - 1)) - 1; } /* of a live id */
 
 /* The slot of a live id, or NULL. Called with t->mu held. */
 static kvl__region *lookup(kvl__regions *t, uint32_t id) {
-  uint32_t idx = (id & 0xffffu);
+  uint32_t idx = id & ((1u << KVL__IDX_BITS) - 1);
   if (idx == 0 || idx > KVL_MAX_REGIONS) return NULL;
   kvl__region *r = &t->slot[idx - 1];
-  if (r->state == 0 || r->gen != (uint16_t)(id >> 16)) return NULL;
+  if (r->state == 0 || r->gen != id >> KVL__IDX_BITS) return NULL;
   return r;
 }
 
@@ -37,9 +45,11 @@ int kvl__regions_add(kvl__regions *t, uint64_t addr, uint64_t len, uint32_t acce
   if (len == 0 || addr == 0 || addr + len < addr || (access & ~(KVL_ACCESS_READ | KVL_ACCESS_WRITE)))
     return KVL_EINVAL;
   pthread_mutex_lock(&t->mu);
-  for (uint32_t i = 0; i < KVL_MAX_REGIONS; i++) {
+  for (uint32_t k = 0; k < KVL_MAX_REGIONS; k++) {
+    uint32_t i = (t->next + k) % KVL_MAX_REGIONS;
     kvl__region *r = &t->slot[i];
     if (r->state != 0) continue;
+    t->next = (i + 1) % KVL_MAX_REGIONS;
     r->addr = addr;
     r->len = len;
     r->access = access;
@@ -66,7 +76,7 @@ int kvl__regions_remove(kvl__regions *t, uint32_t id, uint32_t timeout_ms) {
     pthread_mutex_unlock(&t->mu);
     return KVL_ENOREGION;
   }
-  uint16_t gen = r->gen;
+  uint32_t gen = r->gen;
   r->state = 2; /* from now on lookups refuse it */
   while (r->inflight > 0) {
     if (pthread_cond_timedwait(&t->drained, &t->mu, &until) == ETIMEDOUT && r->gen == gen && r->inflight > 0) {
@@ -79,7 +89,7 @@ int kvl__regions_remove(kvl__regions *t, uint32_t id, uint32_t timeout_ms) {
     }
   }
   r->state = 0;
-  r->gen = (uint16_t)(r->gen == 0xffff ? 1 : r->gen + 1);
+  r->gen = r->gen == KVL__GEN_MAX ? 1 : r->gen + 1;
   t->count--;
   pthread_mutex_unlock(&t->mu);
   return 0;
@@ -89,7 +99,7 @@ static void unpin(kvl__regions *t, const uint8_t *body, uint32_t count) {
   for (uint32_t i = 0; i < count; i++) {
     kvl__wdesc d;
     kvl__wdesc_get(body, i, &d);
-    kvl__region *r = &t->slot[(d.region & 0xffffu) - 1];
+    kvl__region *r = &t->slot[slot_of(d.region)];
     if (--r->inflight == 0 && r->state == 2) pthread_cond_broadcast(&t->drained);
   }
 }
@@ -136,7 +146,7 @@ int kvl__regions_resolve(kvl__regions *t, const uint8_t *body, uint32_t first, u
   for (uint32_t i = 0; i < n; i++) {
     kvl__wdesc d;
     kvl__wdesc_get(body, first + i, &d);
-    const kvl__region *r = &t->slot[(d.region & 0xffffu) - 1];
+    const kvl__region *r = &t->slot[slot_of(d.region)];
     out[i].iov_base = (void *)(uintptr_t)(r->addr + d.offset);
     out[i].iov_len = (size_t)d.length;
   }

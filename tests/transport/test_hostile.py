@@ -104,6 +104,27 @@ def test_unknown_and_stale_region_ids(pair):
     still_serves(p)
 
 
+def test_a_region_id_does_not_come_back_for_a_long_time(pair):
+    """70,000 registrations, one at a time: every id differs, and the first is still refused while a
+    region is registered. (A 16-bit generation in one reused slot gave the first id again after 65,535:
+    a peer holding it would have read the new region.)"""
+    p = pair()
+    buf = np.arange(64, dtype=np.uint8)
+    ids = []
+    for _ in range(70_000):
+        r = p.target.register(buf, Access.READ)
+        ids.append(r.id)
+        r.unregister()
+    assert len(set(ids)) == len(ids)
+    live = p.target.register(buf, Access.READ)
+    assert live.id not in ids
+    with pytest.raises(UnknownRegion):
+        p.init.read(p.peer, p.rdst, [0], ids[0], [0], 16).wait()
+    p.init.read(p.peer, p.rdst, [0], live.id, [0], 16).wait()
+    assert np.array_equal(p.dst[:16], buf[:16])
+    still_serves(p)
+
+
 def test_checksummed_read_of_terabytes_ends_at_the_deadline(make_engine):
     """A READ asking for one region 65,536 times with checksums (1 TiB): the responder stops at the request's
     deadline, the region can be unregistered, and the engine closes at once, instead of checksumming for days."""
