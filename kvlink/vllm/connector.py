@@ -59,12 +59,13 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
 
 
-def dp_index_of(vllm_config: "VllmConfig") -> int:
-    """This engine's DP rank. vLLM runs the DP ranks of a dense model as independent engines, each told DP
-    rank 0 of 1; ``data_parallel_index`` keeps the real one (older vLLMs: ``data_parallel_rank``)."""
-    pc = vllm_config.parallel_config
-    index = getattr(pc, "data_parallel_index", None)
-    return int(index if isinstance(index, int) else pc.data_parallel_rank or 0)
+def dp_local_of(vllm_config: "VllmConfig") -> int:
+    """This engine's DP rank among the DP ranks on its host (``data_parallel_rank_local``; 0 without data
+    parallelism). vLLM runs the DP ranks of a dense model as independent engines, each told DP rank 0 of
+    1; the local rank survives that. Local, not global: the ranks that share a host share its ports (a
+    second node's ranks, a pod per rank, each count from 0 on their own host)."""
+    local = getattr(vllm_config.parallel_config, "data_parallel_rank_local", None)
+    return local if isinstance(local, int) and local > 0 else 0
 
 
 def _check_groups(kv_cache_config: Any, staged: bool) -> tuple[tuple[tuple[int, int] | None, ...], tuple[int, ...], int]:
@@ -274,7 +275,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                                             bool(getattr(vllm_config.parallel_config, "use_ubatching", False)))
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
-                                          backoff=backoff, streamable=streamable, dp_index=dp_index_of(vllm_config))
+                                          backoff=backoff, streamable=streamable, dp_local=dp_local_of(vllm_config))
             self._sched.lockstep_prefix_caching(self._prefix_caching)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
@@ -299,7 +300,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", ""),
                                                 _platform_fp8()),
                             rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)),
-                            dp_index=dp_index_of(vllm_config))
+                            dp_local=dp_local_of(vllm_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=_worker_slot_bytes(vllm_config, kv_cache_config),
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},

@@ -40,15 +40,17 @@ class Producer:
 
     def _start_bootstrap(self) -> None:
         """The embedded bootstrap server, unless ``bootstrap_url`` names one. Under data parallelism every DP
-        rank reads the same ``bootstrap_port``: DP rank 0 serves it and the other ranks publish to it, so
-        one address pairs the whole deployment (the concurrent proxy's ``--prefill-bootstrap``). With port
-        0 each DP rank serves its own, on a port of its own (sequential pairing: the params name it)."""
-        if self.bootstrap_url is None and self.dp_index > 0 and self.cfg.bootstrap_port:
+        rank reads the same ``bootstrap_port``: the first DP rank of each host serves it and the host's other
+        ranks publish to it, so one address pairs a host's DP ranks (the concurrent proxy's
+        ``--prefill-bootstrap``). With port 0 each DP rank serves its own, on a port of its own (sequential
+        pairing: the params name it). DP ranks on several hosts behind one proxy: run a standalone server
+        (``kvlink bootstrap``) and name it with ``bootstrap_url``."""
+        if self.bootstrap_url is None and self.dp_local > 0 and self.cfg.bootstrap_port:
             from kvlink.bootstrap.server import listen_url
 
             self.bootstrap_url = listen_url(self.cfg.bootstrap_host, self.cfg.bootstrap_port)
-            logger.info("kvlink: engine %s (DP rank %d) publishes to DP rank 0's embedded bootstrap server at %s",
-                        self.engine_id, self.dp_index, self.bootstrap_url)
+            logger.info("kvlink: engine %s (DP rank %d on this host) publishes to the embedded bootstrap server of "
+                        "this host's first DP rank, at %s", self.engine_id, self.dp_local, self.bootstrap_url)
         if self.bootstrap_url is None:
             from kvlink.bootstrap import BootstrapConfig, BootstrapServer
 

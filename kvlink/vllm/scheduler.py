@@ -48,9 +48,9 @@ class KVLinkScheduler(Producer):
                  window: int | None = None, window_extra: int = 0, staging_slots: int | None = None,
                  windows: tuple[tuple[int, int] | None, ...] | None = None,
                  block_sizes: tuple[int, ...] | None = None, backoff: int = 0, streamable: str | None = None,
-                 dp_index: int = 0):
+                 dp_local: int = 0):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
-        self.dp_index = dp_index  # data parallelism: this engine's DP rank (vLLM's data_parallel_index)
+        self.dp_local = dp_local  # data parallelism: this engine's DP rank on its host (connector.dp_local_of)
         # Per KV cache group: tokens per block (a state group's block covers the whole request).
         self.block_sizes = block_sizes or (block_size,)
         # Prompt tokens prefill leaves to decode (1 with Mamba layers: decode derives state N from prefill's

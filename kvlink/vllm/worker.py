@@ -83,7 +83,7 @@ class RankInfo:
     groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
     kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (fp8 variants share the uint8 tensor dtype)
     rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
-    dp_index: int = 0  # the DP rank vLLM launched this engine as (a dense model's DP ranks say dp_rank 0 of 1)
+    dp_local: int = 0  # this engine's DP rank on its host (connector.dp_local_of; 0 without data parallelism)
 
     @property
     def index(self) -> int:
@@ -92,9 +92,9 @@ class RankInfo:
 
     @property
     def port_index(self) -> int:
-        """This rank's transport port, counted from ``transport_port``: one per (DP rank, PP stage, TP rank)
-        (every DP rank reads the same ``transport_port``)."""
-        return self.dp_index * self.pp_size * self.tp_size + self.index
+        """This rank's transport port, counted from ``transport_port``: one per (DP rank on this host, PP
+        stage, TP rank) (every DP rank reads the same ``transport_port``)."""
+        return self.dp_local * self.pp_size * self.tp_size + self.index
 
 
 def head_dim_mismatch(layout_heads: int, tp_rank: int, tp_size: int, kv_heads: int) -> str | None:

@@ -97,7 +97,7 @@ def test_unknown_and_stale_region_ids(pair):
     tmp = p.target.register(np.ones(64, dtype=np.uint8), Access.READ)
     stale = tmp.id
     tmp.unregister()
-    again = p.target.register(np.ones(64, dtype=np.uint8), Access.READ)  # reuses the slot, new generation
+    again = p.target.register(np.ones(64, dtype=np.uint8), Access.READ)  # the next slot (in turn)
     assert again.id != stale
     with pytest.raises(UnknownRegion):
         p.init.read(p.peer, p.rdst, [0], stale, [0], 16).wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -518,13 +519,50 @@ def pull_outcome(worker, rid: str, wait_s: float = 20.0) -> str:
     return "still waiting"
 
 
-def concurrent_proxy(prefill_url: str, decode_url: str, bootstrap_port: int, engine_id: str):
-    """kvlink's proxy in concurrent mode, in this process (an AppThread: ``.url``, ``.stop()``), in front of
-    one prefill (its embedded bootstrap server on ``bootstrap_port``, engine ``engine_id``) and one decode."""
+def concurrent_proxy(prefill_url: str, decode_url: str, bootstrap_port: int, engine_id: str | None = None,
+                     mode: str = "concurrent"):
+    """kvlink's proxy in this process (an AppThread: ``.url``, ``.stop()``), in front of one prefill (its
+    embedded bootstrap server on ``bootstrap_port``, engine ``engine_id``; None: decode finds the engine by
+    the transfer id) and one decode; ``mode`` "sequential": the whole request published, nothing streamed."""
     from kvlink.proxy.config import ProxyConfig
     from kvlink.proxy.router import build_app
     from tests.fakes_vllm_server import AppThread
 
-    return AppThread(build_app(ProxyConfig(prefill=(prefill_url,), decode=(decode_url,), mode="concurrent",
-                                           timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{bootstrap_port}",),
-                                           prefill_engine_ids=(engine_id,))))
+    pairing = dict(prefill_bootstrap=(f"http://127.0.0.1:{bootstrap_port}",),
+                   prefill_engine_ids=(engine_id,) if engine_id else ()) if mode == "concurrent" else {}
+    return AppThread(build_app(ProxyConfig(prefill=(prefill_url,), decode=(decode_url,), mode=mode, timeout_s=120,
+                                           **pairing)))
+
+
+STREAM_CHUNK_ARGS = ("--max-num-batched-tokens", "64", "--max-num-seqs", "16")  # a 500-token prompt: 8 steps
+
+
+@contextlib.contextmanager
+def streamed_stack(model: str, logs: Path, engine_id: str, args=(), **backend):
+    """Three servers of ``model`` (``args`` added to each): a prefill streaming every layer of every 64-token
+    chunk, a decode, and a decode whose connector corrupts what it pulled (the negative control; without
+    params, a single server). Both decodes compute in prefill's chunks too, so as the single server they
+    round a prompt's KV as prefill did. ``backend``: more connector settings of all three (a transport).
+    Yields the servers and proxies: "conc" and "conc_bad" (concurrent pairing), "seq" (sequential)."""
+    bport = free_port()
+    pre = Server(model, dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0, stream_kv=True, **backend),
+                             engine_id=engine_id), cpu=0, log=logs / "prefill.log",
+                 extra_args=STREAM_CHUNK_ARGS + tuple(args))
+    dec = Server(model, dict(kv_config("kv_consumer", lookup_wait_s=10.0, transfer_timeout_s=10.0,
+                                       pull_timeout_s=20.0, **backend), kv_load_failure_policy="recompute"),
+                 cpu=1, log=logs / "decode.log", extra_args=STREAM_CHUNK_ARGS + tuple(args))
+    bad = Server(model, corrupting_kv_config(lookup_wait_s=10.0, **backend), cpu=1, log=logs / "corrupt.log",
+                 extra_args=STREAM_CHUNK_ARGS + tuple(args))
+    proxies = []
+    try:
+        for s in (pre, dec, bad):
+            s.wait_ready()
+        for decode, mode in ((dec, "concurrent"), (bad, "concurrent"), (dec, "sequential")):
+            proxies.append(concurrent_proxy(pre.url, decode.url, bport, engine_id, mode))
+        yield {"pre": pre, "dec": dec, "bad": bad, "conc": proxies[0].url, "conc_bad": proxies[1].url,
+               "seq": proxies[2].url}
+    finally:
+        for p in proxies:
+            p.stop()
+        for s in (pre, dec, bad):
+            s.stop()

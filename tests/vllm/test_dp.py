@@ -16,9 +16,8 @@ Two engines on the 2-core test machine: each gets both cores (``VLLM_CPU_OMP_THR
 
 from __future__ import annotations
 
-from tests.fakes_vllm_server import AppThread
 from tests.ports import free_port
-from tests.vllm.helpers import Server, complete, kv_config, metric, text, token_prompts
+from tests.vllm.helpers import Server, complete, concurrent_proxy, kv_config, metric, text, token_prompts
 
 DP_ARGS = ("--data-parallel-size", "2", "--no-enable-prefix-caching",  # decode pulls, never hits its own cache
            "--max-num-batched-tokens", "64")  # prefill in chunks: streamed pieces before the last one
@@ -38,17 +37,24 @@ def dp_server(model: str, tmp_path, name: str, corrupt: bool = False) -> tuple[S
     return srv, bport
 
 
-def concurrent_proxy(srv: Server, bport: int) -> AppThread:
-    from kvlink.proxy.config import ProxyConfig
-    from kvlink.proxy.router import build_app
+def per_engine(srv: Server, name: str) -> dict[str, float]:
+    """A kvlink series on the server's /metrics, per vLLM engine (DP rank) label."""
+    import re
+    import urllib.request
 
-    return AppThread(build_app(ProxyConfig(prefill=(srv.url,), decode=(srv.url,), mode="concurrent", timeout_s=120,
-                                           prefill_bootstrap=(f"http://127.0.0.1:{bport}",))))
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    out: dict[str, float] = {}
+    for line in lines:
+        m = re.match(rf'{re.escape(name)}{{.*engine="(\d+)".*}} (\S+)$', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 def test_dp2_both_ranks_prefill_and_decode_as_a_single_server(tiny_model, tmp_path):
     srv, bport = dp_server(tiny_model, tmp_path, "dp2")
-    proxy = concurrent_proxy(srv, bport)
+    proxy = concurrent_proxy(srv.url, srv.url, bport)  # no engine id: vLLM picks the DP rank
     try:
         prompts = token_prompts(LENGTHS, seed=80)
         want, engines = [], set()
@@ -61,9 +67,12 @@ def test_dp2_both_ranks_prefill_and_decode_as_a_single_server(tiny_model, tmp_pa
         assert engines == {"dp0", "dp1"}, engines  # both DP ranks were prefill
         pulled = metric(srv, "kvlink_blocks_pulled_total")
         assert pulled > 0
-        sent0 = metric(srv, "kvlink_pieces_sent_total")
-        assert [text(complete(proxy.url, p, timeout=120)) for p in prompts] == want
-        assert metric(srv, "kvlink_pieces_sent_total") > sent0, "nothing was streamed"
+        sent0 = per_engine(srv, "kvlink_pieces_sent_total")
+        for p, w in zip(prompts, want):  # with a plain request before each: both ranks take turns as prefill
+            assert text(complete(srv.url, p)) == w
+            assert text(complete(proxy.url, p, timeout=120)) == w
+        sent = per_engine(srv, "kvlink_pieces_sent_total")
+        assert all(sent[e] > sent0.get(e, 0.0) for e in ("0", "1")), (sent0, sent)  # each rank streamed
         assert metric(srv, "kvlink_blocks_pulled_total") > pulled
         assert metric(srv, "kvlink_pulls_failed_total") == 0, "a pull failed (decode recomputed the prompt)"
     finally:
@@ -73,7 +82,7 @@ def test_dp2_both_ranks_prefill_and_decode_as_a_single_server(tiny_model, tmp_pa
 
 def test_dp2_negative_control_corrupted_pulls_change_the_output(tiny_model, tmp_path):
     srv, bport = dp_server(tiny_model, tmp_path, "dp2-corrupt", corrupt=True)
-    proxy = concurrent_proxy(srv, bport)
+    proxy = concurrent_proxy(srv.url, srv.url, bport)  # no engine id: vLLM picks the DP rank
     try:
         prompts = token_prompts([300, 450], seed=81)
         want = [text(complete(srv.url, p)) for p in prompts]

@@ -843,16 +843,16 @@ def test_data_parallel_ranks_share_dp_rank_0s_embedded_bootstrap_server_on_a_fix
     cfg = ConnectorConfig(bootstrap_host="127.0.0.1", bootstrap_port=port)
     ranks = []
     try:
-        ranks.append(KVLinkScheduler(cfg, "pre_dp0", "kv_producer", 32, dp_index=0))
-        ranks.append(KVLinkScheduler(cfg, "pre_dp1", "kv_producer", 32, dp_index=1))
+        ranks.append(KVLinkScheduler(cfg, "pre_dp0", "kv_producer", 32, dp_local=0))
+        ranks.append(KVLinkScheduler(cfg, "pre_dp1", "kv_producer", 32, dp_local=1))
         assert ranks[0]._server is not None and ranks[1]._server is None
         assert ranks[0].bootstrap_url == ranks[1].bootstrap_url == f"http://127.0.0.1:{port}"
         with BootstrapClient(ranks[1].bootstrap_url) as cli:
             assert cli.health()
         with pytest.raises(ConnectorConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
-            KVLinkScheduler(cfg, "other", "kv_producer", 32, dp_index=0)
+            KVLinkScheduler(cfg, "other", "kv_producer", 32, dp_local=0)
         own = [KVLinkScheduler(ConnectorConfig(bootstrap_host="127.0.0.1"), f"e_dp{i}", "kv_producer", 32,
-                               dp_index=i) for i in (0, 1)]
+                               dp_local=i) for i in (0, 1)]
         ranks += own
         assert all(r._server is not None for r in own) and own[0].bootstrap_url != own[1].bootstrap_url
     finally:

@@ -23,9 +23,8 @@ import concurrent.futures as cf
 import pytest
 
 from tests.conftest import trace_lines
-from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (Server, complete, corrupting_kv_config, free_port, kv_config, metric, text,
-                                token_prompts, wait_for)
+from tests.vllm.helpers import (Server, complete, concurrent_proxy, corrupting_kv_config, free_port, kv_config,
+                                metric, text, token_prompts, wait_for)
 
 PREFILL_ARGS = ("--num-gpu-blocks-override", "24", "--max-model-len", "600", "--max-num-batched-tokens", "128",
                 "--long-prefill-token-threshold", "64", "--max-num-seqs", "16")
@@ -34,9 +33,6 @@ PROMPT = 500  # tokens: 16 blocks of 32 (tests.vllm.helpers.BLOCK); two need mor
 
 @pytest.fixture(scope="module")
 def st(tiny_model, tmp_path_factory):
-    from kvlink.proxy.config import ProxyConfig
-    from kvlink.proxy.router import build_app
-
     logs = tmp_path_factory.mktemp("streamed-preempt")
     bport = free_port()
     pre_kv = dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=30.0, stream_kv=True),
@@ -54,14 +50,8 @@ def st(tiny_model, tmp_path_factory):
         for s in (pre, dec, bad):
             s.wait_ready()
 
-        def proxy(decode):
-            p = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(decode.url,), mode="concurrent",
-                                                timeout_s=120, prefill_bootstrap=(f"http://127.0.0.1:{bport}",),
-                                                prefill_engine_ids=("prefill-p",))))
-            proxies.append(p)
-            return p.url
-
-        yield {"pre": pre, "dec": dec, "bad": bad, "conc": proxy(dec), "conc_bad": proxy(bad),
+        proxies += [concurrent_proxy(pre.url, d.url, bport, "prefill-p") for d in (dec, bad)]
+        yield {"pre": pre, "dec": dec, "bad": bad, "conc": proxies[0].url, "conc_bad": proxies[1].url,
                "trace": logs / "trace.jsonl"}
     finally:
         for p in proxies:

@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes_vllm_server import AppThread
-from tests.vllm.helpers import (Server, complete, corrupting_kv_config, free_port, kv_config, metric, text,
-                                token_prompts)
+from tests.vllm.helpers import complete, metric, streamed_stack, text, token_prompts
 
-CHUNK = 64  # prefill's max_num_batched_tokens: a 500-token prompt is 8 engine steps, each streamed per layer
-SERVER_ARGS = ("--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "16")
 ALONE = [65, 129, 257, 449]  # 64k + 1 tokens: the single server computes the last one alone, as decode does
-OTHER = [7, 31, 64, 100, 230, 500]  # shorter than one block (16 tokens) up to eight chunks
+OTHER = [7, 31, 64, 100, 230, 500]  # shorter than one block up to eight chunks
 
 
 @pytest.fixture(scope="module", params=["mla", "fp8"])
@@ -48,40 +44,8 @@ def shape(request, tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sd(shape, tmp_path_factory):
     model, args, single = shape
-    logs = tmp_path_factory.mktemp("streamed-shapes")
-    bport = free_port()
-    pre = Server(model, dict(kv_config("kv_producer", bootstrap_port=bport, lease_s=20.0, stream_kv=True),
-                             engine_id="prefill-shape"), cpu=0, log=logs / "prefill.log",
-                 extra_args=SERVER_ARGS + args)
-    dec = Server(model, dict(kv_config("kv_consumer", lookup_wait_s=10.0, transfer_timeout_s=10.0,
-                                       pull_timeout_s=20.0), kv_load_failure_policy="recompute"),
-                 cpu=1, log=logs / "decode.log", extra_args=SERVER_ARGS + args)
-    # Both decodes compute in prefill's chunks too: as the single server, each then rounds a prompt's KV as
-    # prefill did (an fp8 cache quantizes the context a chunk reads).
-    bad = Server(model, corrupting_kv_config(lookup_wait_s=10.0), cpu=1, log=logs / "corrupt.log",
-                 extra_args=SERVER_ARGS + args)
-    proxies = []
-    try:
-        for s in (pre, dec, bad):
-            s.wait_ready()
-        from kvlink.proxy.config import ProxyConfig
-        from kvlink.proxy.router import build_app
-
-        def proxy(decode, mode="concurrent"):
-            extra = dict(prefill_bootstrap=(f"http://127.0.0.1:{bport}",),
-                         prefill_engine_ids=("prefill-shape",)) if mode == "concurrent" else {}
-            p = AppThread(build_app(ProxyConfig(prefill=(pre.url,), decode=(decode.url,), mode=mode, timeout_s=60,
-                                                **extra)))
-            proxies.append(p)
-            return p.url
-
-        yield {"pre": pre, "dec": dec, "bad": bad, "conc": proxy(dec), "conc_bad": proxy(bad),
-               "seq": proxy(dec, "sequential"), "single": single}
-    finally:
-        for p in proxies:
-            p.stop()
-        for s in (pre, dec, bad):
-            s.stop()
+    with streamed_stack(model, tmp_path_factory.mktemp("streamed-shapes"), "prefill-shape", args) as st:
+        yield dict(st, single=single)
 
 
 def test_streamed_outputs_equal_a_single_server_and_the_whole_request_path(sd):

@@ -428,7 +428,7 @@ def test_a_rank_s_transport_port_counts_dp_ranks_pp_stages_and_tp_ranks_and_its_
     for dp in range(2):
         for pp in range(2):
             for tp in range(3):
-                r = RankInfo(f"e_dp{dp}", tp, 3, 0, 1, "m", pp_rank=pp, pp_size=2, dp_index=dp)
+                r = RankInfo(f"e_dp{dp}", tp, 3, 0, 1, "m", pp_rank=pp, pp_size=2, dp_local=dp)
                 seen[r.port_index] = (dp, pp, tp)
                 assert r.index == pp * 3 + tp
     assert sorted(seen) == list(range(12))
