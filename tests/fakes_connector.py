@@ -10,7 +10,8 @@ must change the output; that proves the blocks decode reads are the ones kvlink 
 
 LockstepCorruptingConnector (a RecordingConnector, decode with stream_lockstep) does the same to each layer of
 an armed request's blocks in its step, once that layer has landed. CorruptGroup0Connector and
-CorruptGroup1Connector corrupt one KV cache group of a model with several (each group's bytes must matter).
+CorruptGroup1Connector corrupt one KV cache group of a model with several (each group's bytes must matter);
+DraftCorruptingConnector, the layers of a speculative-decoding draft model only.
 
 DyingLayersConnector (a SlowLayersConnector) makes its process exit right after announcing the last layer of
 the step that ends a streamed prompt.
@@ -114,8 +115,21 @@ class CorruptingConnector(_FillTracking):
                 continue
             ids = torch.tensor(blocks, dtype=torch.long)
             gen = torch.Generator().manual_seed(SEED)
-            for t in self._worker.kv_caches.values():  # block index is dim 0 in every layer's tensor
-                t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+            for name, t in self._worker.kv_caches.items():  # block index is dim 0 in every layer's tensor
+                if self.corrupts(name):
+                    t[ids] = torch.randn(t[ids].shape, generator=gen).to(t.dtype)
+
+    def corrupts(self, layer_name: str) -> bool:
+        return True
+
+
+class DraftCorruptingConnector(CorruptingConnector):
+    """CorruptingConnector for the draft model's layers only (speculative decoding with vLLM's "draft_model"
+    method, whose layers are named ``draft_model.*``): the answers stay the target's (verification is
+    lossless), but the drafter proposes from noise, so fewer drafted tokens are accepted."""
+
+    def corrupts(self, layer_name: str) -> bool:
+        return layer_name.startswith("draft_model.")
 
 
 class GroupCorruptingConnector(RecordingConnector):
