@@ -3,7 +3,8 @@ the drafter's KV cache layers (``draft_model.model.layers.*``) sit beside the ta
 them for the prompt, and kvlink moves them with the target's (decode's layers are checked by name at first
 contact). Each server is ``kv_both`` and hands requests to itself (sequential pairing).
 
-Checked: decode's answers equal the server's own without params, and the drafter's pulled bytes are the
+Checked, in process: every whole block decode pulled holds prefill's bytes, in the draft layers as in
+the target's. Through servers: decode's answers equal the server's own without params, and the drafter's pulled bytes are the
 ones it drafts from: with the draft model the same as the target, the drafter proposes what the target
 picks, so a decode from pulled KV accepts every drafted token but its first step's, as the server
 computing the prompt itself accepts every one. A decode whose connector puts noise over the draft
@@ -14,10 +15,14 @@ noise over every pulled layer answers otherwise (the negative control).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from tests.vllm.helpers import Server, complete, kv_config, metric, text, token_prompts
+from tests.vllm.helpers import (BLOCK, Engines, Server, complete, decode, kv_config, metric, prefill,
+                                recording_kv_config, text, token_prompts)
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process engines below (servers drop it)
 
 LENGTHS = [20, 64, 300]
 MAX_TOKENS = 24
@@ -103,3 +108,29 @@ def test_negative_control_noise_over_every_pulled_layer_changes_the_answers(sd):
     want = single(srv, prompts)
     got = pd(srv, prompts)
     assert all(g != w for g, w in zip(got, want)), got
+
+
+def test_the_pulled_draft_layers_hold_prefills_bytes(tiny_model):
+    """Every whole block of the prompt decode pulled equals prefill's, in every layer, the drafter's
+    included, and prefill's drafter had written them (not zero). (The last block is partial: decode writes
+    its own tokens there, in a packed layout a test cannot slice by token.)"""
+    torch = pytest.importorskip("torch")
+    spec = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": SPEC_TOKENS}
+    e = Engines(tiny_model)
+    try:
+        e.make("pre", recording_kv_config("kv_producer"), speculative_config=spec)
+        e.make("dec", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"),
+               speculative_config=spec)
+        prompt = token_prompts([BLOCK * 3 + 5], seed=98)[0]
+        params = prefill(e, [prompt])[0]
+        decode(e, "dec", [prompt], [params])
+        pulled = list(e.agents["dec"].pulls.values())[-1].local_block_ids
+        pre_kv, dec_kv = e.agents["pre"]._worker.kv_caches, e.agents["dec"]._worker.kv_caches
+        assert sum(n.startswith("draft_model.") for n in dec_kv) == 2, sorted(dec_kv)
+        for name, t in dec_kv.items():
+            for pos in range(3):  # the whole blocks
+                theirs = pre_kv[name][params["remote_block_ids"][pos]]
+                assert theirs.any(), (name, pos)
+                assert torch.equal(t[pulled[pos]], theirs), (name, pos)
+    finally:
+        e.close()
