@@ -4,12 +4,18 @@ them for the prompt, and kvlink moves them with the target's (decode's layers ar
 contact). Each server is ``kv_both`` and hands requests to itself (sequential pairing).
 
 Checked, in process: every whole block decode pulled holds prefill's bytes, in the draft layers as in
-the target's. Through servers: decode's answers equal the server's own without params, and the drafter's pulled bytes are the
-ones it drafts from: with the draft model the same as the target, the drafter proposes what the target
-picks, so a decode from pulled KV accepts every drafted token but its first step's, as the server
-computing the prompt itself accepts every one. A decode whose connector puts noise over the draft
+the target's. Through servers: decode's answers equal the server's own without params, and the drafter's
+pulled bytes are the ones it drafts from: with the draft model the same as the target, the drafter
+proposes what the target picks, so a decode from pulled KV accepts every drafted token but its first
+step's, as the server computing the prompt itself accepts every one. A decode whose connector puts noise over the draft
 layers' pulled blocks answers the same (verification is lossless) but accepts far fewer; one that puts
 noise over every pulled layer answers otherwise (the negative control).
+
+Streamed (concurrent pairing, 64-token chunks): the draft layers share the target's layer numbers, so
+layer-wise progress cannot name them and each step's blocks are announced whole, at the step's end, which
+vLLM defers under speculative decoding until the drafter has written its KV (``wait_for_save`` after the
+draft model runs). Answers equal a single server's, drafts are accepted as on the whole-request path, and
+the corrupting decode answers otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import os
 import pytest
 
 from tests.vllm.helpers import (BLOCK, Engines, Server, complete, decode, kv_config, metric, prefill,
-                                recording_kv_config, text, token_prompts)
+                                recording_kv_config, streamed_stack, text, token_prompts)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process engines below (servers drop it)
 
@@ -134,3 +140,31 @@ def test_the_pulled_draft_layers_hold_prefills_bytes(tiny_model):
                 assert torch.equal(t[pulled[pos]], theirs), (name, pos)
     finally:
         e.close()
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_model, tmp_path_factory):
+    spec = json.dumps({"method": "draft_model", "model": tiny_model, "num_speculative_tokens": SPEC_TOKENS})
+    with streamed_stack(tiny_model, tmp_path_factory.mktemp("draft-streamed"), "prefill-draft",
+                        ("--speculative-config", spec)) as st:
+        yield st
+
+
+def test_streamed_with_draft_layers_equals_a_single_server(streamed):
+    st = streamed
+    prompts = token_prompts([20, 100, 300, 500], seed=99)
+    streamed0 = metric(st["dec"], "kvlink_blocks_streamed_total")
+    got, drafted, accepted = drafting(st["dec"], lambda: [text(complete(st["conc"], p, max_tokens=MAX_TOKENS,
+                                                                         timeout=120)) for p in prompts])
+    assert metric(st["dec"], "kvlink_blocks_streamed_total") > streamed0, "decode read no block from a piece"
+    assert got == [text(complete(st["bad"].url, p, max_tokens=MAX_TOKENS)) for p in prompts]
+    assert metric(st["dec"], "kvlink_pulls_failed_total") == 0, "a pull failed (decode recomputed the prompt)"
+    assert drafted - accepted <= SPEC_TOKENS * len(prompts), (drafted, accepted)  # as the whole-request path
+
+
+def test_negative_control_streamed_with_draft_layers(streamed):
+    st = streamed
+    prompts = token_prompts([300, 500], seed=100)
+    want = [text(complete(st["dec"].url, p, max_tokens=MAX_TOKENS)) for p in prompts]
+    got = [text(complete(st["conc_bad"], p, max_tokens=MAX_TOKENS, timeout=120)) for p in prompts]
+    assert all(g != w for g, w in zip(got, want)), got
