@@ -7,9 +7,10 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 #     -d .whl cffi pycparser msgspec
 # Then run ``bash tools/gpu_device_run.sh [OUT [CHECKS]]`` there, with .whl carried (CHECKS: some of
-# stager_bench,cold_probe,stream_check,gpu_check; all by default). It installs the wheels, builds
-# the C core in place, stands in the two vLLM base classes the worker imports (empty ones, in /tmp: the
-# worker side needs nothing else of vLLM) and runs the GPU tools; each tool's output goes to OUT/<tool>.txt.
+# stager_bench,cold_probe,stream_check,gpu_check; all by default; gpu_check also checks every layout staged).
+# It installs the wheels, builds the C core in place, stands in the two vLLM base classes the worker imports
+# (empty ones, in /tmp: the worker side needs nothing else of vLLM) and runs the GPU tools; each tool's output
+# goes to OUT/<tool>.txt.
 set -u
 out=${1:-/tmp/gpu-out}
 checks=${2:-stager_bench,cold_probe,stream_check,gpu_check}
@@ -52,4 +53,4 @@ run() {  # name, timeout, args...
 run stager_bench 120 gpu_stager_bench.py
 run cold_probe 120 gpu_stager_bench.py --cold-probe
 run stream_check 240 gpu_stream_check.py --modes stream,plain,cold --runs 3
-run gpu_check 90 gpu_check.py
+run gpu_check 240 gpu_check.py --layouts all
