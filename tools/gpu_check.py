@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import multiprocessing.dummy
 import sys
 import time
 from dataclasses import dataclass
@@ -204,10 +205,12 @@ def _get(q, procs, timeout: float = 600.0):
                 raise RuntimeError(f"no answer: {dead or 'timed out'}") from None
 
 
-def run(c: Case) -> dict:
+def run(c: Case, threads: bool = False) -> dict:
+    """Prefill and decode in processes of their own, or (``threads``: the layout checks, which time nothing)
+    as two threads of this process, each with its own worker and transport engine."""
     from kvlink.bootstrap import BootstrapConfig, BootstrapServer
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.dummy if threads else mp.get_context("spawn")
     srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     try:
         pq, pin, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -229,8 +232,8 @@ def layouts(device: str, names: list[str], layers: int, blocks: int, pool_mb: in
     """Each layout staged, byte for byte, then the same with one staged byte flipped (the check must see it)."""
     ok = True
     for name in names:
-        good = run(Case(device, True, layers, blocks, pool_mb, name))
-        bad = run(Case(device, True, layers, blocks, pool_mb, name, corrupt=True))
+        good = run(Case(device, True, layers, blocks, pool_mb, name), threads=True)
+        bad = run(Case(device, True, layers, blocks, pool_mb, name, corrupt=True), threads=True)
         equal = good["outcome"] == "ok" and not good["bad"]
         caught = bad["outcome"] != "ok" or bad["bad"] == [f"model.layers.{layers - 1}.self_attn.attn"]
         ok = ok and equal and caught

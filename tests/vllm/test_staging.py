@@ -309,16 +309,21 @@ def test_devices_and_roles_kvlink_cannot_serve_stop_start_up_naming_them():
 
 def test_gpu_check_script_passes_on_the_host_staged_path():
     """tools/gpu_check.py (the GPU check) through its CPU mode: two processes, real transport and bootstrap,
-    staging forced, every byte compared."""
+    staging forced, every byte compared; then every layout it knows, each with its flipped-byte control."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(root / "tools" / "gpu_check.py"), "--device", "cpu", "--layers", "2",
-                        "--blocks", "24", "--pool-mb", "4"], capture_output=True, text=True, timeout=300, cwd=root)
+                        "--blocks", "24", "--pool-mb", "4", "--layouts", "all"], capture_output=True, text=True,
+                       timeout=600, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every block of every layer equal" in r.stdout and "staging (D2H)" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.lstrip().startswith("layout ")]
+    assert [row[1] for row in rows] == ["fa", "fa-hnd", "flashinfer", "flashinfer-hnd", "mla", "fp8"], r.stdout
+    assert all("every block equal; control" in line and line.endswith("caught")
+               for line in r.stdout.splitlines() if line.lstrip().startswith("layout ")), r.stdout
 
 
 def test_gpu_stream_check_script_passes_on_the_host_staged_path():
