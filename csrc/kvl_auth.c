@@ -134,7 +134,8 @@ int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, siz
   return 0;
 }
 
-int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap) {
+int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap, int (*admit)(void *),
+                          void *arg) {
   uint64_t deadline = kvl__now_ms() + e->cfg.handshake_timeout_ms;
   uint8_t body[KVL__NONCE_LEN + KVL__MAC_LEN + 2 + KVL_MAX_NAME];
   kvl__hello me, them;
@@ -175,6 +176,10 @@ int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, siz
       snprintf(why, cap, "wrong token");
       return refuse(e, fd, KVL_EAUTH, why, deadline);
     }
+  }
+  if (admit && !admit(arg)) { /* its socket is already shut down: nothing reaches the peer */
+    snprintf(why, cap, "dropped before its welcome: too many handshakes at once");
+    return KVL_EBUSY;
   }
   if ((rc = send_frame(e, fd, KVL__T_WELCOME, NULL, 0, deadline)) != 0) {
     snprintf(why, cap, "sending welcome: %s", kvl_strerror(rc));

@@ -369,7 +369,10 @@ struct kvl_engine {
 
 /* handshake (kvl_auth.c) */
 int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap);
-int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap);
+/* admit(arg), called once the client has proven itself and before it is welcomed: 0 if the connection was
+ * dropped meanwhile (kvl_server.c's make_room), which fails the handshake instead of welcoming a dead one. */
+int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap, int (*admit)(void *),
+                          void *arg);
 /* accepted connections (kvl_server.c) */
 void kvl__server_accept(kvl_engine *e, int fd);
 void kvl__server_reap(kvl_engine *e, int all);

@@ -180,18 +180,29 @@ static int serve_data(kvl__conn *c, const kvl__hdr *h, char *why, size_t cap) {
   return is_read ? 0 : reply(c, resp, h->seq, 0, 0, total, NULL);
 }
 
+/* The connection leaves the handshake's pending count, unless make_room dropped it first: 0 then. Called
+ * before the welcome is sent (as the handshake's admit) and after a failed handshake, so a connection is
+ * either dropped before its peer is welcomed or never dropped: a welcomed peer's first request does not
+ * find its connection shut down. */
+static int leave_pending(void *arg) {
+  kvl__conn *c = arg;
+  pthread_mutex_lock(&c->e->conns_mu);
+  int was = c->pending;
+  if (was) {
+    c->pending = 0;
+    c->e->npending--;
+  }
+  pthread_mutex_unlock(&c->e->conns_mu);
+  return was;
+}
+
 static void *conn_main(void *arg) {
   kvl__conn *c = arg;
   kvl_engine *e = c->e;
   char why[KVL_MAX_EVENT_MSG + 1] = "";
   kvl__sock_tune(c->fd);
-  int rc = kvl__handshake_server(e, c->fd, c->name, why, sizeof why);
-  pthread_mutex_lock(&e->conns_mu);
-  if (c->pending) { /* not evicted meanwhile: it leaves the pending count itself */
-    c->pending = 0;
-    e->npending--;
-  }
-  pthread_mutex_unlock(&e->conns_mu);
+  int rc = kvl__handshake_server(e, c->fd, c->name, why, sizeof why, leave_pending, c);
+  if (rc) leave_pending(c);
   if (rc) {
     KVL__STAT_ADD(e, conns_rejected, 1);
     kvl__event_log(&e->events, rc, "refused connection from %s: %s", c->addr, why);

@@ -304,6 +304,59 @@ def test_many_hostile_connections_do_not_starve_others(pair):
         s.close()
 
 
+def test_a_welcomed_peer_is_never_dropped_as_still_in_its_handshake(make_engine):
+    """Under a flood of silent connections (max_conns 4: one handshake pending at a time, each new one drops
+    the oldest), authenticated peers keep connecting and reading. A peer may be dropped before its welcome
+    (its handshake fails: it connects again), never after: a connection that was welcomed serves its first
+    READ. Before, the engine sent the welcome and only then took the connection out of the pending count,
+    so the next accept could shut a welcomed connection down (about 4% of them here)."""
+    import threading
+
+    from tests.conftest import TOKEN
+
+    target = make_engine(name="t", max_conns=4, handshake_timeout_s=30.0)
+    src = np.arange(4096, dtype=np.uint8)
+    r = target.register(src, Access.READ)
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            try:
+                s = wire.connect(target.address)
+                time.sleep(0.0005)
+                s.close()
+            except OSError:
+                pass
+
+    floods = [threading.Thread(target=flood) for _ in range(2)]
+    for t in floods:
+        t.start()
+    served = refused = dead = 0
+    end = time.monotonic() + 5.0
+    try:
+        while time.monotonic() < end:
+            with wire.connect(target.address) as s:
+                try:
+                    wire.client_handshake(s, TOKEN)
+                except (PermissionError, OSError):
+                    refused += 1
+                    continue
+                try:
+                    s.sendall(wire.frame(wire.READ_REQ, wire.descs_body([(r.id, 0, 64)]), seq=1))
+                    (_, _, ftype, _, _, _), body = wire.recv_frame(s)
+                    assert ftype == wire.READ_RESP and wire.parse_status(body)[0] == 0
+                    assert wire.recv_exact(s, 64) == src[:64].tobytes()
+                    served += 1
+                except OSError:
+                    dead += 1
+    finally:
+        stop.set()
+        for t in floods:
+            t.join()
+    assert dead == 0, f"{dead} welcomed connections were dropped ({served} served, {refused} refused first)"
+    assert served > 100 and refused > 0, (served, refused)  # the flood did drop handshakes
+
+
 def test_silent_connections_filling_every_slot_do_not_keep_a_peer_out(make_engine):
     """Anyone who can reach the port can connect without a token and say nothing. Such connections only
     ever hold a quarter of max_conns: when more come, or a peer needs the room, the one that waited longest
