@@ -44,6 +44,7 @@ class Preset:
     mla: bool = False  # a DeepSeek-V2 (multi-head latent attention): one 512 + 64 latent per token and layer
     hybrid: bool = False  # with sliding_window: layers alternate sliding-window and full attention (Gemma 3 style)
     mamba: bool = False  # a NemotronH: Mamba2 and attention layers alternate (a MambaSpec KV cache group)
+    moe: bool = False  # with mla: layer 0 dense, the rest Mixture-of-Experts (grouped routing, as vLLM CPU needs)
     init_std: float = 0.05  # weights ~ N(0, std): larger than HF's default, so greedy outputs depend on the KV
 
     @property
@@ -76,6 +77,13 @@ PRESETS = {
     # round differently in bf16), with no connector involved; at 0.02 chunking leaves them alone.
     "mla": Preset("mla", num_layers=2, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, mla=True,
                   init_std=0.02),
+    # MoE: the MLA DeepSeek-V2 with its layers after the first Mixture-of-Experts (4 routed experts in 2 groups,
+    # 2 a token from 1 group, one shared expert). vLLM CPU's MoE router asserts unless n_group and topk_group are
+    # set. It serves on one engine; with --data-parallel-size 2 vLLM CPU 0.32 fails at the first forward (its MoE
+    # dispatch calls all_gatherv, which CpuCommunicator does not implement), with or without a connector, unless
+    # tests/vllm/moe_dp_shim (test-only) supplies the two collectives.
+    "moe": Preset("moe", num_layers=2, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, mla=True,
+                  moe=True, init_std=0.02),
 }
 
 
@@ -131,6 +139,8 @@ def _build_weights(preset: Preset, out: Path) -> None:
         extra = {"kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
                  "v_head_dim": 64, "first_k_dense_replace": preset.num_layers, "n_routed_experts": 4,
                  "n_shared_experts": 1, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
+        if preset.moe:
+            extra.update(first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="group_limited_greedy")
     if preset.mamba:
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -172,7 +182,7 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "init_std": p.init_std,
                                   "kv_bytes_per_token": p.kv_bytes_per_token,
                                   "sliding_window": p.sliding_window, "hybrid": p.hybrid,
-                                  "mamba": p.mamba}) + "\n")
+                                  "mamba": p.mamba, "moe": p.moe}) + "\n")
     return path
 
 

@@ -53,10 +53,15 @@ def _platform_fp8() -> str:
 
 
 def engine_id_of(vllm_config: "VllmConfig") -> str:
+    """This engine's id, unique per DP rank. vLLM's engine core appends ``_dp<rank>`` to the configured id
+    under data parallelism (each rank of a dense model is then told it is DP rank 0 of 1; a MoE model's ranks
+    keep the DP size); a vLLM that did not would give every rank one id, so the rank is appended here then."""
     kv = vllm_config.kv_transfer_config
     pc = vllm_config.parallel_config
-    eid = str(kv.engine_id)
-    return eid if pc.data_parallel_size <= 1 else f"{eid}-dp{pc.data_parallel_rank}"
+    eid, rank = str(kv.engine_id), pc.data_parallel_rank
+    if pc.data_parallel_size <= 1 or eid.endswith(f"_dp{rank}"):
+        return eid
+    return f"{eid}-dp{rank}"
 
 
 def dp_local_of(vllm_config: "VllmConfig") -> int:

@@ -24,7 +24,8 @@ DP_ARGS = ("--data-parallel-size", "2", "--no-enable-prefix-caching",  # decode 
 LENGTHS = [20, 64, 300, 301, 302, 303, 450, 451]
 
 
-def dp_server(model: str, tmp_path, name: str, corrupt: bool = False) -> tuple[Server, int]:
+def dp_server(model: str, tmp_path, name: str, corrupt: bool = False, env: dict | None = None) -> tuple[Server, int]:
+    """``env``: more environment of the server (tests/vllm/test_dp_moe.py: its collectives shim)."""
     bport, tport = free_port(), free_port(2)
     kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
                    bootstrap_port=bport, transport_port=tport, stream_kv=True, lookup_wait_s=10.0,
@@ -32,7 +33,7 @@ def dp_server(model: str, tmp_path, name: str, corrupt: bool = False) -> tuple[S
     if corrupt:  # tests/fakes_connector.py: noise over every block it pulled
         kv.update(kv_connector="CorruptingConnector", kv_connector_module_path="tests.fakes_connector")
     srv = Server(model, dict(kv, kv_load_failure_policy="recompute"), cpu="0|1", log=tmp_path / f"{name}.log",
-                 extra_args=DP_ARGS)
+                 extra_args=DP_ARGS, env=env)
     srv.wait_ready(300)
     return srv, bport
 

@@ -432,3 +432,21 @@ def test_a_rank_s_transport_port_counts_dp_ranks_pp_stages_and_tp_ranks_and_its_
                 seen[r.port_index] = (dp, pp, tp)
                 assert r.index == pp * 3 + tp
     assert sorted(seen) == list(range(12))
+
+
+def test_engine_id_carries_the_dp_rank_once():
+    """vLLM's engine core appends ``_dp<rank>`` under data parallelism; a MoE model's ranks keep the DP size
+    (a dense model's are each told 1), and kvlink used to append the rank again (``e_dp1-dp1``)."""
+    from types import SimpleNamespace as NS
+
+    from kvlink.vllm.connector import engine_id_of
+
+    def cfg(eid, size, rank):
+        return NS(kv_transfer_config=NS(engine_id=eid), parallel_config=NS(data_parallel_size=size,
+                                                                          data_parallel_rank=rank))
+
+    assert engine_id_of(cfg("e", 1, 0)) == "e"
+    assert engine_id_of(cfg("e_dp1", 1, 0)) == "e_dp1"  # a dense model's DP rank 1 (vLLM's suffix)
+    assert engine_id_of(cfg("e_dp1", 2, 1)) == "e_dp1"  # a MoE model's DP rank 1
+    assert engine_id_of(cfg("e", 2, 1)) == "e-dp1"  # a vLLM that left the id alone: ranks still differ
+    assert engine_id_of(cfg("e_dp0", 2, 1)) == "e_dp0-dp1"
