@@ -11,7 +11,8 @@ must change the output; that proves the blocks decode reads are the ones kvlink 
 LockstepCorruptingConnector (a RecordingConnector, decode with stream_lockstep) does the same to each layer of
 an armed request's blocks in its step, once that layer has landed. CorruptGroup0Connector and
 CorruptGroup1Connector corrupt one KV cache group of a model with several (each group's bytes must matter);
-DraftCorruptingConnector, the layers of a speculative-decoding draft model only.
+DraftCorruptingConnector, the layers of a speculative-decoding draft model only; SwitchedCorruptingConnector,
+everything, but only while a file the test creates exists.
 
 DyingLayersConnector (a SlowLayersConnector) makes its process exit right after announcing the last layer of
 the step that ends a streamed prompt.
@@ -121,6 +122,18 @@ class CorruptingConnector(_FillTracking):
 
     def corrupts(self, layer_name: str) -> bool:
         return True
+
+
+class SwitchedCorruptingConnector(CorruptingConnector):
+    """CorruptingConnector while the file named by ``KVLINK_TEST_CORRUPT_WHILE`` (the server's environment)
+    exists, else a RecordingConnector: one server gives both an equality test and its negative control, where
+    starting another is dear (tests/vllm/test_pp.py: pipeline-parallel servers)."""
+
+    def corrupts(self, layer_name: str) -> bool:
+        import os
+
+        flag = os.environ.get("KVLINK_TEST_CORRUPT_WHILE")
+        return bool(flag) and os.path.exists(flag)
 
 
 class DraftCorruptingConnector(CorruptingConnector):

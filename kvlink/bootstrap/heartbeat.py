@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,9 +27,14 @@ class Heartbeater:
     """A daemon thread renewing ``registration`` every ``interval_s`` (default a third of the lease).
 
     ``start()`` returns at once; the first registration happens on the thread, so an engine can start before
-    the bootstrap server. ``stop()`` joins the thread (and unregisters the rank if ``unregister_on_stop``).
-    ``registered`` is set while the server is known to hold the rank.
+    the bootstrap server. Until the first registration, for ``startup_grace_s``, an unreachable server is
+    expected (another rank of the engine is still starting the embedded one: every PP or TP rank but the
+    first registers with the first's): retried every 0.2 s and logged at INFO; a warning after that.
+    ``stop()`` joins the thread (and unregisters the rank if ``unregister_on_stop``). ``registered`` is set
+    while the server is known to hold the rank.
     """
+
+    STARTUP_RETRY_S = 0.2
 
     def __init__(
         self,
@@ -39,6 +45,7 @@ class Heartbeater:
         interval_s: float | None = None,
         on_reregistered: Callable[[], None] | None = None,
         unregister_on_stop: bool = False,
+        startup_grace_s: float = 30.0,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
@@ -50,6 +57,7 @@ class Heartbeater:
             raise ValueError("interval_s must be positive and shorter than lease_s")
         self.on_reregistered = on_reregistered
         self.unregister_on_stop = unregister_on_stop
+        self.startup_grace_s = startup_grace_s
         self.registered = threading.Event()
         self.registrations = 0  # how many times the rank was (re-)registered; written by the thread only
         self._stop = threading.Event()
@@ -105,15 +113,23 @@ class Heartbeater:
             self.on_reregistered()
 
     def _run(self) -> None:
-        outage = False
+        outage = starting = False
+        grace_end = time.monotonic() + self.startup_grace_s
         while not self._stop.is_set():
             try:
                 self.beat()
                 if outage:
                     log.info("bootstrap: server reachable again")
-                outage = False
+                outage = starting = False
                 wait = self.interval_s
             except BootstrapUnavailable as err:
+                if self.registrations == 0 and time.monotonic() < grace_end:  # not up yet: expected at start
+                    if not starting:
+                        log.info("bootstrap: waiting for the server to come up: %s", err)
+                    starting = True
+                    wait = min(self.interval_s, self.STARTUP_RETRY_S)
+                    self._stop.wait(wait)
+                    continue
                 if not outage:
                     log.warning("bootstrap: heartbeat failed, will retry: %s", err)
                 outage = True

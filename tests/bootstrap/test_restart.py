@@ -101,6 +101,31 @@ def test_heartbeater_waits_for_a_server_that_is_not_up_yet(make_registration, to
             assert late.table.num_engine_ranks == 1
 
 
+def test_a_server_not_up_at_start_is_waited_for_quietly_then_warned_about(make_registration, token, caplog):
+    """Every PP/TP rank but an engine's first registers with the bootstrap server the first rank embeds, and
+    may try before it listens: within the start-up grace that is logged at INFO (an operator saw a warning
+    at every PP start); past the grace, or once registered, an unreachable server is a warning."""
+    import logging
+
+    srv = BootstrapServer(BootstrapConfig(token=token))
+    srv.start()
+    port = srv.port
+    srv.stop()
+    cli = BootstrapClient(f"http://127.0.0.1:{port}", token=token, timeout_s=0.5, retries=0)
+    caplog.set_level(logging.INFO, logger="kvlink.bootstrap.heartbeat")
+    with Heartbeater(cli, make_registration("P"), lease_s=3.0, interval_s=0.05) as beater:
+        time.sleep(0.3)
+        with BootstrapServer(BootstrapConfig(token=token, port=port)):
+            wait_for(beater.registered.is_set)
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert any(lv == "INFO" and "waiting for the server" in m for lv, m in levels), levels
+    assert not any(lv == "WARNING" for lv, _ in levels), levels
+    caplog.clear()
+    with Heartbeater(cli, make_registration("Q"), lease_s=3.0, interval_s=0.05, startup_grace_s=0.1):
+        wait_for(lambda: any(r.levelname == "WARNING" for r in caplog.records), 5.0)
+    assert "heartbeat failed, will retry" in caplog.records[-1].getMessage()
+
+
 def test_reregistered_callback_survives_a_failed_first_attempt(make_registration, token):
     srv = BootstrapServer(BootstrapConfig(token=token)).start()
     port = srv.port

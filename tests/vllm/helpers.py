@@ -126,12 +126,14 @@ class Server:
     rest (a streamed piece once took 387 ms to reach prefill's bootstrap server, longer than the slowed
     forward it was meant to overlap)."""
 
-    def __init__(self, model: str, kv: dict | None, cpu: int, log: Path, extra_args=(), env=None):
+    def __init__(self, model: str, kv: dict | None, cpu: int, log: Path, extra_args=(), env=None, eager: bool = True):
+        """``eager``: pass ``--enforce-eager`` (False: vLLM CPU compiles the model, as pipeline parallelism
+        needs: with eager mode it never sizes the buffer a later stage receives its input in)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
-                "--kv-cache-memory-bytes", str(128 << 20), "--block-size", str(BLOCK),
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+                *(["--enforce-eager"] if eager else []), "--kv-cache-memory-bytes", str(128 << 20), "--block-size", str(BLOCK),
                 "--max-model-len", "2048", "--seed", "0", "--served-model-name", "tiny",
                 "--disable-uvicorn-access-log", *extra_args]
         if kv is not None:

@@ -1,0 +1,100 @@
+"""Pipeline parallelism through real vLLM: a ``--pipeline-parallel-size 2`` server and a PP=1 server of the
+same model hand requests to each other, both ways. Prefill's two stages each register the layers they hold;
+decode at PP=1 reads its layers from both stages, and decode at PP=2 has each stage read its own layers from
+the one PP=1 rank (kvlink/vllm/shard.py's routing, until now tested with synthetic ranks only).
+
+vLLM CPU 0.32 runs PP only with the model compiled: with ``--enforce-eager`` it never sizes the buffer a
+later stage receives its input in, and stage 1 asserts in ``sync_and_gather_intermediate_tensors`` at the
+first request, with no connector at all. These servers are started without it.
+
+Checked: both servers answer alike on their own (the oracle); a request prefilled on either and decoded on
+the other answers as the decode server does alone, with blocks pulled and no pull failed (a failed pull is
+recomputed and would hide a wrong mapping); prefill at PP=2 streaming its chunks to a PP=1 decode through
+``kvlink proxy --mode concurrent``; and the negative control: the same pulls with noise written over what
+decode pulled (tests/fakes_connector.py's SwitchedCorruptingConnector, on while a flag file exists) change
+the answers, both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ports import free_port
+from tests.vllm.helpers import (STREAM_CHUNK_ARGS, Server, complete, concurrent_proxy, kv_config, metric, text,
+                                token_prompts)
+
+LENGTHS = [20, 64, 300, 301, 450]
+ARGS = ("--no-enable-prefix-caching", *STREAM_CHUNK_ARGS)  # both chunk alike: the same KV, bit for bit
+
+
+def _server(model, tmp_path, name: str, pp: int, cpu, bport: int) -> Server:
+    kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
+                   bootstrap_port=bport, stream_kv=True, lookup_wait_s=10.0, pull_timeout_s=60.0)
+    kv.update(kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
+              kv_load_failure_policy="recompute")
+    flag = tmp_path / f"{name}.corrupt"
+    srv = Server(model, kv, cpu=cpu, log=tmp_path / f"{name}.log", eager=False,
+                 extra_args=(*ARGS, "--pipeline-parallel-size", str(pp)),
+                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
+    srv.flag = flag
+    return srv
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp")
+    pports = (free_port(), free_port())
+    pp2 = _server(tiny_model, tmp, "pp2", 2, "0|1", pports[0])
+    pp1 = _server(tiny_model, tmp, "pp1", 1, 1, pports[1])
+    try:
+        pp2.wait_ready(400)
+        pp1.wait_ready(400)
+        yield pp2, pp1, pports[0]
+    finally:
+        pp2.stop()
+        pp1.stop()
+
+
+def _handed(pre: Server, dec: Server, prompt: list[int]) -> str:
+    params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+    return text(complete(dec.url, prompt, params, timeout=120))
+
+
+def test_pp2_and_pp1_hand_requests_to_each_other_and_answer_as_a_single_server(servers):
+    pp2, pp1, bport = servers
+    prompts = token_prompts(LENGTHS, seed=90)
+    own2 = [text(complete(pp2.url, p)) for p in prompts]
+    own1 = [text(complete(pp1.url, p)) for p in prompts]
+    assert own2 == own1  # the model split over two stages computes what one rank does
+    assert len(set(own1)) == len(own1)  # every prompt's answer differs: another prompt's KV would show
+    pulled = (metric(pp1, "kvlink_blocks_pulled_total"), metric(pp2, "kvlink_blocks_pulled_total"))
+    for p, w in zip(prompts, own1):
+        assert _handed(pp2, pp1, p) == w  # PP=1 decode reads each layer from the stage that holds it
+        assert _handed(pp1, pp2, p) == w  # each PP=2 decode stage reads its layers from the one rank
+    assert metric(pp1, "kvlink_blocks_pulled_total") > pulled[0]
+    assert metric(pp2, "kvlink_blocks_pulled_total") > pulled[1]
+    assert metric(pp1, "kvlink_pulls_failed_total") == 0 and metric(pp2, "kvlink_pulls_failed_total") == 0
+
+    proxy = concurrent_proxy(pp2.url, pp1.url, bport)  # prefill at PP=2 streams its chunks to decode at PP=1
+    try:
+        sent = metric(pp2, "kvlink_pieces_sent_total")
+        for p, w in zip(prompts, own1):
+            assert text(complete(proxy.url, p, timeout=120)) == w
+        assert metric(pp2, "kvlink_pieces_sent_total") > sent
+        assert metric(pp1, "kvlink_pulls_failed_total") == 0
+    finally:
+        proxy.stop()
+
+
+def test_pp_negative_control_noise_over_the_pulled_kv_changes_the_answers(servers):
+    pp2, pp1, _ = servers
+    prompts = token_prompts([300, 450], seed=91)
+    own = [text(complete(pp1.url, p)) for p in prompts]
+    pp1.flag.touch()
+    pp2.flag.touch()
+    try:
+        assert all(_handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
+        assert all(_handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
+    finally:
+        pp1.flag.unlink()
+        pp2.flag.unlink()
