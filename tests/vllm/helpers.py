@@ -133,8 +133,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-                *(["--enforce-eager"] if eager else []), "--kv-cache-memory-bytes", str(128 << 20), "--block-size", str(BLOCK),
-                "--max-model-len", "2048", "--seed", "0", "--served-model-name", "tiny",
+                *(["--enforce-eager"] if eager else []), "--kv-cache-memory-bytes", str(128 << 20),
+                "--block-size", str(BLOCK), "--max-model-len", "2048", "--seed", "0", "--served-model-name", "tiny",
                 "--disable-uvicorn-access-log", *extra_args]
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
