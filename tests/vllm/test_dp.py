@@ -66,23 +66,39 @@ def test_dp2_both_ranks_prefill_and_decode_as_a_single_server(tiny_model, tmp_pa
             assert params["remote_bootstrap_addr"] == f"http://127.0.0.1:{bport}"  # rank 1 publishes to rank 0's
             assert text(complete(srv.url, p, params)) == w
         assert engines == {"dp0", "dp1"}, engines  # both DP ranks were prefill
-        pulled = metric(srv, "kvlink_blocks_pulled_total")
-        assert pulled > 0
-        sent0 = per_engine(srv, "kvlink_pieces_sent_total")
-        for p, w in zip(prompts, want):  # with a plain request before each: both ranks take turns as prefill
-            assert text(complete(srv.url, p)) == w
-            assert text(complete(proxy.url, p, timeout=120)) == w
-        sent = per_engine(srv, "kvlink_pieces_sent_total")
-        assert all(sent[e] > sent0.get(e, 0.0) for e in ("0", "1")), (sent0, sent)  # each rank streamed
-        assert metric(srv, "kvlink_blocks_pulled_total") > pulled
-        assert metric(srv, "kvlink_pulls_failed_total") == 0, "a pull failed (decode recomputed the prompt)"
+        assert metric(srv, "kvlink_blocks_pulled_total") > 0
+        both_ranks_stream(srv, proxy, prompts, want)
     finally:
         proxy.stop()
         srv.stop()
 
 
+def both_ranks_stream(srv: Server, proxy, prompts, want: list[str]) -> None:
+    """Through the concurrent proxy, streamed, each prompt answers ``want``; each DP rank streamed pieces
+    (per engine label), blocks were pulled and none failed (a failed pull is recomputed: it would hide
+    wrong KV)."""
+    pulled = metric(srv, "kvlink_blocks_pulled_total")
+    sent0 = per_engine(srv, "kvlink_pieces_sent_total")
+    for p, w in zip(prompts, want):  # with a plain request before each: both ranks take turns as prefill
+        assert text(complete(srv.url, p)) == w
+        assert text(complete(proxy.url, p, timeout=120)) == w
+    sent = per_engine(srv, "kvlink_pieces_sent_total")
+    assert all(sent[e] > sent0.get(e, 0.0) for e in ("0", "1")), (sent0, sent)  # each rank streamed
+    assert metric(srv, "kvlink_blocks_pulled_total") > pulled
+    assert metric(srv, "kvlink_pulls_failed_total") == 0, "a pull failed (decode recomputed the prompt)"
+
+
 def test_dp2_negative_control_corrupted_pulls_change_the_output(tiny_model, tmp_path):
     srv, bport = dp_server(tiny_model, tmp_path, "dp2-corrupt", corrupt=True)
+    try:
+        corrupted_answers_differ(srv, bport)
+    finally:
+        srv.stop()
+
+
+def corrupted_answers_differ(srv: Server, bport: int) -> None:
+    """On a server whose connector corrupts what it pulled: handed over by params, and through the
+    concurrent proxy (streamed), every answer differs from the server's own."""
     proxy = concurrent_proxy(srv.url, srv.url, bport)  # no engine id: vLLM picks the DP rank
     try:
         prompts = token_prompts([300, 450], seed=81)
@@ -97,4 +113,3 @@ def test_dp2_negative_control_corrupted_pulls_change_the_output(tiny_model, tmp_
         assert all(g != w for g, w in zip(got, want)), got
     finally:
         proxy.stop()
-        srv.stop()

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.vllm.helpers import ROOT, Server, complete, concurrent_proxy, metric, text, token_prompts
-from tests.vllm.test_dp import LENGTHS, dp_server, per_engine
+from tests.vllm.test_dp import LENGTHS, both_ranks_stream, corrupted_answers_differ, dp_server
 
 SHIM = ROOT / "tests" / "vllm" / "moe_dp_shim"
 
@@ -99,16 +99,7 @@ def test_moe_dp2_both_ranks_prefill_and_decode_as_a_single_server(moe_model, tmp
         assert len(judged) >= len(prompts) - 2, (want, batched)
         assert [got[i] for i in judged] == [want[i] for i in judged]
         assert metric(srv, "kvlink_blocks_pulled_total") > pulled
-        pulled = metric(srv, "kvlink_blocks_pulled_total")
-
-        sent0 = per_engine(srv, "kvlink_pieces_sent_total")
-        for p, w in zip(prompts, want):  # with a plain request before each: both ranks take turns as prefill
-            assert text(complete(srv.url, p)) == w
-            assert text(complete(proxy.url, p, timeout=120)) == w
-        sent = per_engine(srv, "kvlink_pieces_sent_total")
-        assert all(sent[e] > sent0.get(e, 0.0) for e in ("0", "1")), (sent0, sent)  # each rank streamed
-        assert metric(srv, "kvlink_blocks_pulled_total") > pulled
-        assert metric(srv, "kvlink_pulls_failed_total") == 0, "a pull failed (decode recomputed the prompt)"
+        both_ranks_stream(srv, proxy, prompts, want)
     finally:
         proxy.stop()
         srv.stop()
@@ -116,19 +107,8 @@ def test_moe_dp2_both_ranks_prefill_and_decode_as_a_single_server(moe_model, tmp
 
 def test_moe_dp2_negative_control_corrupted_pulls_change_the_output(moe_model, tmp_path):
     srv, bport = dp_server(moe_model, tmp_path, "moe-dp2-corrupt", corrupt=True, env=shim_env())
-    proxy = concurrent_proxy(srv.url, srv.url, bport)  # no engine id: vLLM picks the DP rank
     try:
-        prompts = token_prompts([300, 450], seed=81)
-        want = [text(complete(srv.url, p)) for p in prompts]
-        params = [complete(srv.url, p, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-                  for p in prompts]
-        got = [text(complete(srv.url, p, k)) for p, k in zip(prompts, params)]
-        assert all(g != w for g, w in zip(got, want)), got
-        prompts = token_prompts([301, 451], seed=82)
-        want = [text(complete(srv.url, p)) for p in prompts]
-        got = [text(complete(proxy.url, p, timeout=120)) for p in prompts]
-        assert all(g != w for g, w in zip(got, want)), got
+        corrupted_answers_differ(srv, bport)
         assert_shim_carried_both_ranks(srv)
     finally:
-        proxy.stop()
         srv.stop()

@@ -16,10 +16,10 @@ alike). A vLLM without that function is left alone (and says so).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 import time
+
+from after_import import after_import  # this directory is on the path: that is how this file runs
 
 TARGET = "vllm.distributed.device_communicators.shm_broadcast"
 NAP_S = 500e-6
@@ -36,22 +36,4 @@ def _patch(module) -> None:
     module.sched_yield = _nap
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # find the real module below us, once
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _Finder())
+after_import(TARGET, _patch)

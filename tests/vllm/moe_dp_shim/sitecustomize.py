@@ -30,10 +30,11 @@ the tests' Server puts on the path, or the system's), as if it had been imported
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import os
 import sys
+
+from after_import import after_import  # tools/nospin, on the server's path after this directory
 
 TARGET = "vllm.distributed.device_communicators.cpu_communicator"
 _said: set[str] = set()
@@ -101,24 +102,6 @@ def _patch(module) -> None:
             print(f"moe_dp_shim: CpuCommunicator has its own {name}; left alone", file=sys.stderr)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # find the real module below us, once
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def _run_next_sitecustomize() -> None:
     """Run the sitecustomize this one shadows: the first one on sys.path after this directory."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -133,5 +116,5 @@ def _run_next_sitecustomize() -> None:
             return
 
 
-sys.meta_path.insert(0, _Finder())
+after_import(TARGET, _patch)
 _run_next_sitecustomize()
