@@ -450,3 +450,17 @@ def test_engine_id_carries_the_dp_rank_once():
     assert engine_id_of(cfg("e_dp1", 2, 1)) == "e_dp1"  # a MoE model's DP rank 1
     assert engine_id_of(cfg("e", 2, 1)) == "e-dp1"  # a vLLM that left the id alone: ranks still differ
     assert engine_id_of(cfg("e_dp0", 2, 1)) == "e_dp0-dp1"
+
+
+def test_nospin_patches_vllm_s_queue_loop_when_it_is_imported():
+    """tools/nospin (on every test server's path): vLLM's shm_broadcast naps instead of sched_yield."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import vllm.distributed.device_communicators.shm_broadcast as m; "
+            "print(m.sched_yield.__module__, m.sched_yield.__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root / "tools" / "nospin")})
+    assert r.stdout.split()[-2:] == ["sitecustomize", "_nap"], r.stdout + r.stderr
