@@ -12,7 +12,8 @@ the other answers as the decode server does alone, with blocks pulled and no pul
 recomputed and would hide a wrong mapping); prefill at PP=2 streaming its chunks to a PP=1 decode through
 ``kvlink proxy --mode concurrent``; and the negative control: the same pulls with noise written over what
 decode pulled (tests/fakes_connector.py's SwitchedCorruptingConnector, on while a flag file exists) change
-the answers, both ways.
+the answers, both ways. Host staging on a PP=2 prefill (`staging: always`, each stage staging its own
+layers into a pool of its own) into the PP=1 decode, with its negative control.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ LENGTHS = [20, 64, 300, 301, 450]
 ARGS = ("--no-enable-prefix-caching", *STREAM_CHUNK_ARGS)  # both chunk alike: the same KV, bit for bit
 
 
-def _server(model, tmp_path, name: str, pp: int, cpu, bport: int) -> Server:
-    kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
-                   bootstrap_port=bport, stream_kv=True, lookup_wait_s=10.0, pull_timeout_s=60.0)
+def _server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "kv_both", **extra) -> Server:
+    kv = kv_config(role, transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
+                   bootstrap_port=bport, stream_kv=role == "kv_both", lookup_wait_s=10.0, pull_timeout_s=60.0,
+                   **extra)
     kv.update(kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
               kv_load_failure_policy="recompute")
     flag = tmp_path / f"{name}.corrupt"
@@ -98,3 +100,29 @@ def test_pp_negative_control_noise_over_the_pulled_kv_changes_the_answers(server
     finally:
         pp1.flag.unlink()
         pp2.flag.unlink()
+
+
+def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):
+    """Each prefill stage copies its layers of a finished request into its own staging pool and gives vLLM
+    the blocks back; decode reads every layer from the pool of the stage that holds it."""
+    _, pp1, _ = servers
+    staged = _server(tiny_model, tmp_path, "pp2-staged", 2, "0|1", free_port(), role="kv_producer",
+                     staging="always", staging_pool_mb=8)
+    try:
+        staged.wait_ready(400)
+        prompts = token_prompts([20, 300, 450], seed=92)
+        own = [text(complete(pp1.url, p)) for p in prompts]
+        pulled, read = metric(pp1, "kvlink_blocks_pulled_total"), metric(pp1, "kvlink_bytes_pulled_total")
+        for p, w in zip(prompts, own):
+            assert _handed(staged, pp1, p) == w
+        assert metric(pp1, "kvlink_blocks_pulled_total") > pulled
+        assert metric(pp1, "kvlink_pulls_failed_total") == 0
+        # decode read every byte from the stages' pools: the bytes both stages staged, no more, no less
+        assert metric(staged, "kvlink_bytes_staged_total") == metric(pp1, "kvlink_bytes_pulled_total") - read
+        pp1.flag.touch()
+        try:
+            assert all(_handed(staged, pp1, p) != w for p, w in zip(prompts[1:], own[1:]))
+        finally:
+            pp1.flag.unlink()
+    finally:
+        staged.stop()
