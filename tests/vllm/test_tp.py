@@ -169,14 +169,12 @@ def test_rank_i_pulls_rank_i_shard_over_its_own_port(tp2):
         assert dec[r].get_stats().data["pulls_ok"] == 1
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 4 and not os.environ.get("KVLINK_RUN_TP_SERVERS"), reason="a TP=2 vLLM server beside another server needs 4+ CPUs: "
-                    "on 2 its workers' busy communicator threads starve the other server's transport and bootstrap "
-                    "threads for tens of seconds (docs/NOTES-connector.md item 13); the mapping itself is tested "
-                    "with real engines in test_tp_mapping.py; KVLINK_RUN_TP_SERVERS=1 runs it anyway")
 def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
     """A TP=1 prefill server and a TP=2 decode server: each decode rank reads its one KV head out of
     prefill's two-head blocks (a head range of each block). float32, so TP=1 and TP=2 compute the same
-    tokens and the oracle is exact: decode's answer from pulled KV equals its own local answer."""
+    tokens and the oracle is exact: decode's answer from pulled KV equals its own local answer. (Skipped on
+    fewer than 4 CPUs until session 26: decode's workers' queue loops spun both cores for seconds at a time,
+    starving the other server's threads; under tools/nospin, as every test server runs now, it passes on 2.)"""
     from tests.vllm.helpers import Server, complete, kv_config, text, token_prompts
 
     bport = free_port()
