@@ -11,8 +11,9 @@ must change the output; that proves the blocks decode reads are the ones kvlink 
 LockstepCorruptingConnector (a RecordingConnector, decode with stream_lockstep) does the same to each layer of
 an armed request's blocks in its step, once that layer has landed. CorruptGroup0Connector and
 CorruptGroup1Connector corrupt one KV cache group of a model with several (each group's bytes must matter);
-DraftCorruptingConnector, the layers of a speculative-decoding draft model only; SwitchedCorruptingConnector,
-everything, but only while a file the test creates exists.
+DraftCorruptingConnector, the layers of a speculative-decoding draft model only; EagleCorruptingConnector, an
+EAGLE head's layer only; SwitchedCorruptingConnector, everything, but only while a file the test creates
+exists.
 
 DyingLayersConnector (a SlowLayersConnector) makes its process exit right after announcing the last layer of
 the step that ends a streamed prompt.
@@ -35,6 +36,7 @@ from typing import Any
 
 from kvlink.vllm.connector import KVLinkConnector
 from kvlink.vllm.metadata import KVLinkMetadata
+from kvlink.vllm.plan import layer_indices
 from kvlink.vllm.stats import KVLinkStats
 
 SEED = 0
@@ -143,6 +145,19 @@ class DraftCorruptingConnector(CorruptingConnector):
 
     def corrupts(self, layer_name: str) -> bool:
         return layer_name.startswith("draft_model.")
+
+
+class EagleCorruptingConnector(CorruptingConnector):
+    """CorruptingConnector for the EAGLE head's layer only: the one whose index is past the target's layers
+    (vLLM names the head's attention ``model.layers.<target layers>.self_attn.attn``). The answers stay the
+    target's (verification is lossless); the head drafts from noise, so fewer drafts are accepted."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+
+    def corrupts(self, layer_name: str) -> bool:
+        return (layer_indices([layer_name]) or {}).get(layer_name, -1) >= self._target_layers
 
 
 class GroupCorruptingConnector(RecordingConnector):
