@@ -13,7 +13,9 @@ recomputed and would hide a wrong mapping); prefill at PP=2 streaming its chunks
 ``kvlink proxy --mode concurrent``; and the negative control: the same pulls with noise written over what
 decode pulled (tests/fakes_connector.py's SwitchedCorruptingConnector, on while a flag file exists) change
 the answers, both ways. Host staging on a PP=2 prefill (`staging: always`, each stage staging its own
-layers into a pool of its own) into the PP=1 decode, with its negative control.
+layers into a pool of its own) into the PP=1 decode, with its negative control. And TP and PP at once: a
+TP=2 x PP=2 server and the PP=1 (TP=1) one, both ways (each decode rank reads its KV head range of its
+layers from the prefill rank that holds them: four prefill ranks into one, one into four).
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from tests.vllm.helpers import (STREAM_CHUNK_ARGS, Server, complete, concurrent_
                                 token_prompts)
 
 LENGTHS = [20, 64, 300, 301, 450]
-ARGS = ("--no-enable-prefix-caching", *STREAM_CHUNK_ARGS)  # both chunk alike: the same KV, bit for bit
+# Every server chunks alike (the same KV, bit for bit) and computes in float32, so that TP=2 sums what TP=1
+# does and every server's own answers are the same (in bf16 a TP=2 server answers some prompts otherwise).
+ARGS = ("--no-enable-prefix-caching", "--dtype", "float32", *STREAM_CHUNK_ARGS)
 
 
-def _server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "kv_both", **extra) -> Server:
+def _server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "kv_both", tp: int = 1,
+            **extra) -> Server:
     kv = kv_config(role, transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
                    bootstrap_port=bport, stream_kv=role == "kv_both", lookup_wait_s=10.0, pull_timeout_s=60.0,
                    **extra)
@@ -36,7 +41,8 @@ def _server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "k
               kv_load_failure_policy="recompute")
     flag = tmp_path / f"{name}.corrupt"
     srv = Server(model, kv, cpu=cpu, log=tmp_path / f"{name}.log", eager=False,
-                 extra_args=(*ARGS, "--pipeline-parallel-size", str(pp)),
+                 extra_args=(*ARGS, "--pipeline-parallel-size", str(pp), "--tensor-parallel-size", str(tp),
+                             "--distributed-executor-backend", "mp"),
                  env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
     srv.flag = flag
     return srv
@@ -126,3 +132,30 @@ def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):
             pp1.flag.unlink()
     finally:
         staged.stop()
+
+
+def test_tp2_pp2_and_tp1_pp1_hand_requests_to_each_other(servers, tiny_model, tmp_path):
+    _, pp1, _ = servers
+    both = _server(tiny_model, tmp_path, "tp2pp2", 2, "0|1|0|1", free_port(), tp=2)
+    try:
+        both.wait_ready(400)
+        prompts = token_prompts([20, 64, 300, 450], seed=93)
+        own = [text(complete(pp1.url, p)) for p in prompts]
+        assert [text(complete(both.url, p)) for p in prompts] == own
+        pulled = (metric(pp1, "kvlink_blocks_pulled_total"), metric(both, "kvlink_blocks_pulled_total"))
+        for p, w in zip(prompts, own):
+            assert _handed(both, pp1, p) == w  # one rank reads from four
+            assert _handed(pp1, both, p) == w  # four ranks read from one
+        assert metric(pp1, "kvlink_blocks_pulled_total") > pulled[0]
+        assert metric(both, "kvlink_blocks_pulled_total") > pulled[1]
+        assert metric(pp1, "kvlink_pulls_failed_total") == 0 and metric(both, "kvlink_pulls_failed_total") == 0
+        pp1.flag.touch()
+        both.flag.touch()
+        try:
+            assert all(_handed(both, pp1, p) != w for p, w in zip(prompts[2:], own[2:]))
+            assert all(_handed(pp1, both, p) != w for p, w in zip(prompts[2:], own[2:]))
+        finally:
+            pp1.flag.unlink()
+            both.flag.unlink()
+    finally:
+        both.stop()
