@@ -4,8 +4,8 @@ bootstrap, byte for byte, and how much of the transfer is left once prefill's fo
     python tools/gpu_stream_check.py                 # CUDA: KV on the GPU, kvlink's TCP transport over loopback
     python tools/gpu_stream_check.py --device cpu    # the same path with host KV and staging forced
 
-The prefill process runs a stand-in forward over KV tensors in FlashAttention's layout (as
-tools/gpu_check.py builds them): for each layer, work on vLLM's stream that takes ``--layer-ms`` (CUDA: a
+The prefill process runs a stand-in forward over KV tensors in FlashAttention's layout, or another of
+tools/gpu_check.py's (``--layout``): for each layer, work on vLLM's stream that takes ``--layer-ms`` (CUDA: a
 device sleep, so the layer's KV is written late on the device while the host thread has long moved on;
 CPU: a host sleep), then the write of the layer's KV into the request's blocks, then the worker's
 ``send_pieces`` as ``save_kv_layer`` calls it. The worker copies that layer of the blocks into their pool
@@ -36,7 +36,7 @@ import sys
 import time
 import uuid
 
-from gpu_check import _config, _get, _kv, _sync
+from gpu_check import LAYOUTS, _blocks, _config, _get, _kv, _sync, _worker
 
 RID = "req"
 BS_TOKENS = 16  # tokens per block (gpu_check.BS)
@@ -70,12 +70,11 @@ def _sync_stream(device: str) -> None:
 
 
 def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: int, blocks: int, pool_mb: int,
-            layer_ms: float) -> None:
+            layer_ms: float, layout: str = "fa") -> None:
     from kvlink.bootstrap import BootstrapClient
     from kvlink.vllm import stager as S
     from kvlink.vllm.metadata import KVLinkMetadata
     from kvlink.vllm.stream import StreamSpec
-    from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
     if mode == "control":
         copy = S.Stager.to_pool  # copies no longer wait for the layer's write on vLLM's stream
@@ -91,10 +90,9 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
 
         PieceSender.submit = lambda self, pieces, fence=None: None
     num_blocks = blocks + 8
-    kv = _kv(device, layers, num_blocks, fill=False)
-    want = _kv(device, layers, num_blocks, fill=True)
-    w = KVLinkWorker(_config(True, pool_mb), RankInfo("gpu-check-pre", 0, 1, 0, 1, "check"), "kv_producer")
-    w.register_kv_caches(kv)
+    kv = _kv(device, layers, num_blocks, False, layout)
+    want = _kv(device, layers, num_blocks, True, layout)
+    w = _worker(_config(True, pool_mb), "gpu-check-pre", "kv_producer", layout, kv)
     w._ensure_registered(boot)
     assert w.staged, "the check needs host staging"
     lo = num_blocks - blocks
@@ -104,14 +102,14 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
     sleep = _sleeper(device, layer_ms)
     cli = BootstrapClient(boot)  # connected before the forward, as the connector's pooled client is
     cli.health()
-    next(iter(want.values()))[:, :1].clone().zero_()  # the zeroing's kernel loaded before the timed part
+    _blocks(next(iter(want.values())), 0, 1).clone().zero_()  # the zeroing's kernel loaded before the timed part
     _sync(device)
     q_out.put("ready")
     q_in.get()  # decode is waiting for the transfer
     t0 = time.time()
     for name, t in kv.items():
         sleep()  # the layer's attention and MLP, on vLLM's stream
-        t[:, lo:].copy_(want[name][:, lo:])
+        _blocks(t, lo).copy_(_blocks(want[name], lo))
         if mode != "plain":
             w.send_pieces([spec], name)
     if mode != "plain":
@@ -136,16 +134,15 @@ def prefill(q_out, q_in, boot: str, tid: str, device: str, mode: str, layers: in
 
 
 
-def decode(q_out, boot: str, tid: str, device: str, layers: int, blocks: int, pool_mb: int, staged: bool) -> None:
+def decode(q_out, boot: str, tid: str, device: str, layers: int, blocks: int, pool_mb: int, staged: bool,
+           layout: str = "fa") -> None:
     import torch
 
     from kvlink.vllm.metadata import KVLinkMetadata, PullSpec
     from kvlink.vllm.params import RemoteSource
-    from kvlink.vllm.worker import KVLinkWorker, RankInfo
 
-    kv = _kv(device, layers, blocks + 3, fill=False)
-    w = KVLinkWorker(_config(staged, pool_mb), RankInfo("gpu-check-dec", 0, 1, 0, 1, "check"), "kv_consumer")
-    w.register_kv_caches(kv)
+    kv = _kv(device, layers, blocks + 3, False, layout)
+    w = _worker(_config(staged, pool_mb), "gpu-check-dec", "kv_consumer", layout, kv)
     local = list(range(2, blocks + 2))
     spec = PullSpec(RID, tuple(local), 0, RemoteSource(bootstrap_url=boot, engine_id="gpu-check-pre",
                                                        transfer_id=tid))
@@ -158,14 +155,15 @@ def decode(q_out, boot: str, tid: str, device: str, layers: int, blocks: int, po
         outcome = "failed" if RID in failed else "ok" if RID in done else None
     t_done = time.time()
     stats = w.get_stats().data
-    want = _kv(device, layers, blocks + 8, fill=True)
-    bad = [n for n, t in kv.items() if not torch.equal(t[:, 2:blocks + 2], want[n][:, 8:])]
-    bad += [n + " (outside)" for n, t in kv.items() if t[:, :2].any() or t[:, blocks + 2:].any()]
+    want = _kv(device, layers, blocks + 8, True, layout)
+    bad = [n for n, t in kv.items() if not torch.equal(_blocks(t, 2, blocks + 2), _blocks(want[n], 8))]
+    bad += [n + " (outside)" for n, t in kv.items() if _blocks(t, 0, 2).any() or _blocks(t, blocks + 2).any()]
     q_out.put({"outcome": outcome, "bad": bad, "t_done": t_done, "streamed": int(stats.get("blocks_streamed", 0))})
     w.shutdown()
 
 
-def run(device: str, mode: str, layers: int, blocks: int, pool_mb: int, layer_ms: float, ddev: str) -> dict:
+def run(device: str, mode: str, layers: int, blocks: int, pool_mb: int, layer_ms: float, ddev: str,
+        layout: str = "fa") -> dict:
     from kvlink.bootstrap import BootstrapConfig, BootstrapServer
 
     ctx = mp.get_context("spawn")
@@ -174,9 +172,9 @@ def run(device: str, mode: str, layers: int, blocks: int, pool_mb: int, layer_ms
     try:
         pq, pin, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=prefill, args=(pq, pin, srv.url, tid, device, mode, layers, blocks, pool_mb,
-                                              layer_ms))
+                                              layer_ms, layout))
         staged = ddev == device  # decode's KV in host memory beside a GPU prefill: read straight into it
-        d = ctx.Process(target=decode, args=(dq, srv.url, tid, ddev, layers, blocks, pool_mb, staged))
+        d = ctx.Process(target=decode, args=(dq, srv.url, tid, ddev, layers, blocks, pool_mb, staged, layout))
         p.start()
         assert _get(pq, [p]) == "ready"
         d.start()
@@ -208,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="stream,plain", help="stream, plain, copies (layer copies, no pieces), "
                     "cold (streamed, the stager not warmed up)")
     ap.add_argument("--runs", type=int, default=3, help="streamed and non-streamed runs each (medians)")
+    ap.add_argument("--layout", default="fa", choices=list(LAYOUTS), help="the KV tensors' layout (gpu_check.py's: "
+                    "FlashAttention NHD by default)")
     a = ap.parse_args(argv)
     cuda = a.device.startswith("cuda")
     if cuda:
@@ -220,10 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ddev = a.decode_device or a.device
     for _ in range(a.runs):
         for mode in res:
-            res[mode].append(run(a.device, mode, a.layers, a.blocks, a.pool_mb, a.layer_ms, ddev))
+            res[mode].append(run(a.device, mode, a.layers, a.blocks, a.pool_mb, a.layer_ms, ddev, a.layout))
     med = lambda rs: sorted(r["exposed_s"] for r in rs)[len(rs) // 2]  # noqa: E731
     ok = all(r["outcome"] == "ok" and not r["bad"] for rs in res.values() for r in rs)
-    print(f"device {a.device} (decode {ddev}): {a.layers} layers x {a.blocks} blocks of {BS_TOKENS} tokens, "
+    print(f"device {a.device} (decode {ddev}), layout {a.layout}: {a.layers} layers x {a.blocks} blocks of "
+          f"{BS_TOKENS} tokens, "
           f"stand-in forward {a.layer_ms} ms a layer, kvlink tcp over loopback, host staging, {a.runs} runs each")
     for mode, rs in res.items():
         f = sorted(r["t_fwd"] - r["t0"] for r in rs)[len(rs) // 2]
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  streamed runs read blocks as pieces: " + ("yes" if streamed else "NO"))
     control_ok = True
     if cuda and "stream" in res:
-        c = run(a.device, "control", a.layers, a.blocks, a.pool_mb, a.layer_ms, ddev)
+        c = run(a.device, "control", a.layers, a.blocks, a.pool_mb, a.layer_ms, ddev, a.layout)
         control_ok = c["outcome"] != "ok" or bool(c["bad"])
         print("  control (no event fence before the layer copies): " + (
             f"mismatch in {len(c['bad'])} layers, as it must" if control_ok else "EQUAL: the check cannot see a "

@@ -326,18 +326,21 @@ def test_gpu_check_script_passes_on_the_host_staged_path():
                for line in r.stdout.splitlines() if line.lstrip().startswith("layout ")), r.stdout
 
 
-def test_gpu_stream_check_script_passes_on_the_host_staged_path():
+@pytest.mark.parametrize("layout", ["fa", "mla"])
+def test_gpu_stream_check_script_passes_on_the_host_staged_path(layout):
     """tools/gpu_stream_check.py (streamed KV through host staging, for a GPU) through its CPU mode: a stand-in
-    forward, layer-wise copies and pieces, a concurrent decode reading each layer range, byte for byte."""
+    forward, layer-wise copies and pieces, a concurrent decode reading each layer range, byte for byte; in
+    FlashAttention's layout and MLA's."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(root / "tools" / "gpu_stream_check.py"), "--device", "cpu", "--layers", "3",
-                        "--blocks", "16", "--pool-mb", "4", "--layer-ms", "40", "--runs", "1"],
+                        "--blocks", "16", "--pool-mb", "4", "--layer-ms", "40", "--runs", "1", "--layout", layout],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"layout {layout}:" in r.stdout
     assert "every block of every layer equal" in r.stdout and "read blocks as pieces: yes" in r.stdout
 
 
