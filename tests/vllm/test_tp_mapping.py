@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvlink.vllm.shard import MappingError, RankView, Slice, head_slices, heads_of, plan_legs, route_layers
-from tests.vllm.helpers import pull_outcome, submit_pull
+from tests.vllm.helpers import pull_outcome, submit_pull, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -336,7 +336,8 @@ def test_nhd_cannot_be_cut_by_heads_and_is_refused_naming_why(boot, caplog):
                 assert pull_outcome(w, "r") == "failed"
                 assert w.take_load_error_blocks() == {lb for lb, _ in PAIRS}
                 assert not w._remotes
-        assert "heads are not outermost in a block (NHD)" in caplog.text
+            # the puller logs why just after it records the failure (outside its lock): wait for the line
+            assert wait_for(lambda: "heads are not outermost in a block (NHD)" in caplog.text, 10.0), caplog.text
         assert "run equal TP or a heads-outermost (HND) layout" in caplog.text
         for t, _, layers, w in dec:  # nothing written
             for i in layers:
@@ -368,7 +369,8 @@ def test_a_stage_that_never_registered_is_refused_naming_it(boot, caplog):
         with caplog.at_level(logging.WARNING, logger="kvlink"):
             submit_pull(dec[0][3], boot, "q", [(1, 4)])
             assert pull_outcome(dec[0][3], "q") == "failed"
-        assert "prefill rank tp0 pp1 (of TP=1, PP=2) is not registered" in caplog.text
+            assert wait_for(lambda: "prefill rank tp0 pp1 (of TP=1, PP=2) is not registered" in caplog.text,
+                            10.0), caplog.text  # logged just after the failure is recorded
         assert not dec[0][3]._remotes
     finally:
         _close(pre, dec)
