@@ -48,9 +48,13 @@ def _server(model: str, logs, name: str, cpu: int, connector: str | None = None)
 @pytest.fixture(scope="module")
 def sd(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("draft")
-    servers = {"good": _server(tiny_model, logs, "good", 0),
-               "draft_bad": _server(tiny_model, logs, "draft-corrupt", 1, "DraftCorruptingConnector"),
-               "bad": _server(tiny_model, logs, "corrupt", 1, "CorruptingConnector")}
+    yield from started({"good": _server(tiny_model, logs, "good", 0),
+                        "draft_bad": _server(tiny_model, logs, "draft-corrupt", 1, "DraftCorruptingConnector"),
+                        "bad": _server(tiny_model, logs, "corrupt", 1, "CorruptingConnector")})
+
+
+def started(servers: dict[str, Server]):
+    """A fixture's body: the servers once all are ready, stopped after the module (test_eagle.py too)."""
     try:
         for s in servers.values():
             s.wait_ready()
@@ -109,7 +113,11 @@ def test_noise_over_the_draft_layers_keeps_the_answers_and_costs_acceptance(sd):
 
 
 def test_negative_control_noise_over_every_pulled_layer_changes_the_answers(sd):
-    srv = sd["bad"]
+    every_answer_changes(sd["bad"])
+
+
+def every_answer_changes(srv: Server) -> None:
+    """On a server whose connector corrupts what it pulled, every answer from pulled KV differs."""
     prompts = token_prompts(LENGTHS, seed=97)
     want = single(srv, prompts)
     got = pd(srv, prompts)
@@ -163,7 +171,11 @@ def test_streamed_with_draft_layers_equals_a_single_server(streamed):
 
 
 def test_negative_control_streamed_with_draft_layers(streamed):
-    st = streamed
+    streamed_answers_change(streamed)
+
+
+def streamed_answers_change(st: dict) -> None:
+    """Through the streamed stack's corrupting decode, every answer differs from the server's own."""
     prompts = token_prompts([300, 500], seed=100)
     want = [text(complete(st["dec"].url, p, max_tokens=MAX_TOKENS)) for p in prompts]
     got = [text(complete(st["conc_bad"], p, max_tokens=MAX_TOKENS, timeout=120)) for p in prompts]

@@ -26,12 +26,11 @@ import pytest
 
 from tests.vllm.helpers import (BLOCK, Engines, Server, complete, decode, kv_config, metric, prefill,
                                 recording_kv_config, streamed_stack, text, token_prompts)
+from tests.vllm.test_draft import (LENGTHS, MAX_TOKENS, SPEC_TOKENS, drafting, every_answer_changes, pd, single,
+                                   started, streamed_answers_change)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process engines below (servers drop it)
 
-LENGTHS = [20, 64, 300]
-MAX_TOKENS = 24
-SPEC_TOKENS = 2
 HEAD_LAYER = "model.layers.2.self_attn.attn"
 
 
@@ -58,39 +57,10 @@ def _server(model: str, head: str, logs, name: str, cpu: int, connector: str | N
 @pytest.fixture(scope="module")
 def sd(tiny_model, eagle_head, tmp_path_factory):
     logs = tmp_path_factory.mktemp("eagle-servers")
-    servers = {"good": _server(tiny_model, eagle_head, logs, "good", 0),
-               "head_bad": _server(tiny_model, eagle_head, logs, "head-corrupt", 1, "EagleCorruptingConnector"),
-               "bad": _server(tiny_model, eagle_head, logs, "corrupt", 1, "CorruptingConnector")}
-    try:
-        for s in servers.values():
-            s.wait_ready()
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
-
-
-def drafting(srv: Server, run) -> tuple[list[str], float, float]:
-    """The answers ``run`` gets from ``srv``, and the tokens drafted and accepted meanwhile."""
-    d0 = metric(srv, "vllm:spec_decode_num_draft_tokens_total")
-    a0 = metric(srv, "vllm:spec_decode_num_accepted_tokens_total")
-    out = run()
-    drafted = metric(srv, "vllm:spec_decode_num_draft_tokens_total") - d0
-    assert drafted > 0, "nothing was drafted"
-    return out, drafted, metric(srv, "vllm:spec_decode_num_accepted_tokens_total") - a0
-
-
-def pd(srv: Server, prompts) -> list[str]:
-    """Each prompt prefilled and then decoded from the pulled KV, on the same server."""
-    out = []
-    for p in prompts:
-        params = complete(srv.url, p, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-        out.append(text(complete(srv.url, p, params, max_tokens=MAX_TOKENS)))
-    return out
-
-
-def single(srv: Server, prompts) -> list[str]:
-    return [text(complete(srv.url, p, max_tokens=MAX_TOKENS)) for p in prompts]
+    yield from started({"good": _server(tiny_model, eagle_head, logs, "good", 0),
+                        "head_bad": _server(tiny_model, eagle_head, logs, "head-corrupt", 1,
+                                            "EagleCorruptingConnector"),
+                        "bad": _server(tiny_model, eagle_head, logs, "corrupt", 1, "CorruptingConnector")})
 
 
 def test_head_layer_is_pulled_and_drafted_from(sd):
@@ -121,11 +91,7 @@ def test_noise_over_the_head_layer_keeps_the_answers_and_costs_acceptance(sd):
 
 
 def test_negative_control_noise_over_every_pulled_layer_changes_the_answers(sd):
-    srv = sd["bad"]
-    prompts = token_prompts(LENGTHS, seed=97)
-    want = single(srv, prompts)
-    got = pd(srv, prompts)
-    assert all(g != w for g, w in zip(got, want)), got
+    every_answer_changes(sd["bad"])
 
 
 def test_the_pulled_head_layer_holds_prefills_bytes(tiny_model, eagle_head):
@@ -188,8 +154,4 @@ def test_streamed_with_the_head_layer_equals_a_single_server(streamed):
 
 
 def test_negative_control_streamed_with_the_head_layer(streamed):
-    st = streamed
-    prompts = token_prompts([300, 500], seed=100)
-    want = [text(complete(st["dec"].url, p, max_tokens=MAX_TOKENS)) for p in prompts]
-    got = [text(complete(st["conc_bad"], p, max_tokens=MAX_TOKENS, timeout=120)) for p in prompts]
-    assert all(g != w for g, w in zip(got, want)), got
+    streamed_answers_change(streamed)
