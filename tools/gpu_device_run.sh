@@ -7,14 +7,15 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 #     -d .whl cffi pycparser msgspec
 # Then run ``bash tools/gpu_device_run.sh [OUT [CHECKS]]`` there, with .whl carried (CHECKS: some of
-# stager_bench,cold_probe,stream_check,gpu_check,stream_<layout>; all by default; gpu_check also checks every
+# stager_bench,stager_mla,cold_probe,stream_check,gpu_check,stream_<layout>; all by default; stager_mla times
+# the copies in MLA's layout, wide elements against byte-wise; gpu_check also checks every
 # layout staged, stream_<layout> streams in one of gpu_check.py's other layouts).
 # It installs the wheels, builds the C core in place, stands in the two vLLM base classes the worker imports
 # (empty ones, in /tmp: the worker side needs nothing else of vLLM) and runs the GPU tools; each tool's output
 # goes to OUT/<tool>.txt.
 set -u
 out=${1:-/tmp/gpu-out}
-checks=${2:-stager_bench,cold_probe,stream_check,gpu_check,stream_fa-hnd,stream_flashinfer,stream_flashinfer-hnd,stream_mla,stream_fp8}
+checks=${2:-stager_bench,stager_mla,cold_probe,stream_check,gpu_check,stream_fa-hnd,stream_flashinfer,stream_flashinfer-hnd,stream_mla,stream_fp8}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -52,6 +53,7 @@ run() {  # name, timeout, args...
   echo "=== $name exit ${PIPESTATUS[0]}"
 }
 run stager_bench 120 gpu_stager_bench.py
+run stager_mla 120 gpu_stager_bench.py --layout mla --profile
 run cold_probe 120 gpu_stager_bench.py --cold-probe
 run stream_check 240 gpu_stream_check.py --modes stream,plain,cold --runs 3
 run gpu_check 240 gpu_check.py --layouts all

@@ -4,12 +4,14 @@ time as streamed KV copies them during a forward, against a plain pinned D2H cop
     python tools/gpu_stager_bench.py            # CUDA
     python tools/gpu_stager_bench.py --device cpu
 
-KV in FlashAttention's layout ([2, num_blocks, 16, heads, 128] bf16 per layer); the request's blocks are
-every other block (vLLM's free list is not in order after a while) and its slots a run. For each copy:
-the host time of the call (what vLLM's thread pays) and the time until the copy is done on the device,
-medians of ``--reps`` after two warm-up rounds, as GB/s of the request's bytes. Two stagers over the same
-KV, timed row by row side by side: ``overlap`` (the default: gathers and scatters on a stream of their own,
-the scratch in two halves) and ``one stream`` (everything on the copy stream, as before session 17).
+KV in FlashAttention's layout ([2, num_blocks, 16, heads, 128] bf16 per layer), or MLA's on GPU backends
+with ``--layout mla`` ([num_blocks, 16, 576] bf16); the request's blocks are every other block (vLLM's free
+list is not in order after a while) and its slots a run. For each copy: the host time of the call (what
+vLLM's thread pays) and the time until the copy is done on the device, medians of ``--reps`` after two
+warm-up rounds, as GB/s of the request's bytes. Three stagers over the same KV, timed row by row side by
+side: ``overlap`` (the default: gathers and scatters on a stream of their own, the scratch in two halves,
+copies over the widest integer that fits), ``one stream`` (everything on the copy stream, as before session
+17) and ``byte-wise`` (as ``overlap``, copies one byte per element, as before session 27).
 
 ``--cold-probe`` instead runs stand-in forwards (``--layers`` x 5 ms of device work, one layer copy after
 each layer, as streamed KV does) in fresh processes: plain (no copies), copies with a stager that skipped
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=128, help="the request's blocks (16 tokens each)")
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--layout", choices=("fa", "mla"), default="fa")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cold-probe", action="store_true", help="first forwards of fresh processes, cold or warm")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of one whole and one "
@@ -45,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = a.device.startswith("cuda")
     nb = 3 * a.blocks + 8  # the request's blocks are every other one of the first 2 x blocks; then others
-    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2, nb, 16, a.heads, 128, device=a.device).to(torch.bfloat16)
+    shape = (2, nb, 16, a.heads, 128) if a.layout == "fa" else (nb, 16, 576)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(*shape, device=a.device).to(torch.bfloat16)
           for i in range(a.layers)}
     first = next(iter(kv.values()))
     lay = block_layout(first.shape, first.stride(), first.element_size())
-    stagers = {"overlap": Stager(kv, lay, a.blocks + 4), "one stream": Stager(kv, lay, a.blocks + 4, overlap=False)}
+    stagers = {"overlap": Stager(kv, lay, a.blocks + 4), "one stream": Stager(kv, lay, a.blocks + 4, overlap=False),
+               "byte-wise": Stager(kv, lay, a.blocks + 4, wide=False)}
     st = stagers["overlap"]
     blocks, slots = list(range(1, 2 * a.blocks + 1, 2)), list(range(1, a.blocks + 1))
     nbytes = a.blocks * st.slot_bytes
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in copies.items():  # side by side: each copy timed on one stager, then on the other
         for sn, s_ in stagers.items():
             rows[(name, sn)] = timed(lambda s_=s_, fn=fn: fn(s_))
-    print(f"device {a.device}: {a.layers} layers x {a.blocks} blocks of {st.slot_bytes // a.layers // 1024} KiB "
+    print(f"device {a.device}, layout {a.layout} (copies as {st.element}-byte integers): {a.layers} layers x "
+          f"{a.blocks} blocks of {st.slot_bytes // a.layers // 1024} KiB "
           f"({nbytes / 2**20:.0f} MiB), medians of {a.reps}")
     for (name, sn), (host, done) in rows.items():
         n = nbytes // 2 if "half" in name else nbytes
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             v.index_fill_(0, bo, 0)
         sync()
     bad = [k for k, ok in checks.items() if not ok]
-    print("  bytes: " + (f"MISMATCH after {bad}" if bad else "every slot equals its block, and back"))
+    print("  bytes, every stager: " + (f"MISMATCH after {bad}" if bad else "every slot equals its block, and back"))
     return 1 if bad else 0
 
 

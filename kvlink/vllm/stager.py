@@ -7,7 +7,11 @@ landing copy of some layers (pool -> device) are each one plain async copy per r
 layer of a run is strided in host memory, and PyTorch copies a strided device -> host destination
 through a pageable bounce buffer, which blocks the calling thread - vLLM's - until the device reaches the
 copy: seen on an H100, every layer of the forward waited for the device.) Each layer's KV tensor is seen
-as bytes ``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout.
+as bytes ``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout;
+the copies themselves see those bytes as the widest integer (8, 4, 2 or 1 bytes) that divides every
+segment, stride and offset (``_element``): an indexed copy does its work per element, and over MLA's one
+18,432-byte segment a block, one byte per element was the slowest copy of every layout (2.7x slower than as
+int64 on a CPU; on an H200, 1.3 GB/s against ~30 for FlashAttention's layout, session 26).
 
 On CUDA the copies run on two streams of the stager's own, after an event recorded on vLLM's stream when
 the work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
@@ -37,6 +41,20 @@ from kvlink.vllm.layout import BlockLayout
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # device scratch for one round of a gather or a scatter
+
+
+def _element(layout: BlockLayout, addresses: list[int]) -> int:
+    """The widest integer (8, 4, 2 or 1 bytes) that divides a block's segment, its strides and the
+    ``addresses`` (each layer's first byte, the pool's): the copies may then see the bytes as such integers."""
+    sizes = [layout.segment_bytes, layout.block_stride, layout.segment_stride or layout.segment_bytes, *addresses]
+    return next(e for e in (8, 4, 2, 1) if all(x % e == 0 for x in sizes))
+
+
+def _dtype(element: int) -> Any:
+    """The torch integer of ``element`` bytes."""
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[element]
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -75,7 +93,7 @@ class Stager:
     tools/gpu_stager_bench.py); ``warm=False`` skips the warm-up (the cold-start probe)."""
 
     def __init__(self, kv_caches: dict[str, Any], layout: BlockLayout, slots: int, *, overlap: bool = True,
-                 warm: bool = True):
+                 warm: bool = True, wide: bool = True):
         import torch
 
         first = next(iter(kv_caches.values()))
@@ -86,6 +104,11 @@ class Stager:
         self.slot_bytes = len(kv_caches) * layout.block_bytes
         self.pool = torch.zeros((len(kv_caches), slots + 1, n, seg), dtype=torch.uint8, pin_memory=self.cuda)
         self.views = [self._bytes(t) for t in kv_caches.values()]
+        # what the copies index: the same memory as wide elements (``wide=False``: bytes, the A/B of
+        # tools/gpu_stager_bench.py)
+        self.element = _element(layout, [v.data_ptr() for v in self.views] + [self.pool.data_ptr()]) if wide else 1
+        self._views = [self._bytes(t, self.element) for t in kv_caches.values()]
+        self._pool = self.pool.view(_dtype(self.element))
         # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the halves of the
         # scratch are shared, and their events are what keep one round's use of a half from overlapping the next.
         self._queue_lock = threading.Lock()
@@ -97,8 +120,8 @@ class Stager:
             # rounds of a whole request, and its copies are bound by their launches (tools/gpu_stager_bench.py)
             self.chunk = max(1, min(slots, CHUNK_BYTES // self.slot_bytes))
             # each half: blocks of one layer each; a copy of fewer layers gives each a larger share
-            scratch = torch.empty((halves, len(kv_caches) * self.chunk, n, seg), dtype=torch.uint8,
-                                  device=self.device)
+            scratch = torch.empty((halves, len(kv_caches) * self.chunk, n, seg // self.element),
+                                  dtype=_dtype(self.element), device=self.device)
             self._halves = list(scratch)
             self._free: list[Any] = [None] * halves  # event: the last round that used the half is done
             self._round = 0
@@ -109,15 +132,16 @@ class Stager:
     def pool_span(self) -> tuple[int, int]:
         return self.pool.data_ptr(), self.pool.numel()
 
-    def _bytes(self, t: Any) -> Any:
-        """The layer's blocks as bytes ``[num_blocks, segments, segment_bytes]`` (a view of its storage)."""
+    def _bytes(self, t: Any, element: int = 1) -> Any:
+        """The layer's blocks ``[num_blocks, segments, segment_bytes / element]`` as integers of ``element``
+        bytes (a view of its storage; ``element`` divides every size, stride and offset: ``_element``)."""
         import torch
 
-        lay = self.layout
-        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        return raw.as_strided((lay.num_blocks, lay.segments, lay.segment_bytes),
-                              (lay.block_stride, lay.segment_stride or lay.segment_bytes, 1),
-                              t.storage_offset() * t.element_size())
+        lay, e = self.layout, element
+        raw = torch.empty(0, dtype=_dtype(e), device=t.device)
+        return raw.set_(t.untyped_storage(), t.storage_offset() * t.element_size() // e,
+                        (lay.num_blocks, lay.segments, lay.segment_bytes // e),
+                        (lay.block_stride // e, (lay.segment_stride or lay.segment_bytes) // e, 1))
 
     def _warm(self) -> None:
         """Run each kind of copy once at full size, before vLLM runs a forward and before the pool is
@@ -158,13 +182,13 @@ class Stager:
         as the forward goes). CPU: done on return."""
         import torch
 
-        layers = list(enumerate(self.views)) if layer is None else [(layer, self.views[layer])]
+        layers = list(enumerate(self._views)) if layer is None else [(layer, self._views[layer])]
         if not self.cuda:
             bi = torch.tensor(blocks)
             for li, v in layers:
                 rows = v.index_select(0, bi)
                 for i, s, n in _runs(slots):
-                    self.pool[li, s:s + n].copy_(rows[i:i + n])
+                    self._pool[li, s:s + n].copy_(rows[i:i + n])
             return DONE
         if not layers:
             return DONE
@@ -185,7 +209,7 @@ class Stager:
                     for j, (li, _v) in enumerate(layers):
                         buf = h[j * per:j * per + k]
                         for i, s, n in _runs(slots[at:at + k]):  # contiguous on both sides: never a bounce buffer
-                            self.pool[li, s:s + n].copy_(buf[i:i + n], non_blocking=True)
+                            self._pool[li, s:s + n].copy_(buf[i:i + n], non_blocking=True)
                     self._free[half] = self._mark(self.stream)
             return self._pending(half)
 
@@ -195,13 +219,13 @@ class Stager:
         streamed read landed only those). CPU: done on return."""
         import torch
 
-        views = list(enumerate(self.views)) if layers is None else [(li, self.views[li]) for li in layers]
+        views = list(enumerate(self._views)) if layers is None else [(li, self._views[li]) for li in layers]
         if not self.cuda:
             bi = torch.tensor(blocks)
-            rows = torch.empty((len(blocks), self.layout.segments, self.layout.segment_bytes), dtype=torch.uint8)
+            rows = torch.empty((len(blocks), *self._pool.shape[2:]), dtype=self._pool.dtype)
             for layer, v in views:
                 for i, s, n in _runs(slots):
-                    rows[i:i + n].copy_(self.pool[layer, s:s + n])
+                    rows[i:i + n].copy_(self._pool[layer, s:s + n])
                 v.index_copy_(0, bi, rows)
             return DONE
         if not views or not blocks:
@@ -215,7 +239,7 @@ class Stager:
                     for j, (layer, _v) in enumerate(views):
                         buf = h[j * per:j * per + k]
                         for i, s, n in _runs(slots[at:at + k]):
-                            buf[i:i + n].copy_(self.pool[layer, s:s + n], non_blocking=True)
+                            buf[i:i + n].copy_(self._pool[layer, s:s + n], non_blocking=True)
                     landed = self._mark(self.stream)
                 with torch.cuda.stream(self.kernels):
                     self.kernels.wait_event(landed)

@@ -158,6 +158,36 @@ def test_the_pool_geometry_names_the_bytes_the_stager_copies_each_block_to():
     assert not st.pool[:, [0, 2, 5, 6]].any()  # the null slot and the unused ones
 
 
+@pytest.mark.parametrize("dims,skip,element", [((2, 8), 0, 8), ((1, 3), 4, 4), ((1, 3), 2, 2), ((1, 3), 1, 1),
+                                                   ((2, 8), 12, 4)])
+def test_the_stager_copies_as_the_widest_integer_that_fits_and_moves_the_same_bytes(dims, skip, element):
+    """Blocks of ``BS x dims`` uint8 (a multiple of 16 bytes), each layer ``skip`` bytes into its storage: the
+    stager picks the widest integer dividing every size, stride and address, and a round trip (blocks -> pool -> other blocks) moves
+    exactly the bytes a byte-wise stager does, leaving every other block alone."""
+    from kvlink.vllm.stager import Stager
+
+    def kv():
+        g = torch.Generator().manual_seed(7)
+        out = {}
+        for i in range(3):
+            raw = torch.randint(0, 256, (skip + NB * BS * dims[0] * dims[1],), dtype=torch.uint8, generator=g)
+            out[f"model.layers.{i}.attn"] = raw[skip:].view(NB, BS, *dims)
+        return out
+
+    wide_kv, narrow_kv = kv(), kv()
+    first = next(iter(wide_kv.values()))
+    lay = block_layout(first.shape, first.stride(), first.element_size())
+    wide, narrow = Stager(wide_kv, lay, 6), Stager(narrow_kv, lay, 6, wide=False)
+    assert (wide.element, narrow.element) == (element, 1)
+    for st in (wide, narrow):
+        st.to_pool([5, 2, 7], [3, 4, 1])
+        st.from_pool([3, 4, 1], [0, 1, 6])
+    assert torch.equal(wide.pool, narrow.pool) and wide.pool[:, 3].any()
+    for w, n in zip(wide_kv.values(), narrow_kv.values()):
+        assert torch.equal(w, n)
+        assert torch.equal(w[0], w[5]) and torch.equal(w[1], w[2]) and torch.equal(w[6], w[7])
+
+
 def test_plan_reads_each_side_with_its_own_geometry():
     # Decode: K/V planes of 8 blocks; prefill: a pool. One block of 2 segments of 100 B.
     local = Geometry(1000, 100, 800)
@@ -344,16 +374,18 @@ def test_gpu_stream_check_script_passes_on_the_host_staged_path(layout):
     assert "every block of every layer equal" in r.stdout and "read blocks as pieces: yes" in r.stdout
 
 
-def test_gpu_stager_bench_copies_every_block_both_ways_on_the_host():
+@pytest.mark.parametrize("layout", ["fa", "mla"])
+def test_gpu_stager_bench_copies_every_block_both_ways_on_the_host(layout):
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(root / "tools" / "gpu_stager_bench.py"), "--device", "cpu", "--layers",
-                        "3", "--blocks", "8", "--reps", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+                        "3", "--blocks", "8", "--reps", "1", "--layout", layout], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every slot equals its block, and back" in r.stdout
+    assert f"layout {layout} (copies as 8-byte integers)" in r.stdout and "byte-wise" in r.stdout
 
 
 def test_on_cuda_a_request_streamed_whole_into_the_pool_is_staged_only_once_its_layer_copies_are_done():
