@@ -9,9 +9,10 @@ through a pageable bounce buffer, which blocks the calling thread - vLLM's - unt
 copy: seen on an H100, every layer of the forward waited for the device.) Each layer's KV tensor is seen
 as bytes ``[num_blocks, segments, segment_bytes]`` through its BlockLayout, whatever the backend's layout;
 the copies themselves see those bytes as the widest integer (8, 4, 2 or 1 bytes) that divides every
-segment, stride and offset (``_element``): an indexed copy does its work per element, and over MLA's one
-18,432-byte segment a block, one byte per element was the slowest copy of every layout (2.7x slower than as
-int64 on a CPU; on an H200, 1.3 GB/s against ~30 for FlashAttention's layout, session 26).
+segment, stride and address (``_element``): an indexed copy does its work per element. On a CPU, landing
+(``index_copy_``) runs 3.9x faster as int64 than byte-wise (bench/results/cpu-s27-stager.txt); on an H200,
+MLA's whole-request staging ran at 1.3 GB/s byte-wise against ~30 for the other layouts (session 26), with
+the byte-wise gather the suspect, not yet measured wide.
 
 On CUDA the copies run on two streams of the stager's own, after an event recorded on vLLM's stream when
 the work was handed over (so after the forward that wrote the blocks, or after whatever used a block before
