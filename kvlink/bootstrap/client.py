@@ -173,9 +173,13 @@ class BootstrapClient:
                             s.RegisterAnswer)
         return answer.created
 
-    def heartbeat(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> None:
-        """Renew a rank's lease; UnknownEngine if the server forgot it (restart or lease ran out)."""
-        self._call("/v1/engine/heartbeat", _key(engine_id, tp_rank, dp_rank, pp_rank), s.LeaseAnswer)
+    def heartbeat(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0,
+                  instance: str | None = None) -> None:
+        """Renew a rank's lease; UnknownEngine if the server forgot it (restart or lease ran out); Conflict
+        (field ``instance``) if another process (``instance``: the sender's) registered the rank since."""
+        body = s.checked(s.EngineKeyBody, engine_id=engine_id, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
+                         instance=instance)
+        self._call("/v1/engine/heartbeat", body, s.LeaseAnswer)
 
     def unregister_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> bool:
         return self._call("/v1/engine/unregister", _key(engine_id, tp_rank, dp_rank, pp_rank), s.OkAnswer).ok
@@ -200,14 +204,16 @@ class BootstrapClient:
         transfer_id: str | None = None,
         epoch: int = 0,
         prompt_sha: str | None = None,
+        launch: str | None = None,
     ) -> None:
         """Publish a finished prefill request (the same publish again renews it while it is live; other content
         conflicts). RequestReleased / RequestExpired when its request id or transfer id already ended
         (released, abandoned, expired): nothing stored, the blocks are nobody's any more.
-        ``prompt_sha``: the digest of the prompt tokens it computed, which decode compares with its own."""
+        ``prompt_sha``: the digest of the prompt tokens it computed, which decode compares with its own.
+        ``launch``: the engine's start (EngineRegistration.launch); Conflict if its ranks are another's."""
         body = s.checked(s.PublishBody, engine_id=engine_id, request_id=request_id, transfer_id=transfer_id,
                          block_ids=block_ids, num_tokens=num_tokens, lease_s=lease_s, epoch=epoch,
-                         prompt_sha=prompt_sha)
+                         prompt_sha=prompt_sha, launch=launch)
         self._call("/v1/request/publish", body, s.OkAnswer)
 
     def lookup(
@@ -294,11 +300,13 @@ class BootstrapClient:
         body = s.checked(s.AbandonTransferBody, engine_id=engine_id, transfer_id=transfer_id, request_id=request_id)
         return self._call("/v1/transfer/abandon", body, s.ReleaseAnswer).already_released
 
-    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: list[s.StreamPiece]) -> list[str]:
+    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: list[s.StreamPiece],
+                      launch: str | None = None) -> list[str]:
         """Report one prefill rank's streamed pieces; returns the transfer ids whose stream is over (decode
-        stopped waiting, or the request was published or abandoned): send no more for them."""
+        stopped waiting, or the request was published or abandoned): send no more for them. Conflict if the
+        engine's ranks are registered by another ``launch``."""
         body = s.checked(s.StreamPiecesBody, engine_id=engine_id, rank=rank, ranks=ranks,
-                         pieces=[msgspec.to_builtins(p) for p in pieces])
+                         pieces=[msgspec.to_builtins(p) for p in pieces], launch=launch)
         return self._call("/v1/stream/pieces", body, s.StreamPiecesAnswer).ended
 
     def stop_stream(self, transfer_id: str) -> bool:

@@ -98,7 +98,7 @@ class Heartbeater:
             self._register(again=self.registrations > 0)
             return
         try:
-            self.client.heartbeat(reg.engine_id, reg.tp_rank, reg.dp_rank, reg.pp_rank)
+            self.client.heartbeat(reg.engine_id, reg.tp_rank, reg.dp_rank, reg.pp_rank, reg.instance)
         except UnknownEngine:
             self.registered.clear()
             log.warning("bootstrap: server forgot engine %s (restart or missed lease); registering again",
@@ -134,7 +134,7 @@ class Heartbeater:
                     log.warning("bootstrap: heartbeat failed, will retry: %s", err)
                 outage = True
                 wait = min(self.interval_s, 1.0)
-            except Conflict as err:
+            except Conflict as err:  # a layout change, or (a heartbeat) another process took the rank over
                 log.error("bootstrap: registration refused, will retry after the old lease: %s", err)
                 wait = self.interval_s
             except Exception:  # never let the thread die silently: the lease would run out

@@ -29,6 +29,7 @@ MAX_IDS_PER_CALL = 65_536
 EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
+Instance = Annotated[str, Meta(min_length=1, max_length=64)]
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 Size = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 LeaseS = Annotated[float, Meta(gt=0.0, le=MAX_LEASE_S)]
@@ -96,6 +97,9 @@ class EngineRegistration(_Strict, kw_only=True, omit_defaults=True):  # unset fi
 
     ``instance`` names the process (random per start): a rank registered again by another instance is a
     new process, whose block ids mean nothing of the old one's (the table drops what the old one published).
+    ``launch`` names the engine's start (vLLM's ``instance_id``: the same in its scheduler and in every rank):
+    a publish or streamed piece from another launch than the live ranks' comes from a process that was
+    replaced, and is refused (its block ids would be read in the new process's memory).
     """
 
     engine_id: EngineId
@@ -112,7 +116,8 @@ class EngineRegistration(_Strict, kw_only=True, omit_defaults=True):  # unset fi
     # What compat_hash digests, so a decode that refuses the engine can name both sides' values.
     compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)] | int],
                       Meta(max_length=32)] = {}
-    instance: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    instance: Instance | None = None
+    launch: Instance | None = None
 
     def __post_init__(self) -> None:
         for rank, size in (("dp_rank", "dp_size"), ("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
@@ -167,7 +172,8 @@ class RequestRecord(_Strict, kw_only=True, omit_defaults=True):  # an older clie
 
 
 class ReleasedRequest(_Strict, kw_only=True):
-    """One outcome in a poll answer; ``seq`` increases per engine and acknowledges it on the next poll."""
+    """One outcome in a poll answer; ``seq`` increases (one count for the whole server, so an engine that
+    registers again never sees a number again) and acknowledges it on the next poll."""
 
     seq: int
     request_id: RequestId
@@ -182,11 +188,12 @@ class RegisterEngineBody(_Strict, kw_only=True):
     lease_s: LeaseS
 
 
-class EngineKeyBody(_Strict, kw_only=True):
+class EngineKeyBody(_Strict, kw_only=True, omit_defaults=True):
     engine_id: EngineId
     dp_rank: Rank = 0
     tp_rank: Rank = 0
     pp_rank: Rank = 0
+    instance: Instance | None = None  # a heartbeat: the process that sends it (EngineRegistration.instance)
 
 
 class EngineRanksBody(_Strict, kw_only=True):
@@ -202,6 +209,7 @@ class PublishBody(_Strict, kw_only=True, omit_defaults=True):  # unset fields st
     lease_s: LeaseS | None = None
     epoch: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
     prompt_sha: PromptSha | None = None
+    launch: Instance | None = None  # EngineRegistration.launch of the publishing engine
 
 
 class StreamPiece(_Strict, kw_only=True, omit_defaults=True):
@@ -231,13 +239,14 @@ class StreamPiece(_Strict, kw_only=True, omit_defaults=True):
                              f"`block_ids` has {len(self.block_ids)}")
 
 
-class StreamPiecesBody(_Strict, kw_only=True):
+class StreamPiecesBody(_Strict, kw_only=True, omit_defaults=True):
     """One prefill rank's pieces of one step; ``rank`` is its (PP stage, TP rank) index among ``ranks``."""
 
     engine_id: EngineId
     rank: Rank = 0
     ranks: Size = 1
     pieces: Annotated[list[StreamPiece], Meta(max_length=4096)]
+    launch: Instance | None = None  # EngineRegistration.launch of the sending engine
 
     def __post_init__(self) -> None:
         if self.rank >= self.ranks:

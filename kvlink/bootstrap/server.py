@@ -78,7 +78,7 @@ class BootstrapApp:
         t = self.table
         self._post("/v1/engine/register", s.RegisterEngineBody, self._register)
         self._post("/v1/engine/heartbeat", s.EngineKeyBody, lambda b: s.LeaseAnswer(
-            lease_s=t.heartbeat(b.engine_id, b.dp_rank, b.tp_rank, b.pp_rank)))
+            lease_s=t.heartbeat(b.engine_id, b.dp_rank, b.tp_rank, b.pp_rank, b.instance)))
         self._post("/v1/engine/unregister", s.EngineKeyBody, lambda b: s.OkAnswer(
             ok=t.unregister_engine(b.engine_id, b.dp_rank, b.tp_rank, b.pp_rank)))
         self._post("/v1/engine/get", s.EngineKeyBody, lambda b: t.get_engine(
@@ -94,7 +94,7 @@ class BootstrapApp:
         self._post("/v1/transfer/abandon", s.AbandonTransferBody, lambda b: s.ReleaseAnswer(
             already_released=t.abandon_transfer(b.engine_id, b.transfer_id, b.request_id)))
         self._post("/v1/stream/pieces", s.StreamPiecesBody, lambda b: s.StreamPiecesAnswer(
-            ended=t.stream_pieces(b.engine_id, b.rank, b.ranks, b.pieces)))
+            ended=t.stream_pieces(b.engine_id, b.rank, b.ranks, b.pieces, b.launch)))
         self._post("/v1/stream/stop", s.StreamStopBody, lambda b: s.ReleaseAnswer(
             already_released=t.stop_stream(b.transfer_id)))
         self._post("/v1/request/poll_released", s.PollReleasedBody, lambda b: t.poll_released(
@@ -185,7 +185,7 @@ class BootstrapApp:
 
     def _publish(self, body: s.PublishBody) -> s.OkAnswer:
         self.table.publish(body.engine_id, body.request_id, body.block_ids, body.num_tokens, body.lease_s,
-                           body.transfer_id, body.epoch, body.prompt_sha)
+                           body.transfer_id, body.epoch, body.prompt_sha, body.launch)
         return s.OkAnswer()
 
     def _check_ids(self, ids: list[str]) -> None:

@@ -87,7 +87,6 @@ class _Engine:
     ranks: dict[RankIndex, _Rank] = dataclasses.field(default_factory=dict)
     requests: dict[str, _Request] = dataclasses.field(default_factory=dict)
     outcomes: collections.deque[ReleasedRequest] = dataclasses.field(default_factory=collections.deque)
-    next_seq: int = 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +135,9 @@ class PairingTable:
         self._rank_heap: list[tuple[float, int, _Rank]] = []
         self._request_heap: list[tuple[float, int, _Request]] = []
         self._tie = itertools.count()
+        # Outcome sequence numbers, one count for the whole table: an engine dropped and registered again
+        # under the same id (its lease lapsed) must not reuse numbers its poller already acknowledged.
+        self._seq = itertools.count(1)
         self._tombstones: collections.OrderedDict[tuple[str, str], tuple[RequestStatus, float]] = (
             collections.OrderedDict()
         )
@@ -219,10 +221,19 @@ class PairingTable:
         self.stats.engines_registered += 1
         return True
 
-    def heartbeat(self, engine_id: str, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> float:
-        """Renew a rank's lease by the length it registered with; UnknownEngine if it is not live."""
+    def heartbeat(self, engine_id: str, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0,
+                  instance: str | None = None) -> float:
+        """Renew a rank's lease by the length it registered with; UnknownEngine if it is not live. Conflict,
+        nothing renewed, when ``instance`` names another process than the one registered (the rank was
+        registered again by its replacement: the old process must not keep the new one's lease alive)."""
         now = self._sweep()
         rank = self._rank(engine_id, (dp_rank, tp_rank, pp_rank))
+        registered = rank.registration.instance
+        if instance is not None and registered is not None and instance != registered:
+            self.stats.conflicts += 1
+            raise Conflict(f"rank {(dp_rank, tp_rank, pp_rank)} of engine {engine_id!r} is registered by another "
+                           f"process (instance {registered!r}, not {instance!r}): this one was replaced",
+                           field="instance")
         rank.expires_at = now + rank.lease_s
         return rank.lease_s
 
@@ -258,13 +269,16 @@ class PairingTable:
         transfer_id: str | None = None,
         epoch: int = 0,
         prompt_sha: str | None = None,
+        launch: str | None = None,
     ) -> RequestRecord:
         """Publish a finished prefill request. The same publish again renews it while it is live; a different
         one conflicts. A request id or transfer id that already ended (its tombstone says released or
         expired) is refused with RequestReleased / RequestExpired, nothing stored. It ends the request's
-        stream of pieces, if it had one (streams.py)."""
+        stream of pieces, if it had one (streams.py). Conflict, nothing stored, from another ``launch``
+        than the engine's live ranks' (_check_launch)."""
         now = self._sweep()
         engine = self._engine(engine_id)
+        self._check_launch(engine, launch, f"request {request_id!r}")
         lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
         existing = engine.requests.get(request_id)
         if existing is not None:
@@ -346,13 +360,16 @@ class PairingTable:
 
     # ----- streamed KV ------------------------------------------------------------------------------------
 
-    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: Iterable) -> list[str]:
+    def stream_pieces(self, engine_id: str, rank: int, ranks: int, pieces: Iterable,
+                      launch: str | None = None) -> list[str]:
         """One prefill rank's pieces (schema.StreamPiece); returns the transfer ids whose stream is over,
         so that rank stops sending for them. Rules: streams.py. A piece whose transfer id another request
         (or engine) streams under is not applied: counted as a conflict and its id returned as over, while
-        the call's other pieces apply."""
+        the call's other pieces apply. Conflict, nothing applied, from another ``launch`` than the engine's
+        live ranks' (_check_launch)."""
         now = self._sweep()
         engine = self._engine(engine_id)
+        self._check_launch(engine, launch, "streamed pieces")
         reg = next(iter(engine.ranks.values())).registration if engine.ranks else None
         if reg is not None and ranks != reg.tp_size * reg.pp_size:
             raise InvalidField(f"ranks={ranks}, but engine {engine_id!r} registered TP={reg.tp_size} x "
@@ -510,6 +527,21 @@ class PairingTable:
             self.stats.conflicts += 1
             raise Conflict(f"{held}, not request {request_id!r}: nothing released", field="request_id")
 
+    def _check_launch(self, engine: _Engine, launch: str | None, what: str) -> None:
+        """Conflict when ``launch`` (the sender's start) is not that of every live rank that names one. A
+        process replaced under the same engine id (a rolling restart: the new one registered while the old
+        one still finished its requests) would otherwise publish block ids that decode then reads from the
+        new process's memory: wrong KV under a matching prompt digest."""
+        if launch is None:
+            return
+        for rank in engine.ranks.values():
+            live = rank.registration.launch
+            if live is not None and live != launch:
+                self.stats.conflicts += 1
+                raise Conflict(f"{what} of engine {engine.engine_id!r} comes from launch {launch!r}, but the "
+                               f"engine's ranks are registered by launch {live!r}: the sender was replaced; "
+                               "nothing stored", field="launch")
+
     def _lease(self, lease_s: float) -> float:
         if not 0 < lease_s <= self.limits.max_lease_s:
             raise InvalidField(f"lease_s must be in (0, {self.limits.max_lease_s}]", field="lease_s")
@@ -586,8 +618,8 @@ class PairingTable:
             del self._transfers[request.transfer_id]
             self._bury(self._transfer_tombstones, request.transfer_id, status, now)
         if outcome is not None:
-            engine.outcomes.append(ReleasedRequest(seq=engine.next_seq, request_id=request.request_id, outcome=outcome))
-            engine.next_seq += 1
+            engine.outcomes.append(ReleasedRequest(seq=next(self._seq), request_id=request.request_id,
+                                                   outcome=outcome))
             if len(engine.outcomes) > self.limits.max_pending_outcomes:
                 engine.outcomes.popleft()
                 self.stats.outcomes_dropped += 1

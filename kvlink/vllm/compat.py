@@ -13,8 +13,9 @@ logger = logging.getLogger(__name__)
 # 2: a registration carries each layer's offset and strides; 3: TP/PP mapped, not equal; 4: rotary settings in
 # the compat fields, fp8 K/V scales per layer, the prompt digest (an older peer is refused by version, not by
 # a field it never sent); 5: a registration names its process (instance), an abandon its request; the
-# attention kernels in the compat fields
-PROTOCOL_VERSION = 5
+# attention kernels in the compat fields; 6: registrations, publishes and streamed pieces name the engine's
+# launch, heartbeats their process (a bootstrap server older than 6 refuses those fields: upgrade it first)
+PROTOCOL_VERSION = 6
 
 # vLLM symbols the connector cannot work without: (module, attribute).
 REQUIRED_VLLM_API = (

@@ -64,6 +64,15 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
     return f"{eid}-dp{rank}"
 
 
+def launch_of(vllm_config: "VllmConfig") -> str | None:
+    """This engine's start: vLLM's ``instance_id`` (a nanosecond timestamp taken when the front end built the
+    config, ``_dp<rank>`` appended per DP engine), which the scheduler and every worker of one start share.
+    Registrations, publishes and streamed pieces carry it, so the bootstrap server refuses those of a process
+    that was replaced under the same engine id (table.py ``_check_launch``). None (no such field): unfenced."""
+    iid = getattr(vllm_config, "instance_id", None)
+    return str(iid)[-64:] if iid else None
+
+
 def dp_local_of(vllm_config: "VllmConfig") -> int:
     """This engine's DP rank among the DP ranks on its host (``data_parallel_rank_local``; 0 without data
     parallelism). vLLM runs the DP ranks of a dense model as independent engines, each told DP rank 0 of
@@ -280,7 +289,8 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                                             bool(getattr(vllm_config.parallel_config, "use_ubatching", False)))
             self._sched = KVLinkScheduler(self.config, self.engine_id, kv.kv_role, block_size,
                                           staging_slots=slots, windows=windows, block_sizes=sizes or None,
-                                          backoff=backoff, streamable=streamable, dp_local=dp_local_of(vllm_config))
+                                          backoff=backoff, streamable=streamable, dp_local=dp_local_of(vllm_config),
+                                          launch=launch_of(vllm_config))
             self._sched.lockstep_prefix_caching(self._prefix_caching)
             if len(windows) > 1:
                 logger.info("kvlink: %d KV cache groups (hybrid KV cache manager): %s", len(windows),
@@ -305,7 +315,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", ""),
                                                 _platform_fp8()),
                             rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)),
-                            dp_local=dp_local_of(vllm_config))
+                            dp_local=dp_local_of(vllm_config), launch=launch_of(vllm_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=_worker_slot_bytes(vllm_config, kv_cache_config),
                                         layer_groups={n: i for i, g in enumerate(groups or ()) for n in g.layer_names},

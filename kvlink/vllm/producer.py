@@ -137,13 +137,14 @@ class Producer:
         server = self._server  # (None once shut down: the HTTP client then fails as it would)
         if server is None:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, groups, num_tokens, self.cfg.lease_s,
-                                                         transfer_id=transfer_id, epoch=epoch, prompt_sha=prompt_sha)
+                                                         transfer_id=transfer_id, epoch=epoch, prompt_sha=prompt_sha,
+                                                         launch=self.launch)
             return
         from kvlink.bootstrap import schema
 
         body = schema.checked(schema.PublishBody, engine_id=self.engine_id, request_id=rid, transfer_id=transfer_id,
                               block_ids=groups, num_tokens=num_tokens, lease_s=self.cfg.lease_s, epoch=epoch,
-                              prompt_sha=prompt_sha)
+                              prompt_sha=prompt_sha, launch=self.launch)
         server.publish(body, self.cfg.bootstrap_timeout_s)
 
     def _finished_producer(self, request: "Request", params: dict, groups: tuple[tuple[int, ...], ...]):

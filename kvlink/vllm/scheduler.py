@@ -48,8 +48,9 @@ class KVLinkScheduler(Producer):
                  window: int | None = None, window_extra: int = 0, staging_slots: int | None = None,
                  windows: tuple[tuple[int, int] | None, ...] | None = None,
                  block_sizes: tuple[int, ...] | None = None, backoff: int = 0, streamable: str | None = None,
-                 dp_local: int = 0):
+                 dp_local: int = 0, launch: str | None = None):
         self.cfg, self.engine_id, self.block_size = cfg, engine_id, block_size
+        self.launch = launch  # this engine's start (connector.launch_of): every publish names it
         self.dp_local = dp_local  # data parallelism: this engine's DP rank on its host (connector.dp_local_of)
         # Per KV cache group: tokens per block (a state group's block covers the whole request).
         self.block_sizes = block_sizes or (block_size,)

@@ -84,6 +84,7 @@ class RankInfo:
     kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (fp8 variants share the uint8 tensor dtype)
     rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
     dp_local: int = 0  # this engine's DP rank on its host (connector.dp_local_of; 0 without data parallelism)
+    launch: str | None = None  # this engine's start, shared with its scheduler (connector.launch_of)
 
     @property
     def index(self) -> int:
@@ -418,7 +419,8 @@ class KVLinkWorker(Puller):
                                  tp_size=self.rank.tp_size, pp_rank=self.rank.pp_rank, pp_size=self.rank.pp_size,
                                  transport_addr=self.cfg.advertised(self.rank.port_index) or self.engine.address,
                                  layers=layers, protocol_version=PROTOCOL_VERSION,
-                                 compat_hash=self.compat_hash, compat=self.compat, instance=self._instance)
+                                 compat_hash=self.compat_hash, compat=self.compat, instance=self._instance,
+                                 launch=self.rank.launch)
         cli = self._clients_for(url)
         try:
             cli.register_engine(reg, self.cfg.engine_lease_s)  # first time synchronously: decode may ask soon
@@ -467,7 +469,7 @@ class KVLinkWorker(Puller):
 
             def send(pieces):
                 return cli.stream_pieces(self.rank.engine_id, rank, ranks, [StreamPiece(**p.fields())
-                                                                            for p in pieces])
+                                                                            for p in pieces], self.rank.launch)
 
             def count(key: str, n: int) -> None:
                 with self._lock:

@@ -34,6 +34,7 @@ def registration(
     num_blocks: int = 1024,
     compat_hash: str = "abc123",
     instance: str | None = None,
+    launch: str | None = None,
 ) -> EngineRegistration:
     layers = [
         KVLayerSpec(name=f"model.layers.{i}.attn", region_id=i, block_bytes=32768, num_blocks=num_blocks,
@@ -43,7 +44,7 @@ def registration(
     return EngineRegistration(
         engine_id=engine_id, dp_rank=dp_rank, dp_size=dp_size, tp_rank=tp_rank, tp_size=tp_size,
         pp_rank=pp_rank, pp_size=pp_size, transport_addr=f"127.0.0.1:{port}", layers=layers,
-        protocol_version=1, compat_hash=compat_hash, instance=instance,
+        protocol_version=1, compat_hash=compat_hash, instance=instance, launch=launch,
     )
 
 

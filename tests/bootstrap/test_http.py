@@ -558,6 +558,30 @@ def test_a_conflicting_streamed_piece_leaves_the_rest_of_its_call_applied(client
     assert client.lookup_transfer("t", after=0).request_id == "r"
 
 
+def test_a_replaced_launch_is_refused_over_http_and_its_heartbeater_stops_renewing(client, make_registration):
+    from kvlink.bootstrap import Heartbeater
+
+    client.register_engine(make_registration("P", instance="a-0", launch="A"), lease_s=30.0)
+    client.register_engine(make_registration("P", port=6001, instance="b-0", launch="B"), lease_s=30.0)
+    with pytest.raises(Conflict) as err:
+        client.publish("P", "r1", [[1]], 16, lease_s=30.0, transfer_id="t1", launch="A")
+    assert err.value.field == "launch"
+    with pytest.raises(Conflict):
+        client.stream_pieces("P", 0, 1, [StreamPiece(transfer_id="t2", request_id="r2", index=1, num_tokens=16,
+                                                 block_ids=[[3]])], launch="A")
+    with pytest.raises(Conflict) as err:
+        client.heartbeat("P", instance="a-0")
+    assert err.value.field == "instance"
+    old = Heartbeater(client, make_registration("P", instance="a-0", launch="A"), lease_s=30.0, interval_s=0.05)
+    old.registered.set()  # as after its first registration: from now on it only heartbeats
+    with pytest.raises(Conflict):
+        old.beat()
+    assert client.get_engine("P").instance == "b-0"  # never registered back over B
+    client.publish("P", "r3", [[1]], 16, lease_s=30.0, transfer_id="t3", launch="B")
+    assert client.lookup_transfer("t3").block_ids == [[1]]
+    assert b"launch" not in msgspec.json.encode(make_registration("Q"))  # unset: off the wire
+
+
 def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client, make_registration):
     client.register_engine(make_registration("P", instance="0123abcd"), lease_s=30.0)
     assert client.get_engine("P").instance == "0123abcd"

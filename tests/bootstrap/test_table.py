@@ -128,6 +128,56 @@ def test_a_restart_at_the_same_address_is_told_by_its_instance_and_drops_the_old
     assert table.lookup("E", ["r2"]).ready and table.get_engine("E").instance == "proc-2"
 
 
+def test_a_replaced_process_can_no_longer_publish_stream_or_keep_the_new_ones_lease(table, clock, make_registration):
+    """A rolling restart under one engine id: B (another start, another address) registers while A still
+    finishes its requests. A's publishes and pieces would name block ids that decode reads from B's memory
+    (its lookup of the engine answers B): refused, nothing stored. A's heartbeat no longer renews B's rank.
+    B's own, and senders that name no launch (older ones), pass."""
+    from kvlink.bootstrap.schema import StreamPiece
+
+    table.register_engine(make_registration("E", instance="a-0", launch="A"), 15.0)
+    table.publish("E", "r1", [[5, 6]], 32, transfer_id="t1", launch="A")
+    table.register_engine(make_registration("E", port=6000, instance="b-0", launch="B"), 15.0)
+    assert table.lookup_transfer("t1") is RequestStatus.EXPIRED  # B's registration dropped A's record
+    with pytest.raises(Conflict) as err:
+        table.publish("E", "r2", [[7, 8]], 32, transfer_id="t2", launch="A")
+    assert err.value.field == "launch" and "'A'" in err.value.message and "'B'" in err.value.message
+    assert table.lookup_transfer("t2") is RequestStatus.UNKNOWN and table.lookup("E", ["r2"]).unknown == ["r2"]
+    piece = StreamPiece(transfer_id="t3", request_id="r3", index=1, num_tokens=16, block_ids=[[9]])
+    with pytest.raises(Conflict):
+        table.stream_pieces("E", 0, 1, [piece], launch="A")
+    assert table.lookup_transfer("t3", after=0) is RequestStatus.UNKNOWN
+    clock.advance(10)
+    with pytest.raises(Conflict) as err:
+        table.heartbeat("E", instance="a-0")
+    assert err.value.field == "instance"
+    clock.advance(6)  # B never renewed: A's refused heartbeat did not keep B's rank alive
+    with pytest.raises(UnknownEngine):
+        table.get_engine("E")
+    table.register_engine(make_registration("E", port=6000, instance="b-0", launch="B"), 15.0)
+    assert table.heartbeat("E", instance="b-0") == 15.0 and table.heartbeat("E") == 15.0
+    table.publish("E", "r4", [[1]], 16, launch="B")
+    table.publish("E", "r5", [[2]], 16)  # no launch named: not fenced
+    assert table.stream_pieces("E", 0, 1, [piece], launch="B") == []
+    assert {r.request_id for r in table.lookup("E", ["r4", "r5"]).ready} == {"r4", "r5"}
+
+
+def test_outcome_numbers_never_repeat_when_an_engine_comes_back_under_its_id(table, clock, make_registration):
+    """A poller that acknowledged outcomes 1..3, then the engine's lease lapsed and it registered again: its
+    next outcomes must not reuse 1..3 (the server would drop them as acknowledged, the poller too)."""
+    table.register_engine(make_registration("E"), 10.0)
+    for i in range(3):
+        table.publish("E", f"a{i}", [[i]], 16)
+        table.release("E", f"a{i}", Outcome.PULLED)
+    first = table.poll_released("E", table.server_id).released
+    assert [r.seq for r in first] == [1, 2, 3]
+    clock.advance(11)  # the engine lapsed
+    table.register_engine(make_registration("E"), 10.0)
+    table.publish("E", "b0", [[1]], 16)
+    table.release("E", "b0", Outcome.PULLED)
+    assert outcomes(table, "E", ack=3) == [("b0", Outcome.PULLED)]
+
+
 def test_registrations_without_an_instance_at_the_same_address_are_renewals(table, make_registration):
     table.register_engine(make_registration("E"), 15.0)
     table.publish("E", "r1", [[1]], 16)

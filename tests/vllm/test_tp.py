@@ -115,6 +115,14 @@ def test_real_vllm_tp2_streams_each_ranks_shard_while_it_computes(tiny_model, tm
         assert metric(srv, "kvlink_pieces_sent_total") > 0
         assert metric(srv, "kvlink_blocks_streamed_total") > 0
         assert metric(srv, "kvlink_pulls_failed_total") == 0
+        # Both worker processes registered the launch the scheduler (another process) publishes under: the
+        # bootstrap server took every publish and piece above, and fences those of a replaced launch.
+        from kvlink.bootstrap import BootstrapClient
+
+        with BootstrapClient(f"http://127.0.0.1:{bport}") as cli:
+            regs = cli.engine_ranks("tp2-stream")
+        assert len(regs) == 2 and regs[0].launch and regs[0].launch == regs[1].launch
+        assert regs[0].instance != regs[1].instance  # each process its own
     finally:
         srv.stop()
 
