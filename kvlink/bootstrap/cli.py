@@ -37,6 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-requests-per-engine", type=int, default=262_144,
                         help="published requests one engine may have live; more publishes are refused and prefill "
                         "frees their blocks at once (default 262144)")
+    parser.add_argument("--idle-timeout-s", type=float, default=30.0,
+                        help="close a connection that sends no request for this long (default 30 s)")
+    parser.add_argument("--body-timeout-s", type=float, default=10.0,
+                        help="a request's body must arrive within this long of its headers (default 10 s)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.set_defaults(func=run)
     return parser
@@ -55,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             max_engines=args.max_engines,
             max_ranks_per_engine=args.max_ranks_per_engine,
             max_requests_per_engine=args.max_requests_per_engine,
+            idle_timeout_s=args.idle_timeout_s,
+            body_timeout_s=args.body_timeout_s,
         )
     except BootstrapConfigError as err:
         print(f"kvlink bootstrap: {err}", file=sys.stderr)

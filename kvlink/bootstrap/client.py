@@ -373,7 +373,7 @@ class BootstrapClient:
                 else:
                     self._pool.put(conn)
                 if response.status == 200:
-                    return self._decoder(answer_type).decode(data)
+                    return self._answer(path, answer_type, data)
                 error = _error(response.status, data)
                 if response.status < 500:
                     raise error
@@ -386,6 +386,15 @@ class BootstrapClient:
                 ) from failure
             log.debug("bootstrap: %s failed (%s), retry %d in %.3fs", path, failure, attempt, delay)
             time.sleep(delay)
+
+    def _answer(self, path: str, answer_type: type[T], data: bytes) -> T:
+        """A 200 answer, decoded; one this client cannot read (a field it does not know: a server of another
+        protocol version) is a BootstrapError that says so, not a bare msgspec error."""
+        try:
+            return self._decoder(answer_type).decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            raise BootstrapError(f"bootstrap server {self.url} answered {path} with what this client cannot read "
+                                 f"({err}): is it another kvlink version?") from None
 
     def _decoder(self, answer_type: type) -> msgspec.json.Decoder:
         decoder = self._decoders.get(answer_type)

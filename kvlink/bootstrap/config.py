@@ -62,6 +62,11 @@ class BootstrapConfig:
     max_requests_per_engine: int = 262_144
     sweep_interval_s: float = 0.5
     shutdown_timeout_s: float = 2.0
+    # A connection that sends no request for this long is closed (aiohttp's own default is an hour, which
+    # let anyone, token or not, hold descriptors until the server could accept no one); a body must arrive
+    # within body_timeout_s of its headers.
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -79,7 +84,8 @@ class BootstrapConfig:
                 "or opt in with allow_insecure",
                 field="host",
             )
-        positive = ("default_request_lease_s", "max_lease_s", "max_wait_s", "sweep_interval_s", "tombstone_ttl_s")
+        positive = ("default_request_lease_s", "max_lease_s", "max_wait_s", "sweep_interval_s", "tombstone_ttl_s",
+                    "idle_timeout_s", "body_timeout_s")
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

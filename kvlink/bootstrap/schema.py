@@ -393,8 +393,17 @@ def invalid_from(err: msgspec.ValidationError) -> InvalidField:
 
 
 def checked(struct_type: type, **fields: object):
-    """Build a Struct from caller arguments with the same validation the server applies to a body."""
+    """Build a Struct from caller arguments with the same validation the server applies to a body, and one
+    more the wire gives for free: every string must be encodable (a Python str may hold a lone UTF-16
+    surrogate, e.g. a request id from a client's JSON escape; the embedded server's table would keep it, and
+    every answer naming it would fail to encode)."""
     try:
-        return msgspec.convert(fields, struct_type)
+        body = msgspec.convert(fields, struct_type)
     except msgspec.ValidationError as err:
         raise invalid_from(err) from None
+    try:
+        msgspec.json.encode(body)
+    except UnicodeEncodeError as err:
+        raise InvalidField(f"a string is not valid Unicode ({err.reason} at {err.start}: "
+                           f"{err.object[max(0, err.start - 20):err.start]!r}...)") from None
+    return body

@@ -113,7 +113,9 @@ class BootstrapApp:
             if request.headers.get("Content-Encoding", "identity").lower() not in ("identity", ""):
                 raise InvalidField("compressed bodies are not accepted", field="Content-Encoding")
             try:
-                raw = await request.read()
+                raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise InvalidField(f"body not received within {self.config.body_timeout_s:g} s") from None
             except web.HTTPRequestEntityTooLarge:
                 raise PayloadTooLarge(f"body exceeds {self.config.max_body_bytes} bytes") from None
             except (RequestPayloadError, HttpProcessingError) as err:
@@ -124,6 +126,8 @@ class BootstrapApp:
                 raise s.invalid_from(err) from None
             except msgspec.DecodeError as err:
                 raise InvalidField(f"malformed JSON: {err}") from None
+            except UnicodeDecodeError as err:
+                raise InvalidField(f"body is not UTF-8: {err}") from None
             result = (await fn(body)) if is_async else fn(body)
             return web.Response(body=_encode(result), content_type=_JSON)
 
@@ -419,7 +423,7 @@ class BootstrapServer:
         self.app = BootstrapApp(self.config, self.table)
         # handler_cancellation: a long poll whose client went away stops waiting (and frees its waiter slot).
         runner = web.AppRunner(self.app.app, access_log=None, shutdown_timeout=self.config.shutdown_timeout_s,
-                               handler_cancellation=True)
+                               handler_cancellation=True, keepalive_timeout=self.config.idle_timeout_s)
         await runner.setup()
         sweeper = None
         try:

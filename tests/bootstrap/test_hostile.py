@@ -99,7 +99,9 @@ def test_outcomes_travel_as_their_strings(raw, registered):
 
 
 @pytest.mark.parametrize("body", [b"{", b"", b"\xff\xfe\x00garbage", b"null", b"[1, 2]", b'"a string"',
-                                  b'{"engine_id": "P", "engine_id": 1}', b"NaN"])
+                                  b'{"engine_id": "P", "engine_id": 1}', b"NaN",
+                                  b'{"engine_id": "P", "request_ids": ["\xff\xfe"]}',  # not UTF-8 inside a string
+                                  b'{"engine_id": "P", "request_ids": ["x\\udcff"]}'])  # a lone surrogate
 def test_malformed_json_is_a_400(raw, registered, body):
     status, answer = raw.post("/v1/request/lookup", body)
     assert status == 400 and answer["code"] == "invalid"
@@ -216,3 +218,73 @@ def test_no_pickle_in_the_package():
     assert sources
     for source in sources:
         assert "pickle" not in source.read_text(), source
+
+
+def test_a_string_that_is_not_unicode_never_reaches_a_table():
+    """A Python str may hold a lone surrogate (a client's JSON escape in its request id, through vLLM): the
+    embedded server's in-process publish would have stored it, and every later answer naming it (lookups,
+    the engine's outcome polls) failed to encode: a 500 for every outcome of that engine."""
+    from kvlink.bootstrap import BootstrapClient, InvalidField
+    from kvlink.bootstrap.schema import PublishBody, checked
+
+    with pytest.raises(InvalidField, match="not valid Unicode"):
+        checked(PublishBody, engine_id="P", request_id="cmpl-\udcff", block_ids=[[1]], num_tokens=16)
+    with BootstrapClient("http://127.0.0.1:9", timeout_s=0.5) as cli:  # refused before anything is sent
+        with pytest.raises(InvalidField, match="not valid Unicode"):
+            cli.publish("P", "cmpl-\udcff", [[1]], 16, lease_s=30.0)
+
+
+def test_a_silent_connection_and_a_body_that_never_comes_are_let_go(token):
+    """Without limits a connection that sends nothing was kept for aiohttp's default hour, so a few thousand
+    of them (no token needed) left the server unable to accept anyone; a body announced and never sent held
+    its handler for good."""
+    import time
+
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+    cfg = BootstrapConfig(host="127.0.0.1", port=0, token=token, idle_timeout_s=0.5, body_timeout_s=0.5)
+    with BootstrapServer(cfg) as srv:
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        t0 = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5.0
+        silent.close()
+        slow = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        slow.sendall(b"POST /v1/request/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"engine")
+        answer = slow.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 400") and b"body not received within 0.5 s" in answer
+        slow.close()
+
+
+def test_an_answer_this_client_cannot_read_names_version_skew():
+    """A server of another protocol version answering a field this client does not know: a BootstrapError
+    that says so, not a bare msgspec error the caller does not handle."""
+    import http.server
+    import threading
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapError
+
+    class Newer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"ok": true, "from_the_future": 1}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Newer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with BootstrapClient(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=5.0) as cli:
+            with pytest.raises(BootstrapError, match="another kvlink version") as err:
+                cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
+        assert "from_the_future" in str(err.value)
+    finally:
+        srv.shutdown()
+        srv.server_close()
