@@ -303,6 +303,13 @@ class PairingTable:
         if transfer_id is not None and transfer_id in self._transfers:
             self.stats.conflicts += 1
             raise Conflict(f"transfer id {transfer_id!r} is bound to another live request", field="transfer_id")
+        owner = self.streams.owner(transfer_id) if transfer_id is not None else None
+        if owner is not None and owner != (engine_id, request_id):
+            # (a retried prefill leg: the same id twice) decode may have read, even computed over, the streamed
+            # request's blocks already; another request's record must not end that stream as if it were its own
+            self.stats.conflicts += 1
+            raise Conflict(f"transfer id {transfer_id!r} is streamed by request {owner[1]!r} of engine "
+                           f"{owner[0]!r}: nothing stored", field="transfer_id")
         if len(engine.requests) >= self.limits.max_requests_per_engine:
             self.stats.refused_full += 1
             raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "

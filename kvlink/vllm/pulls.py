@@ -266,6 +266,12 @@ class PullTable:
         if pull.armed and (epoch != pull.epoch or pull.remote != remote):
             return self.fail(rid, "prefill's record is of another epoch or engine than the KV decode's step "
                                   "began with", now)
+        if pull.armed and (moved := _moved(pull, pairs)):
+            # The step computed over the bytes of the blocks it read; a record naming others (another request
+            # published under the transfer id) cannot be read in after the fact.
+            g, lb, old, new = moved
+            return self.fail(rid, f"prefill's record puts block {lb} (group {g}) in remote block {new}, but decode's "
+                                  f"step already read it from remote block {old}", now)
         if pull.remote is not None and pull.remote != remote:
             # streamed from another engine object (reconnected): read it all again, what is on the wire too
             pull.got.clear()
@@ -729,3 +735,15 @@ class PullTable:
 
     def _sample(self, key: str, v: float) -> None:
         self.samples.setdefault(key, []).append(v)
+
+
+def _moved(p: Pull, pairs: list[tuple[int, ...]]) -> tuple[int, int, int, int] | None:
+    """(group, local block, remote block read or on the wire, remote block ``pairs`` name) of the first
+    position ``pairs`` put in another remote block than the one already read into it, or None."""
+    on_wire = p.inflight if p.inflight_epoch == p.epoch else {}
+    for pair in pairs:
+        g, lb, rb = (0, *pair) if len(pair) == 2 else pair[:3]
+        for seen in (p.got.get((g, lb)), on_wire.get((g, lb))):
+            if seen is not None and seen[0] != rb:
+                return g, lb, seen[0], rb
+    return None

@@ -162,6 +162,20 @@ def test_a_replaced_process_can_no_longer_publish_stream_or_keep_the_new_ones_le
     assert {r.request_id for r in table.lookup("E", ["r4", "r5"]).ready} == {"r4", "r5"}
 
 
+def test_a_request_cannot_publish_under_a_transfer_id_another_request_streams(table, engine):
+    from kvlink.bootstrap.schema import StreamPiece
+
+    x = StreamPiece(transfer_id="t", request_id="X", index=1, num_tokens=32, block_ids=[[11, 12]])
+    assert table.stream_pieces(engine, 0, 1, [x]) == []
+    with pytest.raises(Conflict) as err:
+        table.publish(engine, "Y", [[21, 22]], 32, transfer_id="t")
+    assert err.value.field == "transfer_id" and "'X'" in err.value.message
+    assert table.lookup(engine, ["Y"]).unknown == ["Y"]
+    assert table.lookup_transfer("t", after=0).block_ids == [[11, 12]]  # X's stream goes on
+    table.publish(engine, "X", [[11, 12]], 32, transfer_id="t")  # its own request ends it
+    assert table.lookup_transfer("t").request_id == "X"
+
+
 def test_outcome_numbers_never_repeat_when_an_engine_comes_back_under_its_id(table, clock, make_registration):
     """A poller that acknowledged outcomes 1..3, then the engine's lease lapsed and it registered again: its
     next outcomes must not reuse 1..3 (the server would drop them as acknowledged, the poller too)."""

@@ -107,6 +107,23 @@ def test_prefill_restarting_an_armed_request_fails_it():
     assert t.take_lockstep()[1] == {"a": False} and t.take_step("a") == (1, 2)
 
 
+def test_a_record_naming_other_blocks_than_an_armed_step_read_fails_it():
+    """Another request published under the transfer id (a retried prefill leg: same prompt, same id) with
+    other blocks: the step already computed over the streamed request's bytes, which may have been reused
+    since. Read again after the fact would confirm the pull with nothing exact behind it."""
+    t = table(lead=1.0)
+    t.submit(spec("a", (1, 2)), 0.0)
+    drain(t, layer_piece(t, L, 0.01), 0.01)  # every layer of blocks 11, 12 read
+    assert t.is_armed("a")
+    assert t.resolved("a", REMOTE, [(0, 1, 21), (0, 2, 22)], lease("a"), 30.0, 99.0, 0.02) == []
+    assert t.take_lockstep()[1] == {"a": False} and t.take_step("a") == (1, 2)
+    t2 = table(lead=1.0)  # the same record naming the blocks it read confirms it
+    t2.submit(spec("a", (1, 2)), 0.0)
+    drain(t2, layer_piece(t2, L, 0.01), 0.01)
+    drain(t2, t2.resolved("a", REMOTE, [(0, 1, 11), (0, 2, 12)], lease("a"), 30.0, 99.0, 0.02), 0.02)
+    assert t2.take_lockstep()[1] == {"a": True}
+
+
 def test_an_aborted_armed_request_is_freed_only_once_its_read_on_the_wire_settled():
     t = table(lead=1.0)
     t.submit(spec("a", (1, 2)), 0.0)
