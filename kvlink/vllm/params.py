@@ -30,7 +30,7 @@ import msgspec
 from msgspec import Meta
 
 from kvlink.bootstrap.client import canonical_url
-from kvlink.bootstrap.schema import PublishBody
+from kvlink.bootstrap.schema import MAX_ID_LEN, PublishBody
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -242,6 +242,19 @@ def prompt_digest(token_ids: Any, extras: tuple[str, ...] = ()) -> str | None:
     for e in extras:
         h.update(b"\0" + e.encode())
     return h.hexdigest()[:32]
+
+
+def wire_id(request_id: str) -> bool:
+    """Whether the bootstrap server can take ``request_id`` (1 to MAX_ID_LEN characters of valid Unicode). vLLM
+    builds request ids from the client's (``X-Request-Id``, a body's ``request_id``): one that cannot travel
+    is never streamed, its publish is refused, and its transfer id is abandoned without naming it."""
+    if not 0 < len(request_id) <= MAX_ID_LEN:
+        return False
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def refusal(why: str) -> dict[str, Any]:

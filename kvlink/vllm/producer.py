@@ -304,8 +304,12 @@ class Producer:
         long-polling for it gets 'released' now instead of waiting lookup_wait_s."""
         def work():
             try:
-                # (naming the request: an id another request of ours holds, a client's batch, is left alone)
-                self.clients.get(self.bootstrap_url).abandon_transfer(self.engine_id, transfer_id, request_id=rid)
+                # (naming the request: an id another request of ours holds, a client's batch, is left alone;
+                # a request id the server cannot take is named by no one: abandoned only if nothing holds it)
+                if kvparams.wire_id(rid):
+                    self.clients.get(self.bootstrap_url).abandon_transfer(self.engine_id, transfer_id, request_id=rid)
+                else:
+                    self.clients.get(self.bootstrap_url).abandon_transfer(None, transfer_id)
             except Exception as e:  # noqa: BLE001 - decode's bounded wait still ends it
                 logger.warning("kvlink: could not mark transfer %s (request %s) abandoned: %s", transfer_id,
                                rid, e)
@@ -360,6 +364,8 @@ class Producer:
             return  # request_finished refuses it
         if transfer_id is None or request.prompt_embeds is not None:
             return
+        if not kvparams.wire_id(request.request_id):
+            return  # never published either (request_finished: the publish is refused), so never streamed
         if self._planner is not None:  # host staging: pieces name the pool slots the request streams into
             with self._held_lock:
                 slots = self._planner.reserve(request.request_id, -(-request.num_prompt_tokens // self.block_size))

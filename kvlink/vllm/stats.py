@@ -30,7 +30,8 @@ COUNTERS = (
     # end of their step, failed there (their blocks reported as load errors), or stopped (vLLM aborted them);
     # steps that, with prefix caching, waited for armed pulls of requests they did not run
     "lockstep_armed", "lockstep_ok", "lockstep_failed", "lockstep_cancelled", "lockstep_shared_steps",
-    "pieces_sent", "pieces_ended",  # prefill, streamed KV: pieces reported; streams the server said were over
+    # prefill, streamed KV: pieces reported; streams the server said were over; pieces a send failed for
+    "pieces_sent", "pieces_ended", "pieces_failed",
     "stream_pool_full",  # prefill, streamed KV with host staging: not streamed, no room in the pool when it started
     # Host staging (staging.py): bytes copied device -> pool (prefill) and pool -> device (decode); requests
     # staged; a request (prefill) or pull (decode) that found the pool full and waited; requests larger than

@@ -431,7 +431,21 @@ class PieceSender:
         cpu = time.thread_time()
         try:
             ended = self._send(pieces)
+        except ValueError as e:  # refused as malformed (InvalidField): one piece must not cost the others theirs
+            if len(pieces) == 1:
+                self._count("pieces_failed", 1)
+                logger.debug("kvlink: streamed piece of transfer %s refused: %s", pieces[0].transfer_id, e)
+                return
+            ended = []
+            for p in pieces:
+                try:
+                    ended += self._send([p]) or []
+                except Exception as e1:  # noqa: BLE001 - as below
+                    self._count("pieces_failed", 1)
+                    logger.debug("kvlink: streamed piece of transfer %s not sent: %s", p.transfer_id, e1)
+                    pieces = [q for q in pieces if q is not p]
         except Exception as e:  # noqa: BLE001 - a lost piece costs overlap, never correctness
+            self._count("pieces_failed", len(pieces))
             logger.debug("kvlink: sending %d streamed pieces failed: %s", len(pieces), e)
             return
         trace.event("piece_sent", n=len(pieces), ended=len(ended or ()), cpu_ms=1e3 * (time.thread_time() - cpu))

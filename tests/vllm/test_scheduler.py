@@ -593,6 +593,24 @@ def test_a_publish_the_bootstrap_server_refuses_as_full_frees_the_blocks_and_tel
             cli.lookup_transfer("t-2", wait_s=10.0)
 
 
+@pytest.mark.parametrize("rid", ["r" * 600, "cmpl-\udcff"])
+def test_a_request_id_the_server_cannot_take_frees_its_blocks_and_tells_decode_at_once(rid):
+    """vLLM builds request ids from the client's: one too long for the server, or not valid Unicode. Its
+    publish is refused before it is sent; its abandon cannot name it, so it names no one (abandoned only
+    because nothing holds the id), and a decode long-polling the transfer id is answered now instead of
+    after lookup_wait_s."""
+    from kvlink.bootstrap import RequestReleased
+    from kvlink.vllm.params import PrefillRequest, wire_id
+
+    assert not wire_id(rid) and wire_id("r1")
+    with _prefill_scheduler(lease_s=30.0) as (sched, cli, _):
+        keep, answer = sched.request_finished(_finished(rid, PrefillRequest("t-1").to_params()), [3, 4])
+        assert not keep and "publish failed" in answer["kvlink_error"]
+        with pytest.raises(RequestReleased):
+            cli.lookup_transfer("t-1", wait_s=10.0)
+        assert held_requests(sched) == {}
+
+
 def test_a_sequential_prompt_mismatch_is_decided_once_and_the_prompt_computed():
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.params import prompt_digest

@@ -229,6 +229,30 @@ def test_the_sender_sends_only_the_newest_piece_of_each_transfer_that_queued():
     assert len(sent) == 2
 
 
+def test_a_piece_the_server_cannot_take_costs_the_other_transfers_nothing():
+    """A request id longer than the server takes (vLLM builds ids from the client's): the whole call used to
+    be refused, every step, so no other request on the rank streamed while it computed."""
+    import msgspec
+
+    from kvlink.bootstrap.schema import StreamPiece, StreamPiecesBody, checked
+
+    sent, counts = [], {}
+
+    def send(pieces):  # validates as BootstrapClient.stream_pieces does
+        checked(StreamPiecesBody, engine_id="P",
+                pieces=[msgspec.to_builtins(StreamPiece(**p.fields())) for p in pieces])
+        sent.append(sorted(p.transfer_id for p in pieces))
+        return []
+
+    sender = PieceSender(send, lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n))
+    good = spec_of(1, [1, 2], 0)
+    bad = StreamSpec("r" * 600, "u", 1, 0, 64, (7, 8), 0, False, block_size=32)
+    sender.submit(layer_pieces([good, bad], 1))
+    sender.close()
+    sender._thread.join(5)
+    assert sent == [["t"]] and counts == {"pieces_failed": 1, "pieces_sent": 1}
+
+
 def test_the_layer_clock_counts_layers_done_below_the_first_one_missing_whatever_the_order():
     clock = LayerClock({"l.4": 4, "l.5": 5, "l.6": 6})  # a PP stage holding layers 4-6
     assert clock.saved("l.4") == 5  # layers below 5 are done (the earlier stage's, which its input needed)
