@@ -48,7 +48,7 @@ class AppThread:
 class FakeVLLMServer:
     """A fake vLLM OpenAI server (aiohttp). ``behavior``: ok, no_params, bad_params (prefill answers a malformed
     remote_block_ids), refuse (prefill kept no KV), error500, bad_request, hang, stream_break, slow_stream (six
-    events 0.3 s apart), unhealthy.
+    events 0.3 s apart), unhealthy, huge (an answer of 6 MiB, as prompt logprobs of a long prompt would be).
     ``cancelled`` counts requests whose client (the proxy) went away while they were being served."""
 
     def __init__(self, name: str, behavior: str = "ok", bootstrap_url: str = "http://127.0.0.1:1",
@@ -84,6 +84,8 @@ class FakeVLLMServer:
             return web.json_response({"error": "boom"}, status=500)
         if self.behavior == "bad_request":
             return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        if self.behavior == "huge":
+            return web.json_response({"choices": [{"text": "x", "logprobs": ["-1.0"] * (1 << 20)}]})
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode") and self.behavior == "refuse":
             out_params = refusal("publish failed: bootstrap unreachable")

@@ -21,13 +21,17 @@ published under: with an engine id, after a lookup finds nothing published (the 
 only when prefill answered, so nothing can be published after the lookup); without one, the bootstrap
 server checks that (409 Conflict when something is published or streamed: prefill's connector handles it).
 
-The calls run on a thread (the bootstrap client is blocking) and never hold up the client's answer.
+The calls run on threads of the releaser's own (the bootstrap client is blocking; asyncio's default pool
+also resolves the backends' host names, so a slow bootstrap server must not fill it) and never hold up the
+client's answer. At most ``MAX_PENDING`` wait at once: a report beyond that is dropped and counted (the
+lease frees the blocks anyway), so a flood of failing requests or a bootstrap outage cannot grow it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, Conflict, Unauthorized, UnknownRequest
 from kvlink.bootstrap.pool import ClientPool
@@ -36,6 +40,8 @@ from kvlink.bootstrap.schema import Outcome
 logger = logging.getLogger(__name__)
 
 PUBLISH_WAIT_S = 2.0  # how long a concurrent request's record is waited for (in the background)
+THREADS = 4  # bootstrap calls at once
+MAX_PENDING = 1024  # reports waiting or under way; more are dropped (and counted)
 
 
 class Releaser:
@@ -44,9 +50,11 @@ class Releaser:
 
     def __init__(self, token: str | None, timeout_s: float = 5.0):
         self._pool = ClientPool(token, timeout_s, retries=1)
+        self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvlink-proxy-release")
         self._tasks: set[asyncio.Task] = set()
         self.reported = 0  # requests reported abandoned (for /health)
         self.transfers_abandoned = 0  # transfer ids given up for a failed concurrent prefill (for /health)
+        self.dropped = 0  # reports not made: MAX_PENDING were waiting (for /health)
 
     def request(self, bootstrap_url: str, engine_id: str, request_id: str) -> None:
         """Sequential pairing: prefill's ``remote_engine_id``/``remote_request_id`` at ``bootstrap_url``."""
@@ -87,9 +95,15 @@ class Releaser:
         logger.info("proxy: prefill failed; gave %s up at %s, so decode computes the prompt", what, url)
 
     def _spawn(self, url: str, call, what: str, done) -> None:
+        if len(self._tasks) >= MAX_PENDING:
+            self.dropped += 1
+            logger.warning("proxy: %d reports to bootstrap servers pending; %s not reported (its lease frees it)",
+                           len(self._tasks), what)
+            return
+
         async def run() -> None:
             try:
-                already = await asyncio.to_thread(call, self._pool.get(url))
+                already = await asyncio.get_running_loop().run_in_executor(self._threads, call, self._pool.get(url))
             except (BootstrapUnavailable, Unauthorized) as e:  # the operator should hear of these
                 logger.info("proxy: could not report %s abandoned at %s: %s", what, url, e)
                 return
@@ -109,4 +123,7 @@ class Releaser:
     async def close(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5.0)
+        for task in list(self._tasks):
+            task.cancel()
+        self._threads.shutdown(wait=False, cancel_futures=True)
         self._pool.close()

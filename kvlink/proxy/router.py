@@ -74,7 +74,7 @@ def error_response(status: int, kind: str, message: str, **extra: Any) -> web.Re
 @dataclass
 class _State:
     session: aiohttp.ClientSession
-    prefill_rr: itertools.cycle
+    prefill_rr: itertools.cycle  # indices into cfg.prefill
     decode_rr: itertools.cycle
     releaser: Releaser
     served: int = 0
@@ -91,6 +91,13 @@ class ClientGone(Exception):
         super().__init__(why)
         self.out = out
 
+
+# Prefill's answer is one token and its kv_transfer_params; one larger than this is refused (502) rather
+# than read whole and parsed on the event loop.
+MAX_PREFILL_ANSWER = 4 << 20
+# Fields that make prefill's one-token answer large (logprobs of every prompt token) and that prefill's
+# leg does not need; a request asking for prompt logprobs goes to decode alone (_decode_alone).
+PREFILL_DROPS = ("prompt_logprobs", "echo", "logprobs", "top_logprobs")
 
 # How long decode's request may wait for prefill's to be on the wire (a prefill that cannot even be
 # connected to must not hold decode's request up for the connect timeout).
@@ -144,7 +151,26 @@ def _prefill_body(body: dict, kv_params: dict) -> dict:
         pre["max_completion_tokens"] = 1
     pre.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
     pre["n"] = 1
+    for key in PREFILL_DROPS:
+        pre.pop(key, None)
     return pre
+
+
+def _decode_alone(body: dict) -> bool:
+    """Whether the request asks for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with
+    ``logprobs``): vLLM computes those only from a prompt it computes itself (it neither reads its prefix
+    cache nor loads external KV for such a request), so prefill's work would be for nobody."""
+    return bool(body.get("prompt_logprobs") or (body.get("echo") and body.get("logprobs")))
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes | None:
+    """The answer's body, or None once it exceeds ``cap`` bytes (the rest is not read)."""
+    out = bytearray()
+    async for chunk in resp.content.iter_any():
+        out += chunk
+        if len(out) > cap:
+            return None
+    return bytes(out)
 
 
 def _failure(stage: str, url: str, cfg: ProxyConfig, e: BaseException) -> BackendError:
@@ -164,14 +190,17 @@ async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: s
         async with st.session.post(url + path, json=body, timeout=_timeout(cfg),
                                    trace_request_ctx=_Sending(stage, sent)) as resp:
             trace.event("proxy_prefill_answer")
-            text = await resp.text()
+            data = await _read_capped(resp, MAX_PREFILL_ANSWER)
+            if data is None:
+                raise BackendError(stage, url, f"answer larger than {MAX_PREFILL_ANSWER} bytes",
+                                   answered=resp.status)
             if resp.status != 200:
-                raise BackendError(stage, url, f"HTTP {resp.status}: {text[:500]}",
+                raise BackendError(stage, url, f"HTTP {resp.status}: {data[:500]!r}",
                                    status=resp.status if 400 <= resp.status < 500 else 502, answered=resp.status)
             try:
-                return json.loads(text)
-            except ValueError:
-                raise BackendError(stage, url, f"answer is not JSON: {text[:200]!r}", answered=200) from None
+                return json.loads(data)
+            except (ValueError, RecursionError):
+                raise BackendError(stage, url, f"answer is not JSON: {data[:200]!r}", answered=200) from None
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure(stage, url, cfg, e) from None
 
@@ -193,7 +222,10 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                                     headers={"X-KVLink-Decode": url})
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": ctype, "Cache-Control": "no-cache", "X-KVLink-Decode": url})
-            await out.prepare(request)
+            try:
+                await out.prepare(request)  # writes the headers: the client may be gone already
+            except ConnectionError as e:
+                raise ClientGone(out, str(e) or type(e).__name__) from None
             chunks = resp.content.iter_any()
             while True:
                 try:
@@ -228,7 +260,7 @@ async def _to_client(out: web.StreamResponse, chunk: bytes | None) -> None:
 
 
 async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
-    prefill = next(st.prefill_rr)
+    prefill = cfg.prefill[next(st.prefill_rr)]
     decode = next(st.decode_rr)
     answer = await _post_json(st, cfg, "prefill", prefill, path,
                               _prefill_body(body, PrefillRequest().to_params()))
@@ -265,7 +297,8 @@ def _not_taken(st: _State, src: RemoteSource | None) -> None:
 
 async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     trace.event("proxy_request")
-    i = cfg.prefill.index(prefill := next(st.prefill_rr))
+    i = next(st.prefill_rr)  # (an index: a URL listed twice has a bootstrap and engine id per listing)
+    prefill = cfg.prefill[i]
     decode = next(st.decode_rr)
     transfer_id = uuid.uuid4().hex
     sent = asyncio.Event()
@@ -383,16 +416,21 @@ def _batch_refusal(path: str, body: dict) -> web.Response | None:
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        return error_response(400, "invalid_request", "request body must be a JSON object")
+        body = json.loads(await request.read())  # bytes: the encoding is JSON's, whatever the header says
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        return error_response(400, "invalid_request", f"request body is not valid JSON: {why}")
     if not isinstance(body, dict):
         return error_response(400, "invalid_request", "request body must be a JSON object")
     if (refused := _batch_refusal(request.path, body)) is not None:
         return refused
     t0 = time.monotonic()
     try:
-        if cfg.mode == "sequential":
+        if _decode_alone(body):
+            dec = dict(body)
+            dec.pop("kv_transfer_params", None)  # the client's own never reach decode
+            resp = await _relay(request, st, cfg, next(st.decode_rr), request.path, dec)
+        elif cfg.mode == "sequential":
             resp = await _sequential(request, st, cfg, request.path, body)
         else:
             resp = await _concurrent(request, st, cfg, request.path, body)
@@ -425,7 +463,8 @@ async def handle_health(request: web.Request) -> web.Response:
     bad = {u: r for u, r in zip(urls, results) if r is not None}
     body = {"status": "ok" if not bad else "degraded", "mode": cfg.mode, "unhealthy": bad,
             "served": st.served, "failed": st.failed, "client_gone": st.client_gone,
-            "prefill_abandoned": st.releaser.reported, "transfers_abandoned": st.releaser.transfers_abandoned}
+            "prefill_abandoned": st.releaser.reported, "transfers_abandoned": st.releaser.transfers_abandoned,
+            "reports_dropped": st.releaser.dropped}
     return web.json_response(body, status=200 if not bad else 503)
 
 
@@ -446,7 +485,7 @@ def build_app(cfg: ProxyConfig) -> web.Application:
     async def on_startup(app: web.Application) -> None:
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
         app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn, trace_configs=[_trace_config()]),
-                                itertools.cycle(cfg.prefill), itertools.cycle(cfg.decode),
+                                itertools.cycle(range(len(cfg.prefill))), itertools.cycle(cfg.decode),
                                 Releaser(cfg.bootstrap_token, timeout_s=cfg.connect_timeout_s))
 
     async def on_cleanup(app: web.Application) -> None:

@@ -156,3 +156,33 @@ def test_a_prefill_that_succeeded_is_left_to_decode(backends, proxy, bootstrap):
             d.stop()
     finally:
         p.stop()
+
+
+def test_the_releaser_has_threads_of_its_own_and_a_bounded_backlog(monkeypatch):
+    """Releases wait on bootstrap servers (up to seconds each). On asyncio's default pool they held the
+    threads that also resolve backends' host names, and a flood of failing requests queued them without
+    bound; now they run on the releaser's own threads, and past MAX_PENDING a report is dropped and counted
+    (its lease frees the blocks)."""
+    import threading
+
+    from kvlink.proxy import release
+
+    monkeypatch.setattr(release, "MAX_PENDING", 6)
+    gate = threading.Event()
+
+    async def main():
+        r = release.Releaser(None)
+        monkeypatch.setattr(r._pool, "get", lambda url: None)
+        for i in range(8):
+            r._spawn("http://127.0.0.1:1", lambda cli: gate.wait(10), f"request {i}", lambda *a: None)
+        await asyncio.sleep(0.2)  # the releaser's threads are all held up by the bootstrap call
+        t0 = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0)  # the default pool is free
+        free_in = time.monotonic() - t0
+        pending, dropped = len(r._tasks), r.dropped
+        gate.set()
+        await r.close()
+        return free_in, pending, dropped, len(r._tasks)
+
+    free_in, pending, dropped, left = asyncio.run(main())
+    assert free_in < 1.0 and (pending, dropped, left) == (6, 2, 0)

@@ -472,3 +472,74 @@ def test_a_request_decode_answered_is_left_to_decode(backends, proxy, bootstrap)
         assert health(url)["prefill_abandoned"] == 0
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_prefill_never_computes_logprobs_and_prompt_logprobs_go_to_decode_alone(backends, proxy, mode):
+    """Prefill's leg is one token and its params: logprob fields only make its answer large (with echo or
+    prompt_logprobs, one entry per prompt token). A request for prompt logprobs goes to decode alone: vLLM
+    computes those only over a prompt it computes itself, so prefill's work would be for nobody."""
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,), mode=mode,
+                prefill_bootstrap=("http://127.0.0.1:1",) if mode == "concurrent" else ())
+    assert post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "logprobs": 2, "echo": False})[0] == 200
+    assert wait_for(lambda: p.bodies)
+    (_, pre), (_, dec) = p.bodies[0], d.bodies[0]
+    assert not {"logprobs", "echo"} & set(pre) and dec["logprobs"] == 2
+    for ask in ({"prompt_logprobs": 3}, {"echo": True, "logprobs": 1}):
+        status, _, raw = post(url + "/v1/completions", {"prompt": "y", "max_tokens": 4, **ask})
+        assert status == 200 and json.loads(raw)["from"] == "d0"
+        assert d.bodies[-1][1].get("kv_transfer_params") is None and len(p.bodies) == 1
+
+
+def test_a_prefill_answer_larger_than_a_token_and_its_params_is_a_502(backends, proxy):
+    p, d = backends("p0", "huge"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    assert status == 502 and "larger than" in json.loads(raw)["error"]["message"] and not d.bodies
+
+
+@pytest.mark.parametrize("body,why", [(b"[" * 200_000, "nested too deeply"),
+                                      (b'{"seed": ' + b"9" * 5000 + b"}", "digits"),
+                                      (b"\xff\xfe{", "not valid JSON")])
+def test_bodies_the_parser_chokes_on_are_json_400s_naming_why(backends, proxy, body, why):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json; charset=nope"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=10)
+    assert ei.value.code == 400
+    answer = json.loads(ei.value.read())
+    assert why in answer["error"]["message"] and not p.bodies
+
+
+def test_a_client_gone_before_the_headers_is_not_a_decode_failure(backends, proxy, monkeypatch):
+    import aiohttp
+    from aiohttp import web
+
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    real_prepare = web.StreamResponse.prepare
+
+    async def prepare(self, request):
+        if "X-KVLink-Decode" in self.headers:  # the proxy's answer, not the fake decode's
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await real_prepare(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
+    try:
+        post(url + "/v1/completions", {"prompt": "x", "stream": True}, timeout=5)
+    except OSError:
+        pass  # the response may end abruptly
+    assert wait_for(lambda: health(url)["client_gone"] == 1), health(url)
+    assert health(url)["failed"] == 0
+
+
+def test_a_prefill_url_listed_twice_pairs_each_listing_with_its_own_engine_id(backends, proxy):
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url, p.url), decode=(d.url,), mode="concurrent",
+                prefill_bootstrap=("http://127.0.0.1:1",), prefill_engine_ids=("e0", "e1"))
+    for _ in range(4):
+        assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    assert [b["kv_transfer_params"]["remote_engine_id"] for _, b in d.bodies] == ["e0", "e1", "e0", "e1"]
