@@ -279,6 +279,7 @@ class PairingTable:
         now = self._sweep()
         engine = self._engine(engine_id)
         self._check_launch(engine, launch, f"request {request_id!r}")
+        _check_blocks(engine, block_ids, "block_ids")
         lease_s = self._lease(self.limits.default_request_lease_s if lease_s is None else lease_s)
         existing = engine.requests.get(request_id)
         if existing is not None:
@@ -384,6 +385,10 @@ class PairingTable:
         if reg is not None and not 0 <= rank < ranks:
             raise InvalidField(f"rank {rank} is not one of the engine's {ranks} ranks", field="rank")
         ended: dict[str, None] = {}  # ordered, each id once
+        pieces = list(pieces)
+        for i, p in enumerate(pieces):
+            _check_blocks(engine, p.block_ids, f"pieces[{i}].block_ids")
+            _check_blocks(engine, p.step_block_ids, f"pieces[{i}].step_block_ids")
         for p in pieces:
             tid = p.transfer_id
             if (tid in self._transfers or tid in self._transfer_tombstones) and not self.streams.ended(tid):
@@ -655,6 +660,22 @@ class PairingTable:
             if at > horizon:
                 break
             del tombs[key]
+
+
+def _check_blocks(engine: _Engine, block_ids: list[list[int]], field: str) -> None:
+    """InvalidField when a block id is not below the most blocks any live rank registered a layer with, or a
+    group lists more ids than that: no process holds such a block, and a list of them only costs memory."""
+    bound = max((layer.num_blocks for rank in engine.ranks.values() for layer in rank.registration.layers),
+                default=0)
+    if not bound:
+        return  # (ranks registered without layers: nothing to check against)
+    for g, ids in enumerate(block_ids):
+        if len(ids) > bound:
+            raise InvalidField(f"group {g} lists {len(ids)} blocks; engine {engine.engine_id!r} registered at most "
+                               f"{bound}", field=f"{field}[{g}]")
+        if ids and max(ids) >= bound:
+            raise InvalidField(f"block {max(ids)} of group {g} is not below the {bound} blocks engine "
+                               f"{engine.engine_id!r} registered", field=f"{field}[{g}]")
 
 
 def _gone(status: RequestStatus, what: str, field: str) -> RequestGone:

@@ -176,6 +176,27 @@ def test_a_request_cannot_publish_under_a_transfer_id_another_request_streams(ta
     assert table.lookup_transfer("t").request_id == "X"
 
 
+def test_block_ids_no_rank_registered_are_refused_and_cost_nothing(table, engine):
+    """The engine registered 1,024 blocks a layer: no process holds block 1,024, and a list longer than the
+    blocks that exist only costs the server memory (a publish of 340,000 ids near 1e9 took ~15 MiB)."""
+    from kvlink.bootstrap.schema import StreamPiece
+
+    with pytest.raises(InvalidField) as err:
+        table.publish(engine, "r1", [[1, 1024]], 32)
+    assert err.value.field == "block_ids[0]" and "1024" in err.value.message
+    with pytest.raises(InvalidField) as err:
+        table.publish(engine, "r1", [[5] * 1025], 32)
+    assert "lists 1025 blocks" in err.value.message
+    bad = StreamPiece(transfer_id="t", request_id="r2", index=1, num_tokens=16, block_ids=[[1]],
+                      step_block_ids=[[10**9]], layers=1)
+    with pytest.raises(InvalidField) as err:
+        table.stream_pieces(engine, 0, 1, [bad])
+    assert err.value.field == "pieces[0].step_block_ids[0]"
+    assert table.lookup(engine, ["r1"]).unknown == ["r1"] and table.lookup_transfer("t", after=0) is \
+        RequestStatus.UNKNOWN
+    table.publish(engine, "r1", [[0, 1023]], 32)  # the last block that exists
+
+
 def test_outcome_numbers_never_repeat_when_an_engine_comes_back_under_its_id(table, clock, make_registration):
     """A poller that acknowledged outcomes 1..3, then the engine's lease lapsed and it registered again: its
     next outcomes must not reuse 1..3 (the server would drop them as acknowledged, the poller too)."""
@@ -490,9 +511,11 @@ def test_a_publish_retried_after_a_renewal_does_not_shorten_the_lease(table, clo
     assert table.lookup(engine, ["a"]).ready
 
 
-def test_a_released_request_keeps_no_block_lists_while_its_heap_entry_waits(table, engine):
+def test_a_released_request_keeps_no_block_lists_while_its_heap_entry_waits(table, make_registration):
     """Release is immediate but the expiry heap drops its entry only at the lease's end (600 s at most): the
     request's block lists (up to a 4 MiB body's worth) must not wait that long."""
+    engine = "B"
+    table.register_engine(make_registration(engine, num_blocks=100_000), lease_s=600.0)
     table.publish(engine, "big", [list(range(100_000))], 16, lease_s=600.0)
     table.release(engine, "big", Outcome.PULLED)
     (held,) = [r for _, _, r in table._request_heap if r.request_id == "big"]
