@@ -394,6 +394,8 @@ class PieceSender:
             closing = self._drain(waiting, closing)
             first = waiting.popleft()
             if not _in_place(first[1], block=True):
+                if closing and not waiting:
+                    return  # (the close marker was taken already: waiting on the queue would never end)
                 continue  # its device work failed: never announced (the record covers it, or nothing does)
             closing = self._drain(waiting, closing)  # what queued while we waited may be in place too
             ready = [first]

@@ -253,6 +253,29 @@ def test_a_piece_the_server_cannot_take_costs_the_other_transfers_nothing():
     assert sent == [["t"]] and counts == {"pieces_failed": 1, "pieces_sent": 1}
 
 
+def test_the_sender_ends_when_closed_behind_a_piece_whose_device_work_failed():
+    """The close marker is taken with the pieces queued before it; when the last of those turns out never to
+    be in place (its device work failed), the sender must end there, not wait for another marker."""
+    from kvlink.vllm.stager import Pending
+
+    first, second = HandFence(), HandFence()
+
+    def failed():
+        second.wait()
+        raise RuntimeError("device error")
+
+    sent = []
+    sender = PieceSender(lambda pieces: sent.append([p.index for p in pieces]) or [], lambda key, n: None)
+    sender.submit(layer_pieces([spec_of(1, [1, 2], 0)], 1), first)
+    sender.submit(layer_pieces([spec_of(1, [1, 2], 0)], 2), Pending(lambda: False, failed))
+    sender.close()
+    first.set()  # the first piece goes; the close marker is taken with the second
+    time.sleep(0.1)
+    second.set()  # whose wait fails: the sender has nothing left, and was closed
+    sender._thread.join(5)
+    assert not sender._thread.is_alive() and sent == [[LAYER_SLOTS + 1]]
+
+
 def test_the_layer_clock_counts_layers_done_below_the_first_one_missing_whatever_the_order():
     clock = LayerClock({"l.4": 4, "l.5": 5, "l.6": 6})  # a PP stage holding layers 4-6
     assert clock.saved("l.4") == 5  # layers below 5 are done (the earlier stage's, which its input needed)
