@@ -22,6 +22,7 @@ from kvlink.bootstrap.errors import (
     TooManyWaiters,
     TableFull,
     Unauthorized,
+    UnreadableAnswer,
     UnknownEngine,
     UnknownRequest,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "TooManyWaiters",
     "TableFull",
     "Unauthorized",
+    "UnreadableAnswer",
     "UnknownEngine",
     "UnknownRequest",
 ]

@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvlink.bootstrap import schema as s
-from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, InvalidField, LookupTimeout, error_from_body
+from kvlink.bootstrap.errors import (
+    BootstrapError,
+    BootstrapUnavailable,
+    InvalidField,
+    LookupTimeout,
+    UnreadableAnswer,
+    error_from_body,
+)
 from kvlink.bootstrap.schema import EngineRegistration, Outcome, RequestRecord, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -354,6 +361,7 @@ class BootstrapClient:
         deadline = time.monotonic() + self.timeout_s + wait_s
         attempt = 0
         stale_retried = False
+        unanswered = False  # an attempt may have reached the server and got no answer
         while True:
             remaining = deadline - time.monotonic()
             conn, reused = self._pool.get(max(remaining, 0.001))
@@ -363,6 +371,7 @@ class BootstrapClient:
                 data = response.read()
             except (OSError, http.client.HTTPException) as err:
                 conn.close()
+                unanswered = unanswered or not isinstance(err, ConnectionRefusedError)
                 if reused and not stale_retried and isinstance(err, _STALE):
                     stale_retried = True  # the server closed an idle connection: not an outage
                     continue
@@ -376,14 +385,16 @@ class BootstrapClient:
                     return self._answer(path, answer_type, data)
                 error = _error(response.status, data)
                 if response.status < 500:
+                    error.maybe_applied = unanswered
                     raise error
                 failure = error
             attempt += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
             if attempt > self.retries or time.monotonic() + delay >= deadline:
-                raise BootstrapUnavailable(
-                    f"bootstrap server {self.url} unavailable for {path} after {attempt} attempt(s): {failure}"
-                ) from failure
+                gave_up = BootstrapUnavailable(
+                    f"bootstrap server {self.url} unavailable for {path} after {attempt} attempt(s): {failure}")
+                gave_up.maybe_applied = unanswered
+                raise gave_up from failure
             log.debug("bootstrap: %s failed (%s), retry %d in %.3fs", path, failure, attempt, delay)
             time.sleep(delay)
 
@@ -393,8 +404,8 @@ class BootstrapClient:
         try:
             return self._decoder(answer_type).decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as err:
-            raise BootstrapError(f"bootstrap server {self.url} answered {path} with what this client cannot read "
-                                 f"({err}): is it another kvlink version?") from None
+            raise UnreadableAnswer(f"bootstrap server {self.url} answered {path} with what this client cannot "
+                                   f"read ({err}): is it another kvlink version?") from None
 
     def _decoder(self, answer_type: type) -> msgspec.json.Decoder:
         decoder = self._decoders.get(answer_type)

@@ -18,6 +18,9 @@ class BootstrapError(Exception):
 
     status: int = 500
     code: str = "internal"
+    # Set by the client when an earlier attempt of the call went out and got no answer (then a retry failed):
+    # the server may have applied the call, whatever the last attempt says.
+    maybe_applied: bool = False
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -41,6 +44,13 @@ class BootstrapConfigError(InvalidField):
     """The server configuration is refused at validation (never sent over the wire)."""
 
     code = "config"
+
+
+class UnreadableAnswer(BootstrapError):
+    """The server answered 200 with what this client cannot read (a server of another version): it applied
+    the call."""
+
+    maybe_applied = True
 
 
 class Unauthorized(BootstrapError):

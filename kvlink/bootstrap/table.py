@@ -664,15 +664,16 @@ class PairingTable:
 
 def _check_blocks(engine: _Engine, block_ids: list[list[int]], field: str) -> None:
     """InvalidField when a block id is not below the most blocks any live rank registered a layer with, or a
-    group lists more ids than that: no process holds such a block, and a list of them only costs memory."""
+    group names more real blocks than that (positions out of a sliding window or a state group's are the
+    null block, 0, and may be many): no process holds such a block, and a list of them only costs memory."""
     bound = max((layer.num_blocks for rank in engine.ranks.values() for layer in rank.registration.layers),
                 default=0)
     if not bound:
         return  # (ranks registered without layers: nothing to check against)
     for g, ids in enumerate(block_ids):
-        if len(ids) > bound:
-            raise InvalidField(f"group {g} lists {len(ids)} blocks; engine {engine.engine_id!r} registered at most "
-                               f"{bound}", field=f"{field}[{g}]")
+        if len(ids) > bound and len(ids) - ids.count(0) > bound:
+            raise InvalidField(f"group {g} names {len(ids) - ids.count(0)} blocks; engine {engine.engine_id!r} "
+                               f"registered at most {bound}", field=f"{field}[{g}]")
         if ids and max(ids) >= bound:
             raise InvalidField(f"block {max(ids)} of group {g} is not below the {bound} blocks engine "
                                f"{engine.engine_id!r} registered", field=f"{field}[{g}]")

@@ -40,7 +40,7 @@ from kvlink.bootstrap.schema import Outcome
 logger = logging.getLogger(__name__)
 
 PUBLISH_WAIT_S = 2.0  # how long a concurrent request's record is waited for (in the background)
-THREADS = 4  # bootstrap calls at once
+THREADS = 4  # bootstrap calls at once for reports (each may wait PUBLISH_WAIT_S for a record)
 MAX_PENDING = 1024  # reports waiting or under way; more are dropped (and counted)
 
 
@@ -51,6 +51,8 @@ class Releaser:
     def __init__(self, token: str | None, timeout_s: float = 5.0):
         self._pool = ClientPool(token, timeout_s, retries=1)
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvlink-proxy-release")
+        # abandon() answers a decode that is waiting: never queued behind reports that wait for records
+        self._urgent = ThreadPoolExecutor(2, thread_name_prefix="kvlink-proxy-abandon")
         self._tasks: set[asyncio.Task] = set()
         self.reported = 0  # requests reported abandoned (for /health)
         self.transfers_abandoned = 0  # transfer ids given up for a failed concurrent prefill (for /health)
@@ -84,7 +86,7 @@ class Releaser:
                     raise Conflict(f"request {rec.request_id} is published under it; decode may be reading it")
             return cli.abandon_transfer(engine_id, transfer_id)
 
-        self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._given_up)
+        self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._given_up, self._urgent)
 
     def _reported(self, what: str, url: str) -> None:
         self.reported += 1
@@ -94,7 +96,7 @@ class Releaser:
         self.transfers_abandoned += 1
         logger.info("proxy: prefill failed; gave %s up at %s, so decode computes the prompt", what, url)
 
-    def _spawn(self, url: str, call, what: str, done) -> None:
+    def _spawn(self, url: str, call, what: str, done, threads: ThreadPoolExecutor | None = None) -> None:
         if len(self._tasks) >= MAX_PENDING:
             self.dropped += 1
             logger.warning("proxy: %d reports to bootstrap servers pending; %s not reported (its lease frees it)",
@@ -103,7 +105,8 @@ class Releaser:
 
         async def run() -> None:
             try:
-                already = await asyncio.get_running_loop().run_in_executor(self._threads, call, self._pool.get(url))
+                already = await asyncio.get_running_loop().run_in_executor(threads or self._threads, call,
+                                                                           self._pool.get(url))
             except (BootstrapUnavailable, Unauthorized) as e:  # the operator should hear of these
                 logger.info("proxy: could not report %s abandoned at %s: %s", what, url, e)
                 return
@@ -126,4 +129,5 @@ class Releaser:
         for task in list(self._tasks):
             task.cancel()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._urgent.shutdown(wait=False, cancel_futures=True)
         self._pool.close()

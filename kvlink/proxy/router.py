@@ -156,11 +156,18 @@ def _prefill_body(body: dict, kv_params: dict) -> dict:
     return pre
 
 
-def _decode_alone(body: dict) -> bool:
-    """Whether the request asks for its prompt's logprobs (``prompt_logprobs``, or ``echo`` with
-    ``logprobs``): vLLM computes those only from a prompt it computes itself (it neither reads its prefix
+def _decode_alone(path: str, body: dict) -> bool:
+    """Whether vLLM will compute the request's prompt logprobs: ``prompt_logprobs`` given (0 included); a
+    completion's ``echo`` with ``logprobs``; a chat's ``echo`` (its ``top_logprobs``, 0 by default, become
+    the prompt's). vLLM computes those only over a prompt it computes itself (it neither reads its prefix
     cache nor loads external KV for such a request), so prefill's work would be for nobody."""
-    return bool(body.get("prompt_logprobs") or (body.get("echo") and body.get("logprobs")))
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if not body.get("echo"):
+        return False
+    if path == "/v1/chat/completions":
+        return "top_logprobs" not in body or body["top_logprobs"] is not None
+    return body.get("logprobs") is not None
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes | None:
@@ -426,7 +433,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return refused
     t0 = time.monotonic()
     try:
-        if _decode_alone(body):
+        if _decode_alone(request.path, body):
             dec = dict(body)
             dec.pop("kv_transfer_params", None)  # the client's own never reach decode
             resp = await _relay(request, st, cfg, next(st.decode_rr), request.path, dec)

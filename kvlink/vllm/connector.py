@@ -65,10 +65,17 @@ def engine_id_of(vllm_config: "VllmConfig") -> str:
 
 
 def launch_of(vllm_config: "VllmConfig") -> str | None:
-    """This engine's start: vLLM's ``instance_id`` (a nanosecond timestamp taken when the front end built the
-    config, ``_dp<rank>`` appended per DP engine), which the scheduler and every worker of one start share.
-    Registrations, publishes and streamed pieces carry it, so the bootstrap server refuses those of a process
-    that was replaced under the same engine id (table.py ``_check_launch``). None (no such field): unfenced."""
+    """This engine's start: vLLM's ``instance_id`` (a nanosecond timestamp taken when the config is built),
+    which the scheduler and every worker of one start share where one config reaches them all (vLLM's
+    multiprocessing and Ray executors on one node, each DP engine). Registrations, publishes and streamed
+    pieces carry it, so the bootstrap server refuses those of a process that was replaced under the same
+    engine id (table.py ``_check_launch``). None, unfenced: no such field, or an engine whose processes
+    build configs of their own (several nodes per engine: the other nodes start headless; one process per
+    rank under ``external_launcher``)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None and (getattr(pc, "nnodes_within_dp", 1) > 1
+                           or getattr(pc, "distributed_executor_backend", None) == "external_launcher"):
+        return None
     iid = getattr(vllm_config, "instance_id", None)
     return str(iid)[-64:] if iid else None
 

@@ -275,7 +275,7 @@ class Producer:
         try:
             self.clients.get(self.bootstrap_url).publish(self.engine_id, rid, [list(job.slot_table)], num_tokens,
                                                          self.cfg.lease_s, transfer_id=transfer_id, epoch=epoch,
-                                                         prompt_sha=prompt_sha)
+                                                         prompt_sha=prompt_sha, launch=self.launch)
         except Exception as e:  # noqa: BLE001 - decode's lookup ends with the abandon (or its own wait)
             # The slots stay held until the server says it does not hold the request (lookups, from the next
             # poll on) or its lease ends. Abandoned only when the server answered no: one that may have taken
@@ -459,6 +459,8 @@ def _maybe_applied(e: BaseException) -> bool:
     refused says it was not."""
     from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, UnknownEngine
 
+    if getattr(e, "maybe_applied", False):  # an earlier attempt went out unanswered (client.py), or a 200 unread
+        return True
     if isinstance(e, BootstrapError) and (not isinstance(e, BootstrapUnavailable) or isinstance(e, UnknownEngine)):
         return False
     cause: BaseException | None = e

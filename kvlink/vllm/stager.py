@@ -46,7 +46,8 @@ CHUNK_BYTES = 64 << 20  # device scratch for one round of a gather or a scatter
 
 def _element(layout: BlockLayout, addresses: list[int]) -> int:
     """The widest integer (8, 4, 2 or 1 bytes) that divides a block's segment, its strides and the
-    ``addresses`` (each layer's first byte, the pool's): the copies may then see the bytes as such integers."""
+    ``addresses`` (each layer's first byte and its byte offset into its storage, the pool's first byte): the
+    copies may then see the bytes as such integers."""
     sizes = [layout.segment_bytes, layout.block_stride, layout.segment_stride or layout.segment_bytes, *addresses]
     return next(e for e in (8, 4, 2, 1) if all(x % e == 0 for x in sizes))
 
@@ -107,7 +108,8 @@ class Stager:
         self.views = [self._bytes(t) for t in kv_caches.values()]
         # what the copies index: the same memory as wide elements (``wide=False``: bytes, the A/B of
         # tools/gpu_stager_bench.py)
-        self.element = _element(layout, [v.data_ptr() for v in self.views] + [self.pool.data_ptr()]) if wide else 1
+        self.element = _element(layout, [v.data_ptr() for v in self.views] + [v.storage_offset() for v in self.views]
+                                + [self.pool.data_ptr()]) if wide else 1
         self._views = [self._bytes(t, self.element) for t in kv_caches.values()]
         self._pool = self.pool.view(_dtype(self.element))
         # CUDA: one copy is queued at a time (the waiter threads land batches concurrently): the halves of the

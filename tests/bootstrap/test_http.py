@@ -593,3 +593,36 @@ def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client
     with pytest.raises(InvalidField) as err:
         client.register_engine(make_registration("Q", instance="x" * 65), lease_s=30.0)
     assert err.value.field == "registration.instance"
+
+
+def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_whatever_the_retry_hears():
+    """The first attempt reached a server that applied it and died before answering; the retry finds the
+    port closed. The caller must not conclude "not applied" (prefill would free blocks a decode, handed the
+    record by the first attempt, may be reading)."""
+    import socket as _socket
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapUnavailable
+    from kvlink.vllm.producer import _maybe_applied
+
+    lsock = _socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    port = lsock.getsockname()[1]
+
+    def serve_once():
+        conn, _ = lsock.accept()
+        conn.recv(65536)  # the publish went out ...
+        conn.close()  # ... and got no answer
+        lsock.close()  # the retry is refused
+
+    t = threading.Thread(target=serve_once)
+    t.start()
+    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=2, backoff_s=0.05) as cli:
+        with pytest.raises(BootstrapUnavailable) as err:
+            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
+    t.join(5)
+    assert err.value.maybe_applied and _maybe_applied(err.value)
+    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=1.0, retries=1, backoff_s=0.05) as cli:
+        with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
+            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
+    assert not err.value.maybe_applied and not _maybe_applied(err.value)

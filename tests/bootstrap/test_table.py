@@ -186,7 +186,8 @@ def test_block_ids_no_rank_registered_are_refused_and_cost_nothing(table, engine
     assert err.value.field == "block_ids[0]" and "1024" in err.value.message
     with pytest.raises(InvalidField) as err:
         table.publish(engine, "r1", [[5] * 1025], 32)
-    assert "lists 1025 blocks" in err.value.message
+    assert "names 1025 blocks" in err.value.message
+    table.publish(engine, "sw", [[0] * 3000 + [7, 8]], 32)  # a window's null positions: not blocks held
     bad = StreamPiece(transfer_id="t", request_id="r2", index=1, num_tokens=16, block_ids=[[1]],
                       step_block_ids=[[10**9]], layers=1)
     with pytest.raises(InvalidField) as err:

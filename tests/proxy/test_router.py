@@ -486,10 +486,14 @@ def test_prefill_never_computes_logprobs_and_prompt_logprobs_go_to_decode_alone(
     assert wait_for(lambda: p.bodies)
     (_, pre), (_, dec) = p.bodies[0], d.bodies[0]
     assert not {"logprobs", "echo"} & set(pre) and dec["logprobs"] == 2
-    for ask in ({"prompt_logprobs": 3}, {"echo": True, "logprobs": 1}):
-        status, _, raw = post(url + "/v1/completions", {"prompt": "y", "max_tokens": 4, **ask})
+    for path, ask in (("/v1/completions", {"prompt_logprobs": 3}), ("/v1/completions", {"prompt_logprobs": 0}),
+                      ("/v1/completions", {"echo": True, "logprobs": 0}), ("/v1/chat/completions", {"echo": True})):
+        prompt = {"messages": [{"role": "user", "content": "y"}]} if "chat" in path else {"prompt": "y"}
+        status, _, raw = post(url + path, {**prompt, "max_tokens": 4, **ask})
         assert status == 200 and json.loads(raw)["from"] == "d0"
-        assert d.bodies[-1][1].get("kv_transfer_params") is None and len(p.bodies) == 1
+        assert d.bodies[-1][1].get("kv_transfer_params") is None and len(p.bodies) == 1, ask
+    assert post(url + "/v1/completions", {"prompt": "z", "echo": True})[0] == 200  # echo alone: no prompt logprobs
+    assert wait_for(lambda: len(p.bodies) == 2)
 
 
 def test_a_prefill_answer_larger_than_a_token_and_its_params_is_a_502(backends, proxy):

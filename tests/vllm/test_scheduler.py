@@ -406,6 +406,49 @@ def test_decode_pull_is_the_block_table_by_position(table, hit_tokens, ext_token
         sched.shutdown()
 
 
+def test_every_publish_names_the_launch_and_a_replaced_one_keeps_nothing():
+    """Directly and after a host-staging copy: the engine's ranks are registered by launch "new"; the old
+    launch's publishes are refused (their block ids or slots would be read in the new process's memory),
+    and the old scheduler frees what it held for them."""
+    from types import SimpleNamespace
+
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, EngineRegistration, RequestStatus
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import PrefillRequest
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(bootstrap_url=srv.url, lease_s=30.0)
+    old = KVLinkScheduler(cfg, "pre", "kv_producer", 32, launch="old")
+    staged = KVLinkScheduler(cfg, "pre", "kv_producer", 32, staging_slots=8, launch="old")
+    try:
+        with BootstrapClient(srv.url) as cli:
+            cli.register_engine(EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", layers=[],
+                                                   protocol_version=2, compat_hash="x", launch="new"), 60.0)
+            keep, answer = old.request_finished(_finished("r1", PrefillRequest("t-1").to_params()), [3, 4])
+            assert not keep and "launch" in answer["kvlink_error"] and held_requests(old) == {}
+            keep, _ = staged.request_finished(_finished("r2", PrefillRequest("t-2").to_params()), [5, 6])
+            assert keep  # answered at once; published after the copy
+            staged.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=()))
+            staged.update_connector_output(SimpleNamespace(finished_sending={"r2"}, finished_recving=(),
+                                                           failed_recving=()))
+            deadline = time.monotonic() + 10
+            while staged._planner.pool.in_use and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert staged._planner.pool.in_use == 0 and held_requests(staged) == {}
+            assert set(cli.lookup("pre", ["r1", "r2"]).values()) == {RequestStatus.UNKNOWN}
+            new = KVLinkScheduler(cfg, "pre", "kv_producer", 32, launch="new")
+            try:
+                keep, _ = new.request_finished(_finished("r3", PrefillRequest("t-3").to_params()), [7])
+                assert keep and cli.lookup_transfer("t-3").request_id == "r3"
+            finally:
+                new.shutdown()
+    finally:
+        staged.shutdown()
+        old.shutdown()
+        srv.stop()
+
+
 def test_a_staged_request_is_published_after_its_copy_and_an_early_abandon_still_frees_it():
     """Host staging, scheduler sides only, real bootstrap server: prefill answers at once with a transfer id
     and no block ids, publishes the slots only when the worker reports the copy, and a decode that gives

@@ -253,6 +253,24 @@ def test_a_piece_the_server_cannot_take_costs_the_other_transfers_nothing():
     assert sent == [["t"]] and counts == {"pieces_failed": 1, "pieces_sent": 1}
 
 
+def test_a_call_refused_as_a_whole_is_not_sent_again_piece_by_piece():
+    """A fault of the call (its ranks, say), not of one piece: sending each piece alone would only multiply
+    the refused calls, every step."""
+    from kvlink.bootstrap import InvalidField
+
+    calls, counts = [], {}
+
+    def send(pieces):
+        calls.append(len(pieces))
+        raise InvalidField("ranks=2, but engine 'P' registered TP=1 x PP=1 ranks", field="ranks")
+
+    sender = PieceSender(send, lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n))
+    sender.submit(layer_pieces([spec_of(1, [1, 2], 0), spec_of(1, [7, 8], 0, tid="u")], 1))
+    sender.close()
+    sender._thread.join(5)
+    assert calls == [2] and counts == {"pieces_failed": 2}
+
+
 def test_the_sender_ends_when_closed_behind_a_piece_whose_device_work_failed():
     """The close marker is taken with the pieces queued before it; when the last of those turns out never to
     be in place (its device work failed), the sender must end there, not wait for another marker."""

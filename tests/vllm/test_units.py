@@ -452,6 +452,25 @@ def test_engine_id_carries_the_dp_rank_once():
     assert engine_id_of(cfg("e_dp0", 2, 1)) == "e_dp0-dp1"
 
 
+def test_the_launch_is_vllms_instance_id_where_one_config_reaches_every_process_else_none():
+    """Several nodes per engine (the others start headless and build configs of their own) or one process
+    per rank (external_launcher): ranks would name other launches than the scheduler, and the bootstrap
+    server would refuse every publish; there kvlink names none (unfenced)."""
+    from types import SimpleNamespace as NS
+
+    from kvlink.vllm.connector import launch_of
+
+    def cfg(iid, nodes=1, backend="mp"):
+        return NS(instance_id=iid, parallel_config=NS(nnodes_within_dp=nodes, distributed_executor_backend=backend))
+
+    assert launch_of(cfg("1764201234567890123")) == "1764201234567890123"
+    assert launch_of(cfg("1764201234567890123_dp1", backend="ray")) == "1764201234567890123_dp1"
+    assert launch_of(cfg("x" * 80)) == "x" * 64  # (the schema's bound)
+    assert launch_of(cfg("17642", nodes=2)) is None
+    assert launch_of(cfg("17642", backend="external_launcher")) is None
+    assert launch_of(cfg("")) is None and launch_of(NS()) is None
+
+
 def test_nospin_patches_vllm_s_queue_loop_when_it_is_imported():
     """tools/nospin (on every test server's path): vLLM's shm_broadcast naps instead of sched_yield."""
     import subprocess
