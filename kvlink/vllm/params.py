@@ -59,8 +59,12 @@ def _typed(tp: Any, what: str, before: Rule = lambda v: v, after: Rule = lambda 
     def rule(value: Any) -> Any:
         try:
             value = msgspec.convert(before(value), tp, strict=True)
+            if isinstance(value, str):
+                value.encode()  # a lone surrogate (a client's JSON escape) travels nowhere
         except msgspec.ValidationError as e:
             raise _Broken(what, str(e)) from None
+        except UnicodeError as e:  # msgspec raises it for a lone surrogate where it expects another type
+            raise _Broken(what, f"not valid Unicode: {e.reason}") from None
         return after(value)
 
     return rule
@@ -94,8 +98,10 @@ def _listed(value: Any) -> Any:
 def _bootstrap_url(url: Any) -> str:
     # The bootstrap client's own rule, so an address accepted here is one the client can use.
     try:
-        return canonical_url(url)
-    except ValueError as e:
+        out = canonical_url(url)
+        out.encode()
+        return out
+    except (ValueError, UnicodeError) as e:  # (UnicodeEncodeError is a ValueError too)
         raise _Broken("an http(s) URL or host:port", str(e)) from None
 
 

@@ -18,6 +18,7 @@ from kvlink.vllm.params import (
     BadParams,
     PrefillRequest,
     RemoteSource,
+    check,
     decode_params,
     flag,
     prompt_digest,
@@ -252,3 +253,14 @@ def test_the_prompt_digest_is_of_the_token_ids_in_order():
                 prompt_digest([1, 2, 3 + (1 << 32)])}) == 5
     assert prompt_digest([]) == "e3b0c44298fc1c149afbf4c8996fb924"  # sha256 of no bytes
     assert prompt_digest([1]) == hashlib.sha256((1).to_bytes(8, "little")).hexdigest()[:32]  # int64 LE, any host
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+@pytest.mark.parametrize("value", ["\udcff", ["\udcff"], [["\udcff"]], "http://\udcff:1"])
+def test_a_lone_surrogate_anywhere_is_bad_params_naming_the_field(name, value):
+    """A client's JSON may escape a lone UTF-16 surrogate; msgspec then raises UnicodeEncodeError where it
+    expects a number or a list, which escaped the scheduler's BadParams handling into vLLM's loop (an
+    engine core in process died), and strings holding one were accepted although no server can take them."""
+    with pytest.raises(BadParams) as err:
+        check(name, value)
+    assert err.value.field == name
