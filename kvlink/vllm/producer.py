@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlink import trace
-from kvlink.bootstrap.errors import RequestExpired, RequestReleased
+from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, RequestExpired, RequestReleased
 from kvlink.bootstrap.schema import RequestStatus
 from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfigError
@@ -98,8 +98,11 @@ class Producer:
                     self._held.reached()
                 warned = False
             except Exception as e:  # noqa: BLE001 - the local lease deadline still frees blocks
+                answered = isinstance(e, BootstrapError) and not isinstance(e, BootstrapUnavailable)
                 with self._held_lock:
-                    self._held.unreachable()
+                    # An answer (a refusal) is not silence: the server holds what decode renews there, and
+                    # the lease deadline meant for an unreachable server must not free it.
+                    self._held.reached() if answered else self._held.unreachable()
                 if not warned:
                     logger.warning("kvlink: cannot poll bootstrap %s for released requests: %s "
                                    "(held blocks will be freed at lease expiry)", self.bootstrap_url, e)
@@ -109,17 +112,24 @@ class Producer:
     def _reconcile(self, cli) -> int:
         """Look every held request up at the bootstrap server and hand the whole answer to the held table,
         which frees those the server no longer holds (see kvlink.vllm.held). Returns how many."""
-        from kvlink.bootstrap.errors import UnknownEngine
+        from kvlink.bootstrap.errors import InvalidField, UnknownEngine
 
         with self._held_lock:  # not those being published: the server may not know them yet
             held = [rid for rid in self._held.request_ids() if rid not in self._publishing]
         answer: dict[str, object] = {}
-        for i in range(0, len(held), 1024):
-            chunk = held[i:i + 1024]
+        i = 0
+        while i < len(held):
+            chunk = held[i:i + self._lookup_chunk]
             try:
                 answer.update(cli.lookup(self.engine_id, chunk))
             except UnknownEngine:  # the server dropped the engine, and its requests with it
                 answer.update(dict.fromkeys(chunk, RequestStatus.UNKNOWN))
+            except InvalidField as e:  # a server whose max_lookup_ids is below the chunk: smaller ones
+                if e.field != "request_ids" or self._lookup_chunk == 1:
+                    raise
+                self._lookup_chunk = max(1, self._lookup_chunk // 2)
+                continue
+            i += len(chunk)
         with self._freed:
             freed = self._held.looked_up(answer)
             if freed:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # metadata imports vLLM; this module must not
     from kvlink.vllm.metadata import PullSpec
 
 ALL_LAYERS = 1 << 30  # a layer range's end that means every layer of the block
+MAX_RENEW_IDS = 512  # request ids per renew call (a bootstrap server takes max_lookup_ids, 4096 by default)
 CANCEL_RETRY_S = (0.1, 5.0)  # a cancel that did not settle is asked again after this, doubling up to the max
 UNSETTLED_WARN_S = 30.0  # a batch still unsettled this long after its first cancel is reported in the log
 
@@ -690,6 +691,10 @@ class PullTable:
         actions = []
         for group, pulls in groups.items():
             self._renewing.add(group)
+            # at most MAX_RENEW_IDS a call (a bootstrap server's max_lookup_ids refuses more, every time): the
+            # most overdue first, the rest are due again as soon as this call returns
+            if len(pulls) > MAX_RENEW_IDS:
+                pulls = sorted(pulls, key=lambda p: p.next_renew)[:MAX_RENEW_IDS]
             actions.append(Renew(group, tuple(p.lease.request_id for p in pulls), tuple(p.rid for p in pulls),
                                  max(p.lease.lease_s for p in pulls)))
         return actions

@@ -79,6 +79,7 @@ class KVLinkScheduler(Producer):
         self._server = None
         self.bootstrap_url: str | None = cfg.bootstrap_url
         self._held = HeldTable(cfg.lease_s)
+        self._lookup_chunk = 512  # ids per reconcile lookup (halved while a server refuses that many)
         self._held_lock = threading.Lock()
         self._freed = threading.Condition(self._held_lock)
         self._gauges_sent: tuple[int, ...] | None = None

@@ -296,6 +296,23 @@ def test_renewals_one_call_per_group_retried_when_unreachable():
     assert [r.rids for r in of(t.tick(11.7), Renew)] == [("a", "b")]  # every third of the lease
 
 
+def test_a_renewal_names_at_most_max_renew_ids_and_the_rest_follow_at_once():
+    """A bootstrap server refuses a call naming more ids than its max_lookup_ids, every time: one renewal of
+    every due pull of a busy engine would have failed until the pulls timed out."""
+    from kvlink.vllm.pulls import MAX_RENEW_IDS
+
+    t = PullTable(60.0)
+    n = MAX_RENEW_IDS + 100
+    for i in range(n):
+        t.submit(spec(f"r{i}"), 0.0)
+        t.resolved(f"r{i}", REMOTE, [(2, 12)], lease(f"r{i}"), 0.0, 5.0, 0.0)  # first renewal due at 5
+    (first,) = of(t.tick(6.0), Renew)
+    assert len(first.rids) == MAX_RENEW_IDS
+    rest = of(t.lease_held(GROUP, first.rids, 36.0, 6.1), Renew)  # the rest are due: asked for at once
+    assert [len(r.rids) for r in rest] == [n - MAX_RENEW_IDS]
+    assert not set(rest[0].rids) & set(first.rids)
+
+
 def test_groups_renew_independently():
     t = PullTable(60.0)
     start(t, "a")

@@ -406,6 +406,39 @@ def test_decode_pull_is_the_block_table_by_position(table, hit_tokens, ext_token
         sched.shutdown()
 
 
+def test_a_server_that_takes_fewer_ids_per_lookup_is_asked_in_smaller_chunks_and_never_counts_as_silent():
+    """A bootstrap server run with a small max_lookup_ids answers a larger reconcile lookup 400, every time.
+    That answer is not silence: counted as silence, prefill freed every held request a lease later, under
+    decode's renewals (which that server kept granting)."""
+    with _prefill_scheduler(lease_s=30.0, max_lookup_ids=2) as (sched, cli, _):
+        for rid in ("a", "b", "c"):
+            assert sched.request_finished(_finished(rid, {"do_remote_decode": True}), [3, 4])[0]
+        assert sched._reconcile(sched.clients.get(sched.bootstrap_url)) == 0
+        assert sched._lookup_chunk == 2 and set(held_requests(sched)) == {"a", "b", "c"}
+
+
+def test_an_answer_that_refuses_the_watchers_call_is_not_silence():
+    from kvlink.bootstrap import InvalidField
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    class Refusing:
+        def poll_released(self, engine_id):
+            raise InvalidField("at most 1 ids per call", field="request_ids")
+
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url="http://127.0.0.1:9", lease_s=30.0, release_poll_s=0.01),
+                            "pre", "kv_producer", 32)
+    try:
+        sched.clients.get = lambda url: Refusing()
+        with sched._held_lock:
+            sched._held.published("r1", 2)
+        time.sleep(0.3)  # the watcher polls, hears the refusal, and goes on
+        with sched._held_lock:
+            assert sched._held._silent_since is None
+    finally:
+        sched.shutdown()
+
+
 def test_every_publish_names_the_launch_and_a_replaced_one_keeps_nothing():
     """Directly and after a host-staging copy: the engine's ranks are registered by launch "new"; the old
     launch's publishes are refused (their block ids or slots would be read in the new process's memory),
