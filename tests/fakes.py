@@ -51,12 +51,15 @@ class FakeBootstrapClient:
     (request id -> RequestStatus) that were asked about, and grants the others ``granted_s`` (None: what
     was asked; a number: prefill published them with a shorter lease). ``get_engine`` answers ``engine`` (an
     EngineRegistration) and refuses when none is scripted; ``engine_ranks`` answers it as the only rank.
+    ``lookup`` (how decode checks a sequential pull's block ids) goes to ``then`` if any, else answers
+    ``records`` (request id -> RequestRecord or RequestStatus; unknown where none is scripted).
     """
 
     def __init__(self, lost: dict | None = None, error: Exception | None = None,
                  hang_until: threading.Event | None = None, delay_s: float = 0.0, then: object = None,
-                 engine: object = None, granted_s: float | None = None) -> None:
+                 engine: object = None, granted_s: float | None = None, records: dict | None = None) -> None:
         self.lost, self.error, self.hang_until, self.delay_s = lost or {}, error, hang_until, delay_s
+        self.records = records or {}
         self.granted_s = granted_s
         self.then, self.engine = then, engine
         self.renewals: list[tuple[str, list[str], float]] = []
@@ -74,6 +77,13 @@ class FakeBootstrapClient:
             return self.then.renew(engine_id, request_ids, lease_s)
         granted = lease_s if self.granted_s is None else min(lease_s, self.granted_s)
         return {rid: status for rid, status in self.lost.items() if rid in request_ids}, granted
+
+    def lookup(self, engine_id: str, request_ids: list[str], wait_s: float = 0.0) -> dict:
+        if self.then is not None:
+            return self.then.lookup(engine_id, request_ids, wait_s)
+        from kvlink.bootstrap.schema import RequestStatus
+
+        return {rid: self.records.get(rid, RequestStatus.UNKNOWN) for rid in request_ids}
 
     def get_engine(self, engine_id: str, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> object:
         if self.engine is None:

@@ -9,6 +9,11 @@ Each call runs on its own pool thread, so a hung bootstrap server holds back onl
 renewals (their pulls' deadline bounds them), never those of healthy servers. A successful renewal
 proves that prefill held the blocks when the call was sent and will hold them until at least
 ``sent + lease_s``; that bound goes back to the table with ``lease_held``.
+
+A sequential pull's block ids came in its params, which decode's client sent: before its first lease proof
+the call also looks the request up, and a pull whose params name other block ids than prefill published
+for that request is failed (``lease_lost``), never trusted. (A client could otherwise name a live prefill
+request and any block ids of that engine: another request's KV, read into its own decode.)
 """
 
 from __future__ import annotations
@@ -61,6 +66,26 @@ class LeaseCalls:
             logger.exception("kvlink: lease renewal at %s failed", a.group[0])
             self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
 
+    def _check_records(self, a: Renew) -> dict[str, str]:
+        """Our id -> why, for the pulls in ``a.verify`` whose params named other block ids than the record
+        prefill published for their request (or whose record is gone). Raises what the lookup raises (the
+        group is then retried: nothing is trusted meanwhile)."""
+        from kvlink.bootstrap.schema import RequestRecord
+
+        url, engine_id = a.group
+        prefill_id = dict(zip(a.rids, a.request_ids))
+        answer = self._clients(url).lookup(engine_id, [prefill_id[rid] for rid, _ in a.verify])
+        wrong = {}
+        for rid, named in a.verify:
+            rec = answer.get(prefill_id[rid])
+            if not isinstance(rec, RequestRecord):
+                wrong[rid] = (f"prefill request {engine_id}/{prefill_id[rid]} is "
+                              f"{getattr(rec, 'value', rec)}; its blocks may be reused")
+            elif tuple(map(tuple, rec.block_ids)) != tuple(map(tuple, named)):
+                wrong[rid] = (f"kv_transfer_params name other block ids than prefill published for request "
+                              f"{engine_id}/{prefill_id[rid]}: not read")
+        return wrong
+
     def _renew(self, a: Renew) -> None:
         url, engine_id = a.group
         sent = time.monotonic()
@@ -72,15 +97,21 @@ class LeaseCalls:
                 logger.warning("kvlink: cannot renew leases at %s: %s (retrying)", url, e)
             self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
             return
+        try:
+            wrong = self._check_records(a) if a.verify else {}
+        except Exception as e:  # noqa: BLE001 - nothing unchecked is trusted: the group is asked again soon
+            logger.warning("kvlink: cannot look up records at %s: %s (retrying)", url, e)
+            self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
+            return
         self._warned.discard(url)
         held = []
         for rid, request_id in zip(a.rids, a.request_ids):
             status = failed.get(request_id)
-            if status is None:
+            if status is None and rid not in wrong:
                 held.append(rid)
                 continue
-            why = (f"prefill lease of {engine_id}/{request_id} is {getattr(status, 'value', status)}; "
-                   "its blocks may be reused")
+            why = wrong.get(rid) or (f"prefill lease of {engine_id}/{request_id} is "
+                                     f"{getattr(status, 'value', status)}; its blocks may be reused")
             self._apply(lambda t, now, rid=rid, why=why: t.lease_lost(a.group, rid, why, now))
         # trusted for what the server granted (prefill's published lease where it is shorter than ours)
         self._apply(lambda t, now: t.lease_held(a.group, tuple(held), sent + granted, now))

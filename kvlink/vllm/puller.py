@@ -224,7 +224,7 @@ class Puller:
             lease_s = src.lease_s or self.cfg.lease_s
             now = time.monotonic()
             held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
-            epoch = 0
+            epoch, check = 0, blocks  # block ids from the params are checked against the record (lease.py)
             if src.transfer_id is not None and (blocks is None or engine_id is None):
                 found = self._await_record(cli, spec, engine_id)
                 if found is None:
@@ -232,6 +232,7 @@ class Puller:
                 rec, now = found
                 epoch = rec.epoch
                 engine_id, remote_rid, blocks = rec.engine_id, rec.request_id, tuple(map(tuple, rec.block_ids))
+                check = None  # (the record's own)
                 if spec.num_tokens is not None and rec.num_tokens != spec.num_tokens:
                     raise PairingError(f"request {rid}: prefill computed {rec.num_tokens} tokens, decode loads "
                                        f"{spec.num_tokens}: a Mamba state continues only from the tokens it saw")
@@ -253,7 +254,7 @@ class Puller:
             self._apply(lambda t, now: t.fail(rid, why, now))
             return
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
-        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch))
+        self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch, check))
 
     def _may_retry(self, rid: str) -> bool:
         """The pull still runs and its deadline leaves room for one more bootstrap call."""

@@ -117,6 +117,9 @@ class Pull:
     armed: bool = False  # lock-step: reported to vLLM before its outcome (lockstep.py)
     clock: ArmClock | None = None
     expect: frozenset | None = None  # lock-step: the (group, local block) positions it fills
+    # Sequential pairing: the block ids the params named (decode's client sent them), until the first lease
+    # proof also showed prefill published exactly those for the request (lease.py); None: nothing to check
+    check: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def rid(self) -> str:
@@ -175,6 +178,8 @@ class Renew:
     request_ids: tuple[str, ...]  # prefill's ids
     rids: tuple[str, ...]  # ours, in the same order
     lease_s: float
+    # (our id, the block ids its params named) of pulls not yet checked against prefill's published record
+    verify: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
 
 
 @dataclass
@@ -258,9 +263,11 @@ class PullTable:
         return [Resolve(pull)]
 
     def resolved(self, rid: str, remote: Hashable, pairs: list[tuple[int, int, int]], lease: Lease,
-                 held_until: float, renew_at: float, now: float, epoch: int = 0) -> list[Post | Renew]:
+                 held_until: float, renew_at: float, now: float, epoch: int = 0,
+                 check: tuple[tuple[int, ...], ...] | None = None) -> list[Post | Renew]:
         """Paired and connected (the published record: the end of a stream); ``pairs`` are (group, local,
-        remote) blocks; ``renew_at``: when its first renewal is due (``now``: at once)."""
+        remote) blocks; ``renew_at``: when its first renewal is due (``now``: at once); ``check``: the block
+        ids the (sequential) params named, to be matched against prefill's record before the pull is trusted."""
         pull = self._pulls.get(rid)
         if pull is None or pull.final or pull.state not in (State.RESOLVING, State.READY, State.READING):
             return []  # cancelled or failed meanwhile (already reported)
@@ -279,6 +286,7 @@ class PullTable:
             pull.inflight_epoch = -1
         pull.remote, pull.lease, pull.final, pull.final_at = remote, lease, True, now
         pull.held_until, pull.next_renew = max(pull.held_until, held_until), renew_at
+        pull.check = check
         self._want(pull, pairs, epoch)
         if pull.state is State.RESOLVING:
             if pull.queued:
@@ -442,6 +450,7 @@ class PullTable:
             if p is None or p.lease is None:
                 continue
             p.held_until = max(p.held_until, held_until)
+            p.check = None  # (lease.py checked it against the record before it reported the lease held)
             # a third of what this renewal left trusted (the server grants no more than prefill published)
             p.next_renew = now + max(0.05, min(p.lease.lease_s, held_until - now) / 3)
             if p.state is State.CONFIRMING and p.read_at < p.held_until:
@@ -696,7 +705,8 @@ class PullTable:
             if len(pulls) > MAX_RENEW_IDS:
                 pulls = sorted(pulls, key=lambda p: p.next_renew)[:MAX_RENEW_IDS]
             actions.append(Renew(group, tuple(p.lease.request_id for p in pulls), tuple(p.rid for p in pulls),
-                                 max(p.lease.lease_s for p in pulls)))
+                                 max(p.lease.lease_s for p in pulls),
+                                 tuple((p.rid, p.check) for p in pulls if p.check is not None)))
         return actions
 
     def _report(self, p: Pull, state: State, now: float, why: str = "") -> None:

@@ -124,6 +124,33 @@ def test_lease_call_reports_lost_leases_and_retries_unreachable():
     assert _renew(FakeBootstrapClient(error=ConnectionError("down"))) == [("retry", ("http://b", "e1"), ("a", "b"))]
 
 
+def test_a_sequential_pulls_first_proof_checks_its_block_ids_against_prefills_record():
+    """Sequential params come from decode's client: before a pull whose block ids they named is trusted, the
+    record prefill published for the request must name the same ones."""
+    from kvlink.bootstrap import RequestRecord, RequestStatus
+    from kvlink.vllm.lease import LeaseCalls
+    from kvlink.vllm.pulls import Renew
+
+    def rec(rid, blocks):
+        return RequestRecord(engine_id="e1", request_id=rid, block_ids=blocks, num_tokens=32, lease_remaining_s=3.0)
+
+    cli = FakeBootstrapClient(records={"r1": rec("r1", [[1, 2]]), "r2": rec("r2", [[1, 3]]),
+                                       "r3": RequestStatus.RELEASED})
+    table = RecordingPullTable()
+    LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f()).run(
+        Renew(("http://b", "e1"), ("r1", "r2", "r3", "r4"), ("a", "b", "c", "d"), 3.0,
+              (("a", ((1, 2),)), ("b", ((1, 2),)), ("c", ((4,),)))))
+    lost = {e[2]: e[3] for e in table.events if e[0] == "lost"}
+    assert set(lost) == {"b", "c"} and "other block ids" in lost["b"] and "released" in lost["c"]
+    assert [e[2] for e in table.events if e[0] == "held"] == [("a", "d")]  # d: nothing to check (a record's)
+    failing = FakeBootstrapClient()
+    failing.lookup = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down"))
+    table = RecordingPullTable()
+    LeaseCalls(lambda url: failing, table.apply, spawn=lambda f: f()).run(
+        Renew(("http://b", "e1"), ("r1",), ("a",), 3.0, (("a", ((1, 2),)),)))
+    assert table.events == [("retry", ("http://b", "e1"), ("a",))]  # nothing unchecked is trusted
+
+
 def test_a_hung_bootstrap_server_does_not_hold_back_renewals_at_healthy_ones():
     """One pull's bootstrap server never answers; pulls from another server keep being renewed, through a
     real decode worker's ticker thread, lease pool and pull table."""

@@ -182,6 +182,23 @@ def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
     assert pull_outcome(dec, "r6") == "ok"
 
 
+def test_params_naming_other_blocks_than_prefill_published_are_never_trusted(pair):
+    """Real worker, transport and bootstrap server: a client's sequential params name a live prefill request
+    and other blocks of that engine (another request's KV). The READ may go through, but the first lease
+    proof finds the record names other blocks, and the pull fails (decode computes the prompt)."""
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    pre, dec, url = pair
+    _publish(url, "r9", [(1, 1), (2, 2)], lease_s=30.0)
+    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-r9", block_ids=(1, 5), lease_s=30.0)
+    dec._submit(PullSpec(request_id="r9", local_block_ids=(1, 2), first_block=0, source=src))
+    assert pull_outcome(dec, "r9") == "failed"
+    assert dec.take_load_error_blocks() == {1, 2}
+    _pull(dec, url, "r10", [(3, 3)])  # the same request named with its own blocks: read and trusted
+    assert pull_outcome(dec, "r10") == "ok"
+
+
 def test_pull_whose_lease_ran_out_is_recomputed(pair):
     """Decode got to the request after prefill's lease ran out (prefill may have reused the blocks): the
     first renewal says so and the pull fails (recompute) although the READ itself went through."""
