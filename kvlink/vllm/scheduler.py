@@ -95,6 +95,7 @@ class KVLinkScheduler(Producer):
         self._cancelled: set[str] = set()
         self._processed: set[str] = set()  # do_remote_prefill requests already handled
         self._bad: dict[str, str] = {}  # request id -> why its kv_transfer_params were refused
+        self._parsed: dict[str, tuple[Any, RemoteSource]] = {}  # request id -> (its params, parsed): _source
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
         self._prompt_ok: dict[str, bool] = {}  # sequential pairing: the prompt digest compared (until allocated)
@@ -145,12 +146,37 @@ class KVLinkScheduler(Producer):
             if kvparams.flag(params, "do_remote_decode"):
                 raise BadParams("do_remote_decode", "kv_transfer_params ask for both do_remote_prefill and "
                                 "do_remote_decode: a request is pulled or published, not both")
-            return self._allowed(RemoteSource.from_params(params))
+            cached = self._parsed.get(rid)
+            if cached is not None and cached[0] is params:  # vLLM asks every step while a request waits
+                return cached[1]
+            src = self._fits(self._allowed(RemoteSource.from_params(params)))
+            self._parsed[rid] = (params, src)
+            while len(self._parsed) > 4096:  # (requests that never reach allocation nor finish: bounded)
+                self._parsed.pop(next(iter(self._parsed)))
+            return src
         except BadParams as e:
             self._bad[rid] = str(e)
             self._count("bad_params")
             logger.warning("kvlink: request %s: %s; computing it locally", rid, e)
             return None
+
+    def _fits(self, src: RemoteSource) -> RemoteSource:
+        """``src`` if its block ids can be this engine's (one list per KV cache group, at least as many
+        positions as the tokens they claim), else BadParams naming ``remote_block_ids``: refused at
+        admission, decode computes the prompt and the client hears why (not a pull that fails later)."""
+        if src.block_ids is None:
+            return src
+        if len(src.block_ids) != len(self.windows):
+            raise BadParams("remote_block_ids", f"kv_transfer_params['remote_block_ids'] hold {len(src.block_ids)} "
+                            f"KV cache group(s); this engine has {len(self.windows)}")
+        if src.num_tokens is not None:
+            for g, ids in enumerate(src.block_ids):
+                bs = self.block_sizes[g] if g < len(self.block_sizes) else self.block_size
+                if len(ids) < -(-src.num_tokens // bs):
+                    raise BadParams("remote_block_ids", f"kv_transfer_params['remote_block_ids'] hold {len(ids)} "
+                                    f"blocks in group {g}, too few for remote_num_tokens={src.num_tokens} "
+                                    f"({bs} tokens a block)")
+        return src
 
     def _allowed(self, src: RemoteSource) -> RemoteSource:
         """``src`` if its bootstrap server is one decode may call (with its token), else BadParams."""
@@ -228,6 +254,7 @@ class KVLinkScheduler(Producer):
         rid = request.request_id
         self._processed.add(rid)
         self._prompt_ok.pop(rid, None)
+        self._parsed.pop(rid, None)
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: prefill may free its copy (unless a sibling needs it).
@@ -266,6 +293,7 @@ class KVLinkScheduler(Producer):
         rid = request.request_id
         self._local_hit.pop(rid, None)  # offered a hit but finished before its blocks were allocated
         self._prompt_ok.pop(rid, None)
+        self._parsed.pop(rid, None)
         armed, cancel = self._lockstep.finish(rid, _aborted(request))
         if armed:
             # Armed (lock-step), and its pull may still write or the worker still keeps its outcome for its

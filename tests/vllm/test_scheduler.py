@@ -278,6 +278,49 @@ def test_decode_refuses_malformed_params_once_and_answers_with_the_field():
         sched.shutdown()
 
 
+@pytest.mark.parametrize("blocks,tokens,why", [([[1, 2], [3, 4]], 32, "2 KV cache group(s); this engine has 1"),
+                                               ([1, 2], 1000, "too few for remote_num_tokens=1000")])
+def test_decode_refuses_block_ids_that_cannot_be_its_own_at_admission(blocks, tokens, why):
+    """More KV cache groups than decode has, or fewer positions than the tokens they claim: refused when the
+    request is admitted, naming the field, instead of a pull that fails later without a word to the client."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        req = _decode_request("d1", 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://p:1",
+                                         "remote_engine_id": "pre", "remote_request_id": "r1",
+                                         "remote_block_ids": blocks, "remote_num_tokens": tokens})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        keep, answer = sched.request_finished(req, [])
+        assert not keep and why in answer["kvlink_error"] and "'remote_block_ids'" in answer["kvlink_error"]
+    finally:
+        sched.shutdown()
+
+
+def test_params_are_parsed_once_while_vllm_asks_every_step(monkeypatch):
+    """vLLM asks again every step while a request waits (no room, a sibling pulling): params of up to 64
+    groups of a million block ids took seconds to parse, every step, holding up every request."""
+    from kvlink.vllm import scheduler as S
+    from kvlink.vllm.config import ConnectorConfig
+
+    parsed = []
+    real = S.RemoteSource.from_params
+    monkeypatch.setattr(S.RemoteSource, "from_params", staticmethod(lambda p: parsed.append(1) or real(p)))
+    sched = S.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        req = _decode_request("d1", 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://p:1",
+                                         "remote_engine_id": "pre", "remote_request_id": "r1",
+                                         "remote_block_ids": [1, 2, 3, 4], "remote_num_tokens": 64})
+        for _ in range(3):
+            assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+        assert len(parsed) == 1
+        sched.request_finished(req, [])
+        assert sched._parsed == {}
+    finally:
+        sched.shutdown()
+
+
 def test_decode_refuses_a_bootstrap_server_not_in_bootstrap_allow(caplog):
     """A request that can name any bootstrap server makes decode call it with its token and connect where it
     says: with bootstrap_allow, one not listed is refused, naming it, and the prompt computed locally."""
