@@ -27,6 +27,7 @@ from kvlink.bootstrap.errors import (
     BootstrapUnavailable,
     InvalidField,
     LookupTimeout,
+    UnknownEngine,
     UnreadableAnswer,
     error_from_body,
 )
@@ -371,10 +372,10 @@ class BootstrapClient:
                 data = response.read()
             except (OSError, http.client.HTTPException) as err:
                 conn.close()
-                unanswered = unanswered or not isinstance(err, ConnectionRefusedError)
                 if reused and not stale_retried and isinstance(err, _STALE):
                     stale_retried = True  # the server closed an idle connection: not an outage
                     continue
+                unanswered = unanswered or not isinstance(err, ConnectionRefusedError)
                 failure: BaseException = err
             else:
                 if response.will_close:
@@ -385,7 +386,9 @@ class BootstrapClient:
                     return self._answer(path, answer_type, data)
                 error = _error(response.status, data)
                 if response.status < 500:
-                    error.maybe_applied = unanswered
+                    # (a call the server applied and answers again answers alike; one that forgot the engine
+                    # meanwhile, a restart, may have handed the first attempt's effect out before it did)
+                    error.maybe_applied = unanswered and isinstance(error, UnknownEngine)
                     raise error
                 failure = error
             attempt += 1

@@ -97,7 +97,7 @@ class Releaser:
         logger.info("proxy: prefill failed; gave %s up at %s, so decode computes the prompt", what, url)
 
     def _spawn(self, url: str, call, what: str, done, threads: ThreadPoolExecutor | None = None) -> None:
-        if len(self._tasks) >= MAX_PENDING:
+        if len(self._tasks) >= MAX_PENDING and threads is None:  # (abandons: one per failed prefill, never dropped)
             self.dropped += 1
             logger.warning("proxy: %d reports to bootstrap servers pending; %s not reported (its lease frees it)",
                            len(self._tasks), what)

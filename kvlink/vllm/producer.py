@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlink import trace
-from kvlink.bootstrap.errors import BootstrapError, BootstrapUnavailable, RequestExpired, RequestReleased
+from kvlink.bootstrap.errors import RequestExpired, RequestReleased
 from kvlink.bootstrap.schema import RequestStatus
 from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfigError
@@ -85,6 +85,8 @@ class Producer:
             try:
                 cli = self.clients.get(self.bootstrap_url)
                 outcomes = cli.poll_released(self.engine_id)
+                with self._held_lock:
+                    self._held.reached()  # it answered (a reconcile refused below is not silence either)
                 with self._freed:
                     if sum(self._held.released(rid, outcome) for rid, outcome in outcomes):
                         self._freed.notify_all()
@@ -94,15 +96,13 @@ class Producer:
                 self._note_frees(frees)
                 if due:
                     self._reconcile(cli)
-                with self._held_lock:
-                    self._held.reached()
                 warned = False
             except Exception as e:  # noqa: BLE001 - the local lease deadline still frees blocks
-                answered = isinstance(e, BootstrapError) and not isinstance(e, BootstrapUnavailable)
+                # (a poll that fails, even with an answer such as 401 after a token rotation, is silence: the
+                # deadline frees what the server may no longer report; a reconcile lookup the server refuses
+                # for its size shrinks instead, _reconcile)
                 with self._held_lock:
-                    # An answer (a refusal) is not silence: the server holds what decode renews there, and
-                    # the lease deadline meant for an unreachable server must not free it.
-                    self._held.reached() if answered else self._held.unreachable()
+                    self._held.unreachable()
                 if not warned:
                     logger.warning("kvlink: cannot poll bootstrap %s for released requests: %s "
                                    "(held blocks will be freed at lease expiry)", self.bootstrap_url, e)

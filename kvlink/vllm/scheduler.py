@@ -149,7 +149,12 @@ class KVLinkScheduler(Producer):
             cached = self._parsed.get(rid)
             if cached is not None and cached[0] is params:  # vLLM asks every step while a request waits
                 return cached[1]
-            src = self._fits(self._allowed(RemoteSource.from_params(params)))
+            src = self._allowed(RemoteSource.from_params(params))
+            try:
+                self._fits(src)
+            except BadParams:
+                self._release_async(src, Outcome.ABANDONED)  # prefill's copy is nobody's: freed now
+                raise
             self._parsed[rid] = (params, src)
             while len(self._parsed) > 4096:  # (requests that never reach allocation nor finish: bounded)
                 self._parsed.pop(next(iter(self._parsed)))

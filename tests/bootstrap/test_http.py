@@ -626,3 +626,39 @@ def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_whatever_t
         with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
             cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
     assert not err.value.maybe_applied and not _maybe_applied(err.value)
+
+
+def test_a_refusal_after_an_unanswered_try_is_still_a_refusal():
+    """The first attempt went out and got no answer; the retry reached the server, which refused it (409).
+    A publish the server had applied answers its retry 200 (a publish is idempotent): a refusal means it
+    was not applied, and prefill may free at once (only a server that forgot the engine may have handed the
+    first attempt out)."""
+    import socket as _socket
+
+    from kvlink.bootstrap import BootstrapClient, Conflict
+    from kvlink.vllm.producer import _maybe_applied
+
+    lsock = _socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(2)
+    port = lsock.getsockname()[1]
+    body = b'{"error": "launch replaced", "code": "conflict", "field": "launch"}'
+
+    def serve():
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        conn.close()  # no answer
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        conn.close()
+        lsock.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=2, backoff_s=0.05) as cli:
+        with pytest.raises(Conflict) as err:
+            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
+    t.join(5)
+    assert not err.value.maybe_applied and not _maybe_applied(err.value)

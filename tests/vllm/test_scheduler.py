@@ -460,26 +460,58 @@ def test_a_server_that_takes_fewer_ids_per_lookup_is_asked_in_smaller_chunks_and
         assert sched._lookup_chunk == 2 and set(held_requests(sched)) == {"a", "b", "c"}
 
 
-def test_an_answer_that_refuses_the_watchers_call_is_not_silence():
-    from kvlink.bootstrap import InvalidField
+@pytest.mark.parametrize("error", ["unauthorized", "down"])
+def test_a_poll_that_fails_even_with_an_answer_is_silence_so_the_deadline_still_frees(error):
+    """A poll refused outright (a token rotated on the server, say) tells prefill nothing of its held
+    requests: it must count as silence, so the lease deadline frees them (counting it as an answer leaked
+    them for good)."""
+    from kvlink.bootstrap import Unauthorized
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.scheduler import KVLinkScheduler
 
-    class Refusing:
+    polls = []
+
+    class Failing:
         def poll_released(self, engine_id):
-            raise InvalidField("at most 1 ids per call", field="request_ids")
+            polls.append(1)
+            raise Unauthorized("bearer token missing or wrong") if error == "unauthorized" else ConnectionError("down")
 
     sched = KVLinkScheduler(ConnectorConfig(bootstrap_url="http://127.0.0.1:9", lease_s=30.0, release_poll_s=0.01),
                             "pre", "kv_producer", 32)
     try:
-        sched.clients.get = lambda url: Refusing()
+        sched.clients.get = lambda url: Failing()
         with sched._held_lock:
             sched._held.published("r1", 2)
-        time.sleep(0.3)  # the watcher polls, hears the refusal, and goes on
+        deadline = time.monotonic() + 10
+        while len(polls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         with sched._held_lock:
-            assert sched._held._silent_since is None
+            assert polls and sched._held._silent_since is not None
     finally:
         sched.shutdown()
+
+
+def test_decode_params_refused_at_admission_give_prefills_copy_back_at_once():
+    """Params decode refuses when it admits the request (here: another KV cache group count) name a live
+    prefill request nobody will pull: prefill is told now, not after its lease."""
+    from kvlink.bootstrap import RequestStatus
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    with _prefill_scheduler(lease_s=30.0) as (pre, cli, _):
+        keep, params = pre.request_finished(_finished("r1", {"do_remote_decode": True}), [3, 4])
+        assert keep
+        params = dict(params, remote_block_ids=[[3, 4], [5, 6]])
+        dec = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 32)
+        try:
+            req = _decode_request("d1", 64, params)
+            assert dec.get_num_new_matched_tokens(req, 0) == (0, False)
+            deadline = time.monotonic() + 10
+            while cli.lookup("pre", ["r1"])["r1"] is not RequestStatus.RELEASED and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert cli.lookup("pre", ["r1"])["r1"] is RequestStatus.RELEASED
+        finally:
+            dec.shutdown()
 
 
 def test_every_publish_names_the_launch_and_a_replaced_one_keeps_nothing():
