@@ -185,4 +185,4 @@ def test_the_releaser_has_threads_of_its_own_and_a_bounded_backlog(monkeypatch):
         return free_in, pending, dropped, len(r._tasks)
 
     free_in, pending, dropped, left = asyncio.run(main())
-    assert free_in < 1.0 and (pending, dropped, left) == (6, 2, 0)
+    assert free_in < 5.0 and (pending, dropped, left) == (6, 2, 0)  # (held, the default pool waited 10 s)
