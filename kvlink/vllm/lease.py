@@ -11,7 +11,7 @@ proves that prefill held the blocks when the call was sent and will hold them un
 ``sent + lease_s``; that bound goes back to the table with ``lease_held``.
 
 A sequential pull's block ids came in its params, which decode's client sent: before its first lease proof
-the call also looks the request up, and a pull whose params name other block ids than prefill published
+the call also looks the request up (beside the renew call, on a thread of its own: one round trip), and a pull whose params name other block ids than prefill published
 for that request is failed (``lease_lost``), never trusted. (A client could otherwise name a live prefill
 request and any block ids of that engine: another request's KV, read into its own decode.)
 """
@@ -43,10 +43,13 @@ class LeaseCalls:
                  spawn: Callable[[Callable[[], None]], Any] | None = None):
         self._clients, self._apply = clients, apply
         self._warned: set[str] = set()
-        self._pool = None
+        self._pool = self._checks = None
         if spawn is None:
             self._pool = ThreadPoolExecutor(self.MAX_THREADS, thread_name_prefix="kvlink-lease")
             spawn = self._pool.submit
+            # record checks run beside their group's renew call (one round trip, not two), on threads of their
+            # own: a renew call waits for its check, so the two must never share a pool
+            self._checks = ThreadPoolExecutor(8, thread_name_prefix="kvlink-lease-check")
         self._spawn = spawn
 
     def run(self, a: Renew) -> None:
@@ -58,6 +61,7 @@ class LeaseCalls:
     def stop(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._checks.shutdown(wait=False, cancel_futures=True)
 
     def _call(self, a: Renew) -> None:
         try:
@@ -89,6 +93,12 @@ class LeaseCalls:
     def _renew(self, a: Renew) -> None:
         url, engine_id = a.group
         sent = time.monotonic()
+        checking = None
+        if a.verify and self._checks is not None:
+            try:
+                checking = self._checks.submit(self._check_records, a)
+            except RuntimeError:  # shut down: stopping
+                return
         try:
             failed, granted = self._clients(url).renew(engine_id, list(a.request_ids), a.lease_s)
         except Exception as e:  # noqa: BLE001 - try again soon; the pull's own deadline bounds it
@@ -98,7 +108,7 @@ class LeaseCalls:
             self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
             return
         try:
-            wrong = self._check_records(a) if a.verify else {}
+            wrong = checking.result() if checking is not None else self._check_records(a) if a.verify else {}
         except Exception as e:  # noqa: BLE001 - nothing unchecked is trusted: the group is asked again soon
             logger.warning("kvlink: cannot look up records at %s: %s (retrying)", url, e)
             self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
