@@ -85,8 +85,9 @@ static int peer_error(const uint8_t *body, uint32_t len, char *why, size_t cap) 
   return st.status < 0 ? st.status : KVL_EPROTO;
 }
 
-int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap) {
+int kvl__handshake_client(kvl_engine *e, int fd, uint64_t limit_ms, char *peer_name, char *why, size_t cap) {
   uint64_t deadline = kvl__now_ms() + e->cfg.handshake_timeout_ms;
+  if (limit_ms && limit_ms < deadline) deadline = limit_ms;
   uint8_t body[KVL__STATUS_MAX + KVL__NONCE_LEN + KVL__MAC_LEN + 2 + KVL_MAX_NAME];
   kvl__hello me, them;
   kvl__hdr h;

@@ -26,7 +26,7 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
     return rc == KVL_ETIMEDOUT ? KVL_ETIMEDOUT : KVL_ECONNECT;
   }
   char name[KVL_MAX_NAME + 1];
-  if ((rc = kvl__handshake_client(e, fd, name, why, cap)) != 0) {
+  if ((rc = kvl__handshake_client(e, fd, deadline, name, why, cap)) != 0) { /* within the batch's time */
     close(fd);
     return rc;
   }
@@ -40,7 +40,7 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
   }
   if (p->local.ok) { /* same-host READs copy from the pid probed at connect: still that process? */
     kvl__local_peer now;
-    if ((rc = kvl__local_probe(e, fd, &now)) != 0) {
+    if ((rc = kvl__local_probe(e, fd, deadline, &now)) != 0) {
       snprintf(why, cap, "same-host probe of %s:%u: %s", p->host, p->port, now.why);
       close(fd);
       return rc;

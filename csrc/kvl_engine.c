@@ -28,6 +28,7 @@ void kvl_config_init(kvl_config *cfg) {
 
 static void *listener_main(void *arg) {
   kvl_engine *e = arg;
+  int starved = 0; /* accept is failing for want of a resource: logged once, then backed off */
   while (!__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) {
     struct pollfd p = {e->listen_fd, POLLIN, 0};
     int r = poll(&p, 1, KVL__SLICE_MS);
@@ -35,9 +36,18 @@ static void *listener_main(void *arg) {
     if (r <= 0) continue;
     int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) kvl__event_log(&e->events, KVL_ESYS, "accept: out of file descriptors");
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED || err == EAGAIN || err == EWOULDBLOCK) continue;
+      /* EMFILE, ENFILE, ENOMEM, ENOBUFS: the connection stays in the backlog and poll reports it at once;
+       * without a pause the thread spins and floods the event ring. */
+      if (!starved)
+        kvl__event_log(&e->events, KVL_ESYS, "accept: %s; backing off until it succeeds", strerror(err));
+      starved = 1;
+      struct timespec ts = {0, (long)KVL__SLICE_MS * 1000000L};
+      nanosleep(&ts, NULL);
       continue;
     }
+    starved = 0;
     kvl__server_accept(e, fd);
   }
   return NULL;
@@ -230,6 +240,8 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     *peer_out = (uint32_t)found;
     return 0;
   }
+  if (rc) /* (retired peers, restarted processes, still count: they are freed with the engine) */
+    snprintf(last_msg, sizeof last_msg, "too many peers (%d, retired ones included)", KVL_MAX_PEERS);
   kvl__peer *p = rc ? NULL : calloc(1, sizeof *p);
   if (!p) return rc ? rc : KVL_ENOMEM;
   p->e = e;
@@ -252,7 +264,7 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
       break;
     }
     char name[KVL_MAX_NAME + 1];
-    rc = kvl__handshake_client(e, s->fd, name, last_msg, sizeof last_msg);
+    rc = kvl__handshake_client(e, s->fd, 0, name, last_msg, sizeof last_msg);
     if (rc == 0 && k == 0) {
       memcpy(p->name, name, sizeof name);
     } else if (rc == 0 && strcmp(name, p->name) != 0) {
@@ -261,7 +273,7 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     }
   }
   if (rc == 0 && e->cfg.same_host) {
-    rc = kvl__local_probe(e, p->streams[0].fd, &p->local);
+    rc = kvl__local_probe(e, p->streams[0].fd, 0, &p->local);
     if (rc == 0 && !p->local.ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
     if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local.why);
   }

@@ -368,7 +368,8 @@ struct kvl_engine {
 #define KVL__STAT_ADD(e, field, v) __atomic_fetch_add(&(e)->stats.field, (v), __ATOMIC_RELAXED)
 
 /* handshake (kvl_auth.c) */
-int kvl__handshake_client(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap);
+/* limit_ms: an absolute deadline that cuts the handshake timeout short (a batch's on reconnect; 0: none). */
+int kvl__handshake_client(kvl_engine *e, int fd, uint64_t limit_ms, char *peer_name, char *why, size_t cap);
 /* admit(arg), called once the client has proven itself and before it is welcomed: 0 if the connection was
  * dropped meanwhile (kvl_server.c's make_room), which fails the handshake instead of welcoming a dead one. */
 int kvl__handshake_server(kvl_engine *e, int fd, char *peer_name, char *why, size_t cap, int (*admit)(void *),
@@ -398,7 +399,8 @@ uint64_t kvl__part_bytes(const kvl__part *pt);
 int kvl__local_serve_probe(kvl_engine *e, int fd, uint32_t seq);
 int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_t *body, uint64_t **addrs,
                           size_t *cap, char *why, size_t wcap);
-int kvl__local_probe(kvl_engine *e, int fd, kvl__local_peer *lp); /* nonzero: the connection is unusable */
+/* nonzero: the connection is unusable; limit_ms as kvl__handshake_client's */
+int kvl__local_probe(kvl_engine *e, int fd, uint64_t limit_ms, kvl__local_peer *lp);
 int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap);
 /* send an ERROR-class frame (status body) (kvl_auth.c) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);

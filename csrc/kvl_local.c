@@ -103,13 +103,14 @@ int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_
 
 /* ---- requester -------------------------------------------------------------- */
 
-int kvl__local_probe(kvl_engine *e, int fd, kvl__local_peer *lp) {
+int kvl__local_probe(kvl_engine *e, int fd, uint64_t limit_ms, kvl__local_peer *lp) {
   lp->ok = 0;
   lp->pid = 0;
   lp->why[0] = 0;
   uint8_t hb[KVL__HDR_LEN], body[KVL__PROBE_BODY];
   kvl__hdr h;
   uint64_t deadline = kvl__now_ms() + e->cfg.handshake_timeout_ms;
+  if (limit_ms && limit_ms < deadline) deadline = limit_ms;
   kvl__hdr_encode(hb, KVL__T_LPROBE, 0, 0, 0);
   int rc = kvl__send_all(fd, hb, sizeof hb, deadline, &e->closing);
   if (rc == 0) rc = kvl__recv_all(fd, hb, sizeof hb, deadline, &e->closing);

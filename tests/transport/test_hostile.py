@@ -386,3 +386,92 @@ def test_silent_connections_filling_every_slot_do_not_keep_a_peer_out(make_engin
     wait_event(target, "too many handshakes at once")
     for s in socks:
         s.close()
+
+
+@pytest.mark.parametrize("call", ["read", "notify"])
+def test_a_reconnect_to_a_peer_that_never_answers_hello_ends_at_the_callers_timeout(call):
+    """The peer's connection dropped; it still accepts TCP but never answers (a stopped process, whose kernel
+    completes the handshake). The waiter runs the reconnect itself: it used to wait out the whole handshake
+    timeout (5 s), not its own 0.2 s."""
+    import threading
+
+    from kvlink.errors import TimeoutError_
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(16)
+    held = []
+
+    def serve():
+        c, _ = lst.accept()
+        wire.server_handshake(c, None, "fake")
+        (_, _, _, _, seq, _), _ = wire.recv_frame(c)  # answer one READ, then hang up
+        c.sendall(wire.frame(wire.READ_RESP, wire.status_body(0, total=4096), seq=seq) + bytes(4096))
+        c.close()
+        while True:  # later connections: accepted by the kernel, never answered
+            try:
+                held.append(lst.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    e = Engine(EngineConfig(listen=None, name="init", streams=1, handshake_timeout_s=5.0, connect_timeout_s=5.0))
+    try:
+        dst = np.zeros(1 << 16, np.uint8)
+        r = e.register(dst)
+        p = e.connect(f"127.0.0.1:{lst.getsockname()[1]}")
+        e.read(p, r, 0, 1, 0, 4096).wait(2.0)
+        time.sleep(0.3)
+        with pytest.raises(Exception):  # finds the dropped connection
+            e.read(p, r, 0, 1, 0, 4096).wait(2.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError_):
+            if call == "read":
+                e.read(p, r, 0, 1, 0, 4096, timeout_s=0.2).wait(0.2)
+            else:
+                e.notify(p, b"x", timeout_s=0.2)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        e.close()
+        lst.close()
+        for c in held:
+            c.close()
+
+
+def test_the_listener_backs_off_while_accept_has_no_descriptors():
+    """accept() failing with EMFILE leaves the connection in the backlog and poll reports it at once: the
+    listener thread spun a whole core and flooded the event ring. In a child process (its descriptor limit is
+    lowered)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = r"""
+import os, resource, socket, time
+from kvlink.transport import Engine, EngineConfig
+e = Engine(EngineConfig(name="target"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+os.close(held.pop())
+c = socket.create_connection(("127.0.0.1", e.port))
+ru0 = resource.getrusage(resource.RUSAGE_SELF)
+time.sleep(1.5)
+ru1 = resource.getrusage(resource.RUSAGE_SELF)
+for fd in held:
+    os.close(fd)
+print("cpu", (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
+print("dropped", e.stats()["events_dropped"])
+print("events", len(e.events()))
+c.close(); e.close()
+"""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root)
+    assert r.returncode == 0, r.stderr
+    got = dict(line.split() for line in r.stdout.splitlines())
+    assert float(got["cpu"]) < 0.5 and int(got["dropped"]) == 0 and int(got["events"]) == 1, r.stdout
