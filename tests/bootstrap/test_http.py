@@ -595,47 +595,16 @@ def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client
     assert err.value.field == "registration.instance"
 
 
-def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_whatever_the_retry_hears():
-    """The first attempt reached a server that applied it and died before answering; the retry finds the
-    port closed. The caller must not conclude "not applied" (prefill would free blocks a decode, handed the
-    record by the first attempt, may be reading)."""
+@pytest.mark.parametrize("retry", ["refused", "conflict"])
+def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_unless_the_server_refuses_it(retry):
+    """The first attempt reached a server that (maybe) applied it and went away before answering. If the
+    retry finds the port closed, the caller must not conclude "not applied" (prefill would free blocks a
+    decode, handed the record by the first attempt, may be reading). If the live server refuses the retry
+    (409), it was not applied: a publish applied once answers its retry 200. A call refused at connect from
+    the first attempt was never applied."""
     import socket as _socket
 
-    from kvlink.bootstrap import BootstrapClient, BootstrapUnavailable
-    from kvlink.vllm.producer import _maybe_applied
-
-    lsock = _socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(1)
-    port = lsock.getsockname()[1]
-
-    def serve_once():
-        conn, _ = lsock.accept()
-        conn.recv(65536)  # the publish went out ...
-        conn.close()  # ... and got no answer
-        lsock.close()  # the retry is refused
-
-    t = threading.Thread(target=serve_once)
-    t.start()
-    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=2, backoff_s=0.05) as cli:
-        with pytest.raises(BootstrapUnavailable) as err:
-            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
-    t.join(5)
-    assert err.value.maybe_applied and _maybe_applied(err.value)
-    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=1.0, retries=1, backoff_s=0.05) as cli:
-        with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
-            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
-    assert not err.value.maybe_applied and not _maybe_applied(err.value)
-
-
-def test_a_refusal_after_an_unanswered_try_is_still_a_refusal():
-    """The first attempt went out and got no answer; the retry reached the server, which refused it (409).
-    A publish the server had applied answers its retry 200 (a publish is idempotent): a refusal means it
-    was not applied, and prefill may free at once (only a server that forgot the engine may have handed the
-    first attempt out)."""
-    import socket as _socket
-
-    from kvlink.bootstrap import BootstrapClient, Conflict
+    from kvlink.bootstrap import BootstrapClient, BootstrapError, BootstrapUnavailable, Conflict
     from kvlink.vllm.producer import _maybe_applied
 
     lsock = _socket.socket()
@@ -646,19 +615,25 @@ def test_a_refusal_after_an_unanswered_try_is_still_a_refusal():
 
     def serve():
         conn, _ = lsock.accept()
-        conn.recv(65536)
-        conn.close()  # no answer
-        conn, _ = lsock.accept()
-        conn.recv(65536)
-        conn.sendall(b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-        conn.close()
-        lsock.close()
+        conn.recv(65536)  # the publish went out ...
+        conn.close()  # ... and got no answer
+        if retry == "conflict":
+            conn, _ = lsock.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            conn.close()
+        lsock.close()  # (refused: the retry finds the port closed)
 
     t = threading.Thread(target=serve)
     t.start()
     with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=2, backoff_s=0.05) as cli:
-        with pytest.raises(Conflict) as err:
+        with pytest.raises(BootstrapError) as err:
             cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
     t.join(5)
+    assert isinstance(err.value, Conflict if retry == "conflict" else BootstrapUnavailable)
+    assert err.value.maybe_applied == _maybe_applied(err.value) == (retry == "refused")
+    with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=1.0, retries=1, backoff_s=0.05) as cli:
+        with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
+            cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
     assert not err.value.maybe_applied and not _maybe_applied(err.value)

@@ -361,31 +361,37 @@ def test_min_tokens_stays_with_decode(backends, proxy, mode):
     assert dec["max_tokens"] == 8 and dec["min_tokens"] == 4
 
 
-def test_client_gone_mid_stream_is_not_a_decode_failure(backends, proxy, monkeypatch):
-    """Writing to a client that hung up fails in aiohttp with a ClientError, like a broken decode stream; it
-    must be told apart: no error event, no failure counted against decode."""
+def _client_gone_at(backends, proxy, monkeypatch, method: str, first_only: bool):
+    """The proxy's streamed answer to a client that hung up: its ``method`` (write, prepare) raises as aiohttp
+    does then (a ClientError, like a broken decode stream). Returns (/health, what was written)."""
     import aiohttp
     from aiohttp import web
 
     p, d = backends("p0"), backends("d0")
     url = proxy(prefill=(p.url,), decode=(d.url,))
-    real_write = web.StreamResponse.write
-    writes = []
+    real = getattr(web.StreamResponse, method)
+    calls = []
 
-    async def write(self, data):
+    async def failing(self, arg):
         if "X-KVLink-Decode" in self.headers:  # the proxy's answer, not the fake decode's
-            writes.append(data)
-            if len(writes) == 1:
+            calls.append(arg)
+            if len(calls) == 1 or not first_only:
                 raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
-        return await real_write(self, data)
+        return await real(self, arg)
 
-    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, method, failing)
     try:
         post(url + "/v1/completions", {"prompt": "x", "stream": True}, timeout=5)
     except OSError:
         pass  # the response may end abruptly
-    assert wait_for(lambda: health(url)["client_gone"] == 1), (health(url), writes)
-    h = health(url)
+    assert wait_for(lambda: health(url)["client_gone"] == 1), (health(url), calls)
+    return health(url), calls
+
+
+def test_client_gone_mid_stream_is_not_a_decode_failure(backends, proxy, monkeypatch):
+    """Writing to a client that hung up fails in aiohttp with a ClientError, like a broken decode stream; it
+    must be told apart: no error event, no failure counted against decode."""
+    h, writes = _client_gone_at(backends, proxy, monkeypatch, "write", first_only=True)
     assert h["failed"] == 0 and h["served"] == 0
     assert not any(b"error" in w for w in writes), writes
 
@@ -519,25 +525,8 @@ def test_bodies_the_parser_chokes_on_are_json_400s_naming_why(backends, proxy, b
 
 
 def test_a_client_gone_before_the_headers_is_not_a_decode_failure(backends, proxy, monkeypatch):
-    import aiohttp
-    from aiohttp import web
-
-    p, d = backends("p0"), backends("d0")
-    url = proxy(prefill=(p.url,), decode=(d.url,))
-    real_prepare = web.StreamResponse.prepare
-
-    async def prepare(self, request):
-        if "X-KVLink-Decode" in self.headers:  # the proxy's answer, not the fake decode's
-            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
-        return await real_prepare(self, request)
-
-    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
-    try:
-        post(url + "/v1/completions", {"prompt": "x", "stream": True}, timeout=5)
-    except OSError:
-        pass  # the response may end abruptly
-    assert wait_for(lambda: health(url)["client_gone"] == 1), health(url)
-    assert health(url)["failed"] == 0
+    h, _ = _client_gone_at(backends, proxy, monkeypatch, "prepare", first_only=False)
+    assert h["failed"] == 0
 
 
 def test_a_prefill_url_listed_twice_pairs_each_listing_with_its_own_engine_id(backends, proxy):
