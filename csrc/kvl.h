@@ -99,8 +99,10 @@ typedef struct kvl_stats {
   uint64_t events_dropped;
   uint64_t parts_inline;     /* run by the waiting thread (no hand-off) */
   uint64_t bytes_local;      /* of bytes_read, copied same-host (process_vm_readv) */
+  uint64_t peers_freed;      /* retired (restarted) or evicted (idle, to make room) peers freed */
   uint32_t server_conns;     /* currently open accepted connections */
   uint32_t regions;
+  uint32_t peers;            /* in the peer table (at most KVL_MAX_PEERS) */
 } kvl_stats;
 
 const char *kvl_err_name(int code);
@@ -126,6 +128,12 @@ int kvl_region_register(kvl_engine *e, uint64_t addr, uint64_t len, uint32_t acc
 /* Refuses new remote accesses at once, then waits for those in flight. */
 int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 
+/* The live peer at host:port, connected first if there is none. A peer id
+ * is never reused: a peer retired (its address answers as another engine)
+ * is freed once nothing uses it, and with KVL_MAX_PEERS in the table the
+ * least recently used idle peer is closed to make room; calls naming a
+ * freed peer's id fail (KVL_EPEERCHANGED, KVL_ENOPEER). KVL_EFULL: every
+ * peer is busy. */
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
 /* Name the peer announced during the handshake. */
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);

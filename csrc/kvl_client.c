@@ -14,6 +14,19 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Why the stream threads of p are to exit: KVL_ECLOSED (the engine closes),
+ * the peer's stop code (retired or evicted: kvl_engine.c), or 0. */
+static int stopping(const kvl__peer *p) {
+  if (__atomic_load_n(&p->e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
+  return __atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE);
+}
+
+static const char *stop_why(const kvl__peer *p) {
+  return __atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE) == KVL_EPEERCHANGED
+             ? "peer retired: another engine answers at its address"
+             : "peer closed to make room for another";
+}
+
 static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
   kvl__peer *p = s->peer;
   kvl_engine *e = p->e;
@@ -246,18 +259,18 @@ static void unclaim(kvl__stream *s) {
   /* The worker waits for a queued part, or, closing, for the stream to be free
    * (a waiter ran its own part: kvl__stream_steal); without this wake-up
    * engine_destroy would join it forever. */
-  if (s->head || __atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE)) pthread_cond_broadcast(&s->cv);
+  if (s->head || stopping(s->peer)) pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
 
 static void *stream_main(void *arg) {
   kvl__stream *s = arg;
-  kvl_engine *e = s->peer->e;
+  kvl__peer *p = s->peer;
   for (;;) {
     pthread_mutex_lock(&s->mu);
     int closing;
     for (;;) {
-      if ((closing = __atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) != 0) break;
+      if ((closing = stopping(p)) != 0) break;
       uint64_t now = kvl__now_us(), until;
       if (s->head && !s->busy) {
         /* A small batch's waiter usually arrives within microseconds and runs
@@ -281,12 +294,13 @@ static void *stream_main(void *arg) {
     kvl__part *pt = s->head ? claim(s) : NULL;
     pthread_mutex_unlock(&s->mu);
     if (!pt) break; /* closing and nothing left to fail */
-    if (closing) kvl__part_finish(pt, KVL_ECLOSED, "engine closed");
+    if (closing) kvl__part_finish(pt, closing, closing == KVL_ECLOSED ? "engine closed" : stop_why(p));
     else run_part(s, pt);
     unclaim(s);
   }
   if (s->fd >= 0) close(s->fd);
   s->fd = -1;
+  __atomic_fetch_sub(&p->running, 1, __ATOMIC_RELEASE); /* the peer may be freed once all are out (and joined) */
   return NULL;
 }
 
@@ -302,7 +316,7 @@ void kvl__stream_steal(kvl_batch *b, uint64_t until_ms) {
   kvl__stream *s = pt->queued_on;
   if (s && b->state == KVL__B_RUNNING && b->parts_finished == 0) {
     pthread_mutex_lock(&s->mu);
-    mine = pt->queued && s->head == pt && !s->busy && !__atomic_load_n(&s->peer->e->closing, __ATOMIC_ACQUIRE);
+    mine = pt->queued && s->head == pt && !s->busy && !stopping(s->peer);
     if (mine) claim(s);
     pthread_mutex_unlock(&s->mu);
     if (mine && until_ms < b->deadline_ms) b->deadline_ms = until_ms; /* ours alone now: the waiter's timeout */

@@ -164,7 +164,8 @@ void kvl_engine_destroy(kvl_engine *e) {
   if (!e) return;
   kvl_engine_stop(e);
   if (e->has_listener) pthread_join(e->listener, NULL);
-  for (uint32_t i = 0; i < e->npeers; i++) peer_free(e->peers[i]); /* fails what is queued, joins */
+  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) /* fails what is queued, joins */
+    if (e->peers[i]) peer_free(e->peers[i]);
   kvl__server_reap(e, 1);
   engine_free(e);
 }
@@ -181,7 +182,11 @@ void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
   KVL__LOAD(conns_rejected);
   KVL__LOAD(parts_inline);
   KVL__LOAD(bytes_local);
+  KVL__LOAD(peers_freed);
 #undef KVL__LOAD
+  pthread_mutex_lock(&e->mu);
+  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) out->peers += e->peers[i] != NULL;
+  pthread_mutex_unlock(&e->mu);
   out->notifs_dropped = kvl__notifs_dropped(&e->notifs);
   out->events_dropped = kvl__events_dropped(&e->events);
   out->server_conns = kvl__server_conns(e);
@@ -204,24 +209,137 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms) {
   return kvl__regions_remove(&e->regions, id, timeout_ms);
 }
 
-static kvl__peer *peer_get(kvl_engine *e, uint32_t id) {
-  pthread_mutex_lock(&e->mu);
-  kvl__peer *p = id < e->npeers ? e->peers[id] : NULL;
-  pthread_mutex_unlock(&e->mu);
-  return p;
-}
-
 /* Thread-local detail of the last failed call, read by the binding. */
 static __thread char last_msg[KVL_MAX_EVENT_MSG + 1];
 const char *kvl_last_message(void) { return last_msg; }
 
-/* The live peer at host:port, or -1 (e->mu held). A retired one is not reused. */
-static int find_peer(kvl_engine *e, const char *host, uint16_t port) {
-  for (uint32_t i = 0; i < e->npeers; i++)
-    if (e->peers[i]->port == port && strcmp(e->peers[i]->host, host) == 0 &&
-        !__atomic_load_n(&e->peers[i]->changed, __ATOMIC_ACQUIRE))
-      return (int)i;
-  return -1;
+/* The peer an id names, held (refs) until peer_drop; NULL with *rc and
+ * last_msg saying why when the id names no live peer. */
+static kvl__peer *peer_hold(kvl_engine *e, uint32_t id, int *rc) {
+  uint32_t slot = KVL__PEER_SLOT(id), gen = KVL__PEER_GEN(id);
+  kvl__peer *p = NULL;
+  *rc = KVL_ENOPEER;
+  pthread_mutex_lock(&e->mu);
+  int mine = e->peers[slot] && e->peers[slot]->id == id, issued = mine || gen < e->gens[slot];
+  int known = mine || gen + 1 == e->gens[slot]; /* the slot's last peer: what became of it is kept */
+  if (mine) {
+    int stop = __atomic_load_n(&e->peers[slot]->stop_rc, __ATOMIC_ACQUIRE);
+    if (stop) *rc = stop; /* being stopped: it takes no new part */
+    else (p = e->peers[slot])->refs++;
+  } else if (known) {
+    *rc = e->gone[slot];
+  }
+  pthread_mutex_unlock(&e->mu);
+  if (p || !issued) return p;
+  if (*rc == KVL_EPEERCHANGED)
+    snprintf(last_msg, sizeof last_msg, "peer %u was retired: another engine answers at its address", id);
+  else
+    snprintf(last_msg, sizeof last_msg, "peer %u was closed (%s): connect again", id,
+             known ? "idle, to make room for another" : "retired or idle");
+  return NULL;
+}
+
+static void peer_drop(kvl_engine *e, kvl__peer *p) {
+  pthread_mutex_lock(&e->mu);
+  p->refs--;
+  pthread_mutex_unlock(&e->mu);
+}
+
+/* The live peer at host:port, or NULL (e->mu held). A retired one is not reused. */
+static kvl__peer *find_peer(kvl_engine *e, const char *host, uint16_t port) {
+  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) {
+    kvl__peer *p = e->peers[i];
+    if (p && p->port == port && strcmp(p->host, host) == 0 && !__atomic_load_n(&p->changed, __ATOMIC_ACQUIRE) &&
+        !__atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE))
+      return p;
+  }
+  return NULL;
+}
+
+/* Tell a peer's stream threads to exit once idle, queued parts failing with
+ * rc (e->mu held, refs 0: nothing can queue on it any more). */
+static void peer_stop(kvl__peer *p, int rc) {
+  __atomic_store_n(&p->stop_rc, rc, __ATOMIC_RELEASE);
+  for (int k = 0; k < p->nstreams; k++) {
+    pthread_mutex_lock(&p->streams[k].mu);
+    pthread_cond_broadcast(&p->streams[k].cv);
+    pthread_mutex_unlock(&p->streams[k].mu);
+  }
+}
+
+/* Idle: no call holds it, no part queued or running on it; when it was last
+ * used (e->mu held). */
+static int peer_idle(kvl__peer *p, uint64_t *last_us) {
+  int idle = p->refs == 0;
+  *last_us = p->born_us;
+  for (int k = 0; k < p->nstreams && idle; k++) {
+    kvl__stream *s = &p->streams[k];
+    pthread_mutex_lock(&s->mu);
+    idle = !s->busy && !s->head;
+    if (s->last_active_us > *last_us) *last_us = s->last_active_us;
+    pthread_mutex_unlock(&s->mu);
+  }
+  return idle;
+}
+
+static void slot_free(kvl_engine *e, uint32_t slot, int why, kvl__peer **out, uint32_t *nout) {
+  out[(*nout)++] = e->peers[slot];
+  e->peers[slot] = NULL;
+  e->gens[slot]++;
+  e->gone[slot] = why;
+}
+
+/* A free slot for a new peer, or -1 (e->mu held). On the way: retired peers
+ * no call holds are stopped, stopped ones whose threads have exited leave
+ * the table; with no slot free, the least recently used idle peer is
+ * evicted (a prefill that went away leaves its peer idle for good). What
+ * leaves the table is returned in out, to be freed (joined) without the lock. */
+static int take_slot(kvl_engine *e, kvl__peer **out, uint32_t *nout) {
+  int free_slot = -1;
+  for (uint32_t k = 0; k < KVL_MAX_PEERS; k++) {
+    /* From the slot after the last one taken: a freed peer's slot is taken again as late as can be, so
+     * its id's fate (gone) is told for the next KVL_MAX_PEERS connects, not overwritten at the next. */
+    uint32_t i = (e->last_slot + 1 + k) % KVL_MAX_PEERS;
+    kvl__peer *p = e->peers[i];
+    if (p && p->refs == 0 && !__atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE) &&
+        __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE))
+      peer_stop(p, KVL_EPEERCHANGED);
+    if (p && __atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE) && !__atomic_load_n(&p->running, __ATOMIC_ACQUIRE))
+      slot_free(e, i, KVL_EPEERCHANGED, out, nout);
+    if (!e->peers[i] && free_slot < 0) free_slot = (int)i;
+  }
+  if (free_slot >= 0) return free_slot;
+  int victim = -1;
+  uint64_t oldest = UINT64_MAX, last;
+  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++)
+    if (!__atomic_load_n(&e->peers[i]->stop_rc, __ATOMIC_ACQUIRE) && peer_idle(e->peers[i], &last) && last < oldest)
+      victim = (int)i, oldest = last;
+  if (victim < 0) return -1;
+  peer_stop(e->peers[victim], KVL_ENOPEER);
+  slot_free(e, (uint32_t)victim, KVL_ENOPEER, out, nout);
+  return victim;
+}
+
+/* Connect and authenticate stream k of a peer being connected; the first
+ * names the peer, every other must hear the same name. */
+static int open_stream(kvl__peer *p, int k, int first) {
+  kvl_engine *e = p->e;
+  kvl__stream *s = &p->streams[k];
+  int rc = kvl__connect(p->host, p->port, e->cfg.connect_timeout_ms, &e->closing, &s->fd);
+  if (rc) {
+    snprintf(last_msg, sizeof last_msg, "connecting to %s:%u: %s", p->host, p->port, kvl_strerror(rc));
+    return rc;
+  }
+  char name[KVL_MAX_NAME + 1];
+  rc = kvl__handshake_client(e, s->fd, 0, name, last_msg, sizeof last_msg);
+  if (rc == 0 && first) {
+    memcpy(p->name, name, sizeof name);
+  } else if (rc == 0 && strcmp(name, p->name) != 0) {
+    snprintf(last_msg, sizeof last_msg, "%s:%u answered as engine \"%s\", then \"%s\"", p->host, p->port, p->name,
+             name);
+    rc = KVL_EPEERCHANGED;
+  }
+  return rc;
 }
 
 /* Connects without holding an engine lock (a silent peer delays only its own
@@ -233,17 +351,12 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
   if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
   int rc = 0;
   pthread_mutex_lock(&e->mu);
-  int found = find_peer(e, host, port);
-  if (found < 0 && e->npeers >= KVL_MAX_PEERS) rc = KVL_EFULL;
+  kvl__peer *found = find_peer(e, host, port);
+  if (found) *peer_out = found->id;
   pthread_mutex_unlock(&e->mu);
-  if (found >= 0) {
-    *peer_out = (uint32_t)found;
-    return 0;
-  }
-  if (rc) /* (retired peers, restarted processes, still count: they are freed with the engine) */
-    snprintf(last_msg, sizeof last_msg, "too many peers (%d, retired ones included)", KVL_MAX_PEERS);
-  kvl__peer *p = rc ? NULL : calloc(1, sizeof *p);
-  if (!p) return rc ? rc : KVL_ENOMEM;
+  if (found) return 0;
+  kvl__peer *p = calloc(1, sizeof *p);
+  if (!p) return KVL_ENOMEM;
   p->e = e;
   snprintf(p->host, sizeof p->host, "%s", host);
   p->port = port;
@@ -256,46 +369,48 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     pthread_mutex_init(&s->mu, NULL);
     kvl__cond_init(&s->cv);
   }
-  for (int k = 0; k < p->nstreams && rc == 0; k++) {
-    kvl__stream *s = &p->streams[k];
-    rc = kvl__connect(host, port, e->cfg.connect_timeout_ms, &e->closing, &s->fd);
-    if (rc) {
-      snprintf(last_msg, sizeof last_msg, "connecting to %s:%u: %s", host, port, kvl_strerror(rc));
-      break;
-    }
-    char name[KVL_MAX_NAME + 1];
-    rc = kvl__handshake_client(e, s->fd, 0, name, last_msg, sizeof last_msg);
-    if (rc == 0 && k == 0) {
-      memcpy(p->name, name, sizeof name);
-    } else if (rc == 0 && strcmp(name, p->name) != 0) {
-      snprintf(last_msg, sizeof last_msg, "%s:%u answered as engine \"%s\", then \"%s\"", host, port, p->name, name);
-      rc = KVL_EPEERCHANGED;
-    }
-  }
+  for (int k = 0; k < p->nstreams && rc == 0; k++) rc = open_stream(p, k, k == 0);
   if (rc == 0 && e->cfg.same_host) {
     rc = kvl__local_probe(e, p->streams[0].fd, 0, &p->local);
-    if (rc == 0 && !p->local.ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
-    if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local.why);
+    if (rc == KVL_ELOCAL && e->cfg.same_host == 1) { /* auto: an older engine is read over TCP */
+      close(p->streams[0].fd);
+      p->streams[0].fd = -1;
+      rc = open_stream(p, 0, 0); /* it closed the connection the probe used */
+    } else {
+      if (rc == 0 && !p->local.ok && e->cfg.same_host == 2) rc = KVL_ELOCAL;
+      if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local.why);
+    }
   }
+  kvl__peer *gone[KVL_MAX_PEERS]; /* left the table to make room: freed below, without the lock */
+  uint32_t ngone = 0;
   if (rc == 0) {
     pthread_mutex_lock(&e->mu);
-    found = find_peer(e, host, port);
-    if (found >= 0) {
-      *peer_out = (uint32_t)found; /* another call connected meanwhile: ours goes */
-    } else if (e->npeers >= KVL_MAX_PEERS) {
+    int slot = -1;
+    if ((found = find_peer(e, host, port)) != NULL) {
+      *peer_out = found->id; /* another call connected meanwhile: ours goes */
+    } else if ((slot = take_slot(e, gone, &ngone)) < 0) {
       rc = KVL_EFULL;
     } else {
-      for (int k = 0; k < p->nstreams && rc == 0; k++) rc = kvl__stream_start(&p->streams[k]);
-      /* A thread that started serves until destroy: keep the peer so it is joined, retired if one failed. */
+      p->id = (uint32_t)slot | e->gens[slot] << KVL__PEER_SLOT_BITS;
+      e->last_slot = (uint32_t)slot;
+      p->born_us = kvl__now_us();
+      for (int k = 0; k < p->nstreams && rc == 0; k++)
+        if ((rc = kvl__stream_start(&p->streams[k])) == 0) __atomic_fetch_add(&p->running, 1, __ATOMIC_RELEASE);
+      /* Threads that started serve until stopped: keep the peer so they are joined, retired if one failed. */
       if (rc) __atomic_store_n(&p->changed, 1, __ATOMIC_RELEASE);
-      *peer_out = e->npeers;
-      e->peers[e->npeers++] = p;
+      *peer_out = p->id;
+      e->peers[slot] = p;
       p = NULL;
     }
     pthread_mutex_unlock(&e->mu);
-    if (rc) snprintf(last_msg, sizeof last_msg, rc == KVL_EFULL ? "too many peers" : "cannot start a stream thread");
+    if (rc == KVL_EFULL)
+      snprintf(last_msg, sizeof last_msg, "too many peers (%d), none idle to make room", KVL_MAX_PEERS);
+    else if (rc)
+      snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
   }
   if (p) peer_free(p);
+  for (uint32_t i = 0; i < ngone; i++) peer_free(gone[i]); /* stopped: their threads exit, if not already */
+  if (ngone) KVL__STAT_ADD(e, peers_freed, ngone);
   if (rc) {
     const char *why = last_msg[0] ? last_msg : kvl_strerror(rc);
     kvl__event_log(&e->events, rc, "connect to %s:%u failed: %s", host, port, why);
@@ -304,17 +419,24 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
 }
 
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap) {
-  kvl__peer *p = peer_get(e, peer);
-  if (!p) return KVL_ENOPEER;
+  last_msg[0] = 0;
+  int rc;
+  kvl__peer *p = peer_hold(e, peer, &rc);
+  if (!p) return rc;
   snprintf(buf, cap, "%s", p->name);
+  peer_drop(e, p);
   return 0;
 }
 
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap) {
-  kvl__peer *p = peer_get(e, peer);
-  if (!p) return KVL_ENOPEER;
+  last_msg[0] = 0;
+  int rc;
+  kvl__peer *p = peer_hold(e, peer, &rc);
+  if (!p) return rc;
   snprintf(why, cap, "%s", e->cfg.same_host ? p->local.why : "same-host path off");
-  return p->local.ok;
+  rc = p->local.ok;
+  peer_drop(e, p);
+  return rc;
 }
 
 int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs, const uint32_t *remote_regions,
@@ -325,20 +447,23 @@ int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs
       !lengths || (n_regions != 1 && n_regions != n) || (n_lengths != 1 && n_lengths != n) || !out)
     return KVL_EINVAL;
   if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
-  kvl__peer *p = peer_get(e, peer);
-  if (!p) return KVL_ENOPEER;
+  int rc;
+  kvl__peer *p = peer_hold(e, peer, &rc);
+  if (!p) return rc;
   uint64_t deadline = kvl__now_ms() + (timeout_ms ? timeout_ms : e->cfg.op_timeout_ms);
   kvl_batch *b;
-  int rc = kvl__batch_build(e, op, p->nstreams, local_addrs, remote_regions, n_regions, remote_offsets, lengths,
-                            n_lengths, n, deadline, &b, last_msg, sizeof last_msg);
-  if (rc) return rc;
-  uint32_t base = __atomic_fetch_add(&p->rr, 1, __ATOMIC_RELAXED);
-  uint32_t np = b->parts_total; /* b may finish (and drop part refs) once enqueued */
-  int stealable = np == 1 && b->total_bytes <= KVL__STEAL_MAX_BYTES;
-  for (uint32_t i = 0; i < np; i++)
-    kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i], stealable);
-  *out = b;
-  return 0;
+  rc = kvl__batch_build(e, op, p->nstreams, local_addrs, remote_regions, n_regions, remote_offsets, lengths,
+                        n_lengths, n, deadline, &b, last_msg, sizeof last_msg);
+  if (rc == 0) {
+    uint32_t base = __atomic_fetch_add(&p->rr, 1, __ATOMIC_RELAXED);
+    uint32_t np = b->parts_total; /* b may finish (and drop part refs) once enqueued */
+    int stealable = np == 1 && b->total_bytes <= KVL__STEAL_MAX_BYTES;
+    for (uint32_t i = 0; i < np; i++)
+      kvl__stream_enqueue(&p->streams[(base + i) % p->nstreams], &b->parts[i], stealable);
+    *out = b;
+  }
+  peer_drop(e, p); /* queued: a stop now fails the parts, it cannot strand them */
+  return rc;
 }
 
 int kvl_batch_wait(kvl_batch *b, uint32_t timeout_ms) {
@@ -351,13 +476,15 @@ int kvl_notify(kvl_engine *e, uint32_t peer, const void *data, size_t len, uint3
   last_msg[0] = 0;
   if (!data || len == 0 || len > KVL_MAX_NOTIFY) return KVL_EINVAL;
   if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
-  kvl__peer *p = peer_get(e, peer);
-  if (!p) return KVL_ENOPEER;
+  int rc;
+  kvl__peer *p = peer_hold(e, peer, &rc);
+  if (!p) return rc;
   uint32_t t = timeout_ms ? timeout_ms : e->cfg.op_timeout_ms;
   kvl_batch *b;
-  int rc = kvl__batch_notify(e, data, len, kvl__now_ms() + t, &b);
+  rc = kvl__batch_notify(e, data, len, kvl__now_ms() + t, &b);
+  if (rc == 0) kvl__stream_enqueue(&p->streams[0], &b->parts[0], 1);
+  peer_drop(e, p);
   if (rc) return rc;
-  kvl__stream_enqueue(&p->streams[0], &b->parts[0], 1);
   rc = kvl_batch_wait(b, t + 1000);
   if (rc) snprintf(last_msg, sizeof last_msg, "%s", b->msg);
   kvl_batch_release(b);

@@ -115,6 +115,11 @@ int kvl__local_probe(kvl_engine *e, int fd, uint64_t limit_ms, kvl__local_peer *
   int rc = kvl__send_all(fd, hb, sizeof hb, deadline, &e->closing);
   if (rc == 0) rc = kvl__recv_all(fd, hb, sizeof hb, deadline, &e->closing);
   if (rc == 0) rc = kvl__hdr_decode(hb, &h, lp->why, sizeof lp->why);
+  if (rc == 0 && h.type == KVL__T_ERROR) {
+    /* An engine older than the same-host path refuses the frame, then closes the connection. */
+    snprintf(lp->why, sizeof lp->why, "peer refused the same-host probe (a kvlink without the same-host path)");
+    return KVL_ELOCAL;
+  }
   if (rc == 0 && (h.type != KVL__T_LPROBE_RESP || h.body_len != KVL__PROBE_BODY)) {
     snprintf(lp->why, sizeof lp->why, "peer answered the same-host probe with frame type %u", h.type);
     rc = KVL_EPROTO;

@@ -50,8 +50,10 @@ typedef struct kvl_stats {
   uint64_t events_dropped;
   uint64_t parts_inline;
   uint64_t bytes_local;
+  uint64_t peers_freed;
   uint32_t server_conns;
   uint32_t regions;
+  uint32_t peers;
 } kvl_stats;
 
 const char *kvl_err_name(int code);

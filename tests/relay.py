@@ -5,7 +5,9 @@ directions between each client and the upstream, for tests that reach the engine
 Its options act on the upstream-to-client direction, where READ data flows: ``flip_after`` flips one
 byte (once, at that offset of a connection's stream) so CRC has something to catch; ``rate`` throttles
 it (bytes/s, None = full speed, changeable while running with ``throttle``) so a pull is held slow on
-purpose, or so a benchmark sees a link of that rate.
+purpose, or so a benchmark sees a link of that rate. ``refuse_type`` acts on the other direction: a client
+frame of that type is not passed on but answered with an ERROR frame, and the connection closed, as an
+engine that predates the frame type does (version skew).
 
 The rate is one link's: every connection's bytes share it, each chunk leaving when the link has carried
 the bytes before it (a clock of when the link is next free). A pump thread that wakes late sends its
@@ -29,8 +31,10 @@ class Relay:
     SLACK_S = 0.002  # how far behind the link's clock a chunk may start (a pump that woke late)
 
     def __init__(self, upstream: str, *, flip_after: int | None = None, rate: float | None = None,
-                 realtime: bool = False) -> None:
+                 realtime: bool = False, refuse_type: int | None = None) -> None:
         host, _, port = upstream.rpartition(":")
+        self.refuse_type = refuse_type
+        self.refused = 0  # frames refused so far
         self.realtime = realtime
         self._link_free = 0.0  # when the link has carried every throttled byte so far (monotonic)
         self.upstream = (host, int(port))
@@ -89,7 +93,8 @@ class Relay:
                 continue
             with self._lock:
                 self._socks += [c, u]
-            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            up = self._pump if self.refuse_type is None else self._pump_frames
+            threading.Thread(target=up, args=(c, u, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
@@ -118,6 +123,31 @@ class Relay:
                     with self._lock:
                         self.down_at = time.monotonic()
         except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _pump_frames(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        """Client to upstream, frame by frame, refusing ``refuse_type`` frames."""
+        from tests import wire
+
+        try:
+            while True:
+                hdr = wire.recv_exact(src, wire.HDR.size)
+                magic, version, ftype, flags, seq, body_len = wire.HDR.unpack(hdr)
+                body = wire.recv_exact(src, body_len)
+                if ftype == self.refuse_type:
+                    with self._lock:
+                        self.refused += 1
+                    src.sendall(wire.frame(wire.ERROR, wire.status_body(-10, msg=f"unexpected frame type {ftype}"),
+                                           seq=seq))
+                    break
+                dst.sendall(hdr + body)
+        except (OSError, ConnectionError, EOFError):
             pass
         finally:
             for s in (src, dst):

@@ -225,3 +225,30 @@ def test_a_restarted_same_host_peer_under_the_same_name_is_another_peer(make_eng
     assert again.id != peer.id and again.same_host
     init.read(again, rd, 0, second["region"], 0, 1 << 20).wait()
     assert (dst == 2).all()
+
+
+def test_an_engine_older_than_the_same_host_path_is_read_over_tcp_under_auto(make_engine):
+    """A kvlink that predates the same-host frames answers the probe with an ERROR frame and closes the
+    connection (the relay plays it: it refuses the probe frame as such an engine does). "auto" reads such a
+    peer over TCP, with the reason; "require" refuses the connect naming it. Before, "auto" failed the
+    connect."""
+    from tests.relay import Relay
+
+    target = make_engine(name="target", same_host="auto")
+    src = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    region = target.register(src, Access.READ).id
+    relay = Relay(target.address, refuse_type=16)  # LPROBE (docs/protocol.md)
+    try:
+        init = make_engine(name="init", listen=None, same_host="auto")
+        dst = np.zeros_like(src)
+        peer = init.connect(relay.address)
+        assert relay.refused == 1, "the probe was not refused: nothing was tested"
+        assert not peer.same_host
+        init.read(peer, init.register(dst), [0], region, [0], src.nbytes).wait()
+        assert (dst == src).all()
+        assert init.stats()["bytes_local"] == 0
+        strict = make_engine(name="strict", listen=None, same_host="require")
+        with pytest.raises(SameHostUnavailable, match="without the same-host path"):
+            strict.connect(relay.address)
+    finally:
+        relay.close()

@@ -1,0 +1,108 @@
+"""The initiator's peer table over a long life: peers of restarted processes (retired) and of engines that
+went away (idle for good) are freed, so a decode that outlives hundreds of prefill restarts still
+connects; ids of freed peers never name another peer; a peer in use is never the one closed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvlink.transport import Access
+
+MAX_PEERS = 256
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_retired_peers_are_freed_so_restarts_never_fill_the_table(make_engine):
+    """A prefill restarting 300 times at one address under a new name each time: every restart retires the
+    peer (PeerChanged) and a connect opens a new one. Before, retired peers kept their slots and threads and
+    the 257th connect failed "too many peers"."""
+    from kvlink.errors import PeerChanged, PeerClosed, UnknownPeer
+
+    init = make_engine(name="decode", listen=None, streams=1)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rdst = init.register(dst)
+    first = make_engine(name="prefill/0", streams=1)
+    address = first.address
+    region = first.register(np.full(4096, 0, dtype=np.uint8), Access.READ).id
+    peer = init.connect(address)
+    init.read(peer, rdst, [0], region, [0], 4096).wait()
+    old_ids, threads0 = [], _threads()
+    target = first
+    for n in range(1, MAX_PEERS + 45):
+        target.close()
+        target = make_engine(name=f"prefill/{n}", streams=1, listen=address)
+        src = np.full(4096, n % 251, dtype=np.uint8)
+        assert target.register(src, Access.READ).id == region
+        deadline = time.monotonic() + 10
+        while True:  # the old connection is closed: the reconnect hears the new name
+            try:
+                init.read(peer, rdst, [0], region, [0], 4096).wait()
+                raise AssertionError(f"restart {n}: the retired peer read the new process's memory")
+            except PeerChanged:
+                break
+            except PeerClosed:
+                assert time.monotonic() < deadline
+        old_ids.append(peer.id)
+        peer = init.connect(address)  # fails "too many peers" without the fix, at the 257th
+        assert peer.name == f"prefill/{n}" and peer.id not in old_ids
+        init.read(peer, rdst, [0], region, [0], 4096).wait()
+        assert (dst == n % 251).all()
+    stats = init.stats()
+    assert stats["peers"] <= 3, stats  # the live one, and retired ones whose threads were still exiting
+    assert stats["peers_freed"] >= MAX_PEERS + 40, stats
+    assert _threads() <= threads0 + 8, "stream threads of retired peers were not joined"
+    stale = [type(peer)(i, address, "x", False) for i in (old_ids[0], old_ids[-1])]
+    with pytest.raises(PeerChanged, match="retired"):  # the last one: its fate is known
+        init.read(stale[1], rdst, [0], region, [0], 4096).wait()
+    with pytest.raises(UnknownPeer, match="closed"):  # one whose slot has had other peers since
+        init.read(stale[0], rdst, [0], region, [0], 4096).wait()
+    assert (dst == (MAX_PEERS + 44) % 251).all()  # neither read a byte
+
+
+def _spread(i: int) -> str:
+    """Distinct loopback addresses (127.0.0.0/8 all reach this host): one peer each."""
+    return f"127.0.{i // 250}.{i % 250 + 1}"
+
+
+def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_busy_one_never(make_engine):
+    """Engines that went away leave idle peers behind. With the table full, a connect closes the least
+    recently used idle peer; a peer with a READ in flight is never chosen, however old; the closed peer's id
+    says so (UnknownPeer, "connect again"), and nothing else changes."""
+    from kvlink.errors import UnknownPeer
+    from tests.relay import Relay
+
+    target = make_engine(name="prefill", listen="0.0.0.0:0", max_conns=4 * MAX_PEERS)
+    port = target.address.rsplit(":", 1)[1]
+    src = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
+    region = target.register(src, Access.READ).id
+    init = make_engine(name="decode", listen=None, streams=1, op_timeout_s=60.0)
+    dst = np.zeros(8192, dtype=np.uint8)
+    rdst = init.register(dst)
+    relay = Relay(f"127.0.0.1:{port}", rate=2048.0)  # 8 KiB take about 4 s: the busy peer
+    try:
+        busy = init.connect(relay.address)
+        slow = init.read(busy, rdst, [0], region, [0], 8192)
+        peers = [init.connect(f"{_spread(i)}:{port}") for i in range(MAX_PEERS - 1)]
+        assert init.stats()["peers"] == MAX_PEERS
+        init.read(peers[0], rdst, [0], region, [0], 16).wait()  # peers[0] used last: peers[1] is the oldest idle
+        extra = init.connect(f"{_spread(MAX_PEERS)}:{port}")
+        assert init.stats()["peers"] == MAX_PEERS and init.stats()["peers_freed"] == 1
+        with pytest.raises(UnknownPeer, match="closed .*connect again"):
+            init.read(peers[1], rdst, [0], region, [0], 16).wait()
+        for p in (peers[0], peers[2], extra):
+            init.read(p, rdst, [0], region, [0], 16).wait()
+        slow.wait()  # the busy peer (the oldest by far) was not the one closed
+        assert (dst == src).all()
+        again = init.connect(f"{_spread(1)}:{port}")  # the closed address connects anew, under a new id
+        assert again.id != peers[1].id
+        init.read(again, rdst, [0], region, [0], 8192).wait()
+        assert (dst == src).all()
+    finally:
+        relay.close()
