@@ -1,8 +1,8 @@
 """kvlink's bootstrap (pairing) server: where prefill and decode engines find each other.
 
 Read in this order: ``schema`` (what travels), ``table`` (the pairing logic, pure), ``server`` (HTTP adapter
-and embedded server), ``client`` (typed synchronous client), ``pool`` (one client per server URL), ``heartbeat``
-(keeping a rank registered), ``cli`` (standalone). The HTTP API is described in ``docs/bootstrap.md``.
+and embedded server; ``gate``: its cap on open connections), ``client`` (typed synchronous client), ``pool`` (one
+client per server URL), ``heartbeat`` (keeping a rank registered), ``cli`` (standalone). The HTTP API is described in ``docs/bootstrap.md``.
 """
 
 from kvlink.bootstrap.client import BootstrapClient

@@ -10,6 +10,7 @@ import threading
 
 from kvlink.bootstrap.config import BootstrapConfig
 from kvlink.bootstrap.errors import BootstrapConfigError
+from kvlink.bootstrap.gate import check_fd_limit
 from kvlink.bootstrap.server import BootstrapServer
 
 
@@ -41,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="close a connection that sends no request for this long (default 30 s)")
     parser.add_argument("--body-timeout-s", type=float, default=10.0,
                         help="a request's body must arrive within this long of its headers (default 10 s)")
+    parser.add_argument("--max-connections", type=int, default=4096,
+                        help="client connections open at once; more are answered 503 and closed, and long polls "
+                        "may hold 3/4 of them (default 4096; the soft descriptor limit is raised to fit)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.set_defaults(func=run)
     return parser
@@ -61,10 +65,12 @@ def run(args: argparse.Namespace) -> int:
             max_requests_per_engine=args.max_requests_per_engine,
             idle_timeout_s=args.idle_timeout_s,
             body_timeout_s=args.body_timeout_s,
+            max_connections=args.max_connections,
         )
     except BootstrapConfigError as err:
         print(f"kvlink bootstrap: {err}", file=sys.stderr)
         return 2
+    check_fd_limit(config.max_connections, raise_soft=True)  # server.start() warns if still too low
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

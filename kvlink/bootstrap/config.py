@@ -67,6 +67,19 @@ class BootstrapConfig:
     # within body_timeout_s of its headers.
     idle_timeout_s: float = 30.0
     body_timeout_s: float = 10.0
+    # Client connections open at once; one more is answered 503 and closed unread (gate.py). A busy decode
+    # engine holds up to 18 per rank with one server (its worker's 16 resolver threads long-poll, a lease
+    # renewal and its check) and 12 from its scheduler (releases, abandon waits), so 4096 admits 16 engines
+    # of TP 8 (~2500) with room to spare, while 4096 idle sockets cost ~25 MB and stay well inside a server
+    # process's descriptors (vLLM raises its soft RLIMIT_NOFILE to 65535; ``kvlink bootstrap`` raises its
+    # own; start warns if it is low).
+    max_connections: int = 4096
+
+    @property
+    def max_long_polls(self) -> int:
+        """Long polls waiting at once: three quarters of ``max_connections``, so waiting decodes cannot take
+        every connection from the publishes and heartbeats that end their waits."""
+        return max(1, self.max_connections - self.max_connections // 4)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -99,7 +112,7 @@ class BootstrapConfig:
         if not 1 <= self.max_lookup_ids <= MAX_IDS_PER_CALL:
             raise BootstrapConfigError(f"max_lookup_ids must be in 1..{MAX_IDS_PER_CALL}", field="max_lookup_ids")
         for name in ("max_body_bytes", "max_waiters", "max_tombstones", "max_pending_outcomes", "max_engines",
-                     "max_ranks_per_engine", "max_requests_per_engine"):
+                     "max_ranks_per_engine", "max_requests_per_engine", "max_connections"):
             if getattr(self, name) < 1:
                 raise BootstrapConfigError(f"{name} must be at least 1", field=name)
         if self.shutdown_timeout_s < 0:

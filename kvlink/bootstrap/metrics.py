@@ -25,6 +25,8 @@ class ServerCounters:
         self.waits = 0
         self.wait_timeouts = 0
         self.waiting = 0
+        self.connections = 0  # client connections open now (gate.py)
+        self.connections_refused = 0  # connections refused at max_connections (gate.py)
 
 
 class _Collector:
@@ -46,6 +48,7 @@ class _Collector:
         yield gauge("tombstones", "Remembered expired/released ids.", table.num_tombstones)
         yield gauge("pending_outcomes", "Outcomes not yet acknowledged by prefill.", table.num_pending_outcomes)
         yield gauge("waiting", "Long polls in progress.", c.waiting)
+        yield gauge("connections", "Client connections open.", c.connections)
         yield counter("engine_registrations", "New engine rank registrations.", stats.engines_registered)
         yield counter("engines_expired", "Engines dropped because every rank's lease ran out.", stats.engines_expired)
         yield counter("published", "Requests published.", stats.published)
@@ -69,6 +72,8 @@ class _Collector:
         yield counter("streams_stopped", "Streams decode stopped waiting for.", st.stopped)
         yield counter("waits", "Long polls started.", c.waits)
         yield counter("wait_timeouts", "Long polls that ended without an answer.", c.wait_timeouts)
+        yield counter("connections_refused", "Connections refused (503, closed unread) at max_connections.",
+                      c.connections_refused)
         released = CounterMetricFamily(
             "kvlink_bootstrap_released", "Requests reported done by decode.", labels=["outcome"]
         )

@@ -8,7 +8,8 @@ Every route but ``GET /health`` takes a JSON body (``POST``) decoded into a stri
 :mod:`kvlink.bootstrap.schema`; see ``docs/bootstrap.md`` for the routes. Errors leave as
 ``{"error", "code", "field"}`` with the status of the matching :mod:`kvlink.bootstrap.errors` class. Long polls
 wait on an ``asyncio.Event`` per waiter, woken by the table's ``on_publish`` hook; the table is only touched
-from the loop thread.
+from the loop thread. Open connections are capped in front of aiohttp (``max_connections``, :mod:`gate
+<kvlink.bootstrap.gate>`), and long polls may hold three quarters of them (``max_long_polls``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvlink.bootstrap.errors import (
     UnknownEngine,
     UnknownRequest,
 )
+from kvlink.bootstrap.gate import ConnectionGate, check_fd_limit
 from kvlink.bootstrap.metrics import ServerCounters, ServerMetrics
 from kvlink.bootstrap.table import PairingTable
 
@@ -244,6 +246,10 @@ class BootstrapApp:
         if self._waited_keys + len(keys) > self.config.max_waiters:
             raise TooManyWaiters(f"the server already waits on {self._waited_keys} ids (max_waiters "
                                  f"{self.config.max_waiters}); retry later")
+        # ... and the connections they hold: the rest stay for the calls that end the waits.
+        if self.counters.waiting >= self.config.max_long_polls:
+            raise TooManyWaiters(f"the server already holds {self.counters.waiting} long polls (3/4 of "
+                                 f"max_connections {self.config.max_connections}); retry later")
         event = asyncio.Event()
         self.counters.waits += 1
         self.counters.waiting += 1
@@ -355,6 +361,9 @@ class BootstrapServer:
             self._thread = None
             raise self._failure
         log.info("bootstrap: listening on %s", self.url)
+        short = check_fd_limit(self.config.max_connections)
+        if short is not None:
+            log.warning("bootstrap: %s", short)
         return self
 
     def stop(self) -> None:
@@ -425,15 +434,21 @@ class BootstrapServer:
         runner = web.AppRunner(self.app.app, access_log=None, shutdown_timeout=self.config.shutdown_timeout_s,
                                handler_cancellation=True, keepalive_timeout=self.config.idle_timeout_s)
         await runner.setup()
-        sweeper = None
+        sweeper = listener = None
         try:
-            await web.SockSite(runner, sock, backlog=1024).start()
-            sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            # Not a web.SockSite: the gate stands between the listener and aiohttp's handlers (gate.py).
+            assert runner.server is not None
+            gate = ConnectionGate(self.config.max_connections, runner.server, self.app.counters)
+            loop = asyncio.get_running_loop()
+            listener = await loop.create_server(gate, sock=sock, backlog=1024)
+            sweeper = loop.create_task(self._sweep())
             self._ready.set()
             await self._stop.wait()
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            if listener is not None:
+                listener.close()  # accept no more; the runner closes the open connections
             self.app.close()
             await runner.cleanup()
 

@@ -62,7 +62,7 @@ def test_standalone_refuses_an_empty_token_file(tmp_path):
     assert proc.returncode == 2 and "empty" in err
 
 
-@pytest.mark.parametrize("flag", ["--max-requests-per-engine", "--max-ranks-per-engine"])
+@pytest.mark.parametrize("flag", ["--max-requests-per-engine", "--max-ranks-per-engine", "--max-connections"])
 def test_standalone_refuses_a_zero_cap_naming_it(flag):
     proc = spawn(flag, "0")
     _, err = proc.communicate(timeout=30)
@@ -76,6 +76,8 @@ def test_add_parser_wires_a_subcommand():
     args = parser.parse_args(["bootstrap", "--port", "1234", "--allow-insecure", "--max-ranks-per-engine", "8"])
     assert (args.command, args.port, args.allow_insecure, args.token_file) == ("bootstrap", 1234, True, None)
     assert (args.max_ranks_per_engine, parser.parse_args(["bootstrap"]).max_ranks_per_engine) == (8, 4096)
+    assert parser.parse_args(["bootstrap", "--max-connections", "64"]).max_connections == 64
+    assert parser.parse_args(["bootstrap"]).max_connections == BootstrapConfig().max_connections
     assert callable(args.func)
 
 
@@ -95,6 +97,7 @@ def test_add_parser_wires_a_subcommand():
         ({"max_engines": 0}, "max_engines"),
         ({"max_requests_per_engine": 0}, "max_requests_per_engine"),
         ({"max_ranks_per_engine": 0}, "max_ranks_per_engine"),
+        ({"max_connections": 0}, "max_connections"),
     ],
 )
 def test_config_is_validated(kwargs, field):
