@@ -449,6 +449,32 @@ def test_decode_pull_is_the_block_table_by_position(table, hit_tokens, ext_token
         sched.shutdown()
 
 
+def test_offered_tokens_then_handed_none_to_load_pulls_nothing_and_frees_prefills_copy(monkeypatch):
+    """Inside vLLM's MultiConnector a child before kvlink with a hit loads the request, and kvlink hears
+    ``update_state_after_alloc(..., 0)`` after offering the prompt (as after a local prefix-cache hit):
+    nothing is pulled into blocks another child fills, and prefill hears "abandoned" at once instead of
+    holding its copy for a lease."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 32)
+    told = []
+    monkeypatch.setattr(sched, "_release_async", lambda src, outcome: told.append((src.request_id, outcome)))
+    try:
+        req = _decode_request("d-other", 96, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
+                                              "remote_engine_id": "pre", "remote_request_id": "p-other",
+                                              "remote_block_ids": [20, 21, 22], "remote_num_tokens": 96})
+        offered, load_async = sched.get_num_new_matched_tokens(req, 0)
+        assert offered > 0 and load_async
+        sched.update_state_after_alloc(req, _blocks([5, 6, 7]), 0)
+        assert not sched.build_connector_meta(None).pulls
+        assert told == [("p-other", Outcome.ABANDONED)]
+        sched.request_finished(req, [5, 6, 7])
+        assert told == [("p-other", Outcome.ABANDONED)]  # once
+    finally:
+        sched.shutdown()
+
+
 def test_a_server_that_takes_fewer_ids_per_lookup_is_asked_in_smaller_chunks_and_never_counts_as_silent():
     """A bootstrap server run with a small max_lookup_ids answers a larger reconcile lookup 400, every time.
     That answer is not silence: counted as silence, prefill freed every held request a lease later, under
