@@ -56,7 +56,11 @@ static int reconnect(kvl__stream *s, uint64_t deadline, char *why, size_t cap) {
     if ((rc = kvl__local_probe(e, fd, deadline, &now)) != 0) {
       snprintf(why, cap, "same-host probe of %s:%u: %s", p->host, p->port, now.why);
       close(fd);
-      return rc;
+      if (rc != KVL_ELOCAL) return rc;
+      /* Refused outright: a kvlink without the path answers there now, so not the process probed. Retired:
+       * a connect opens a new peer, read over TCP under auto. */
+      __atomic_store_n(&p->changed, 1, __ATOMIC_RELEASE);
+      return KVL_EPEERCHANGED;
     }
     if (!now.ok || now.pid != p->local.pid) {
       /* Another process under the same name (a restart): its memory is not the one probed. Retired. */

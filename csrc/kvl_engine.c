@@ -166,6 +166,11 @@ void kvl_engine_destroy(kvl_engine *e) {
   if (e->has_listener) pthread_join(e->listener, NULL);
   for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) /* fails what is queued, joins */
     if (e->peers[i]) peer_free(e->peers[i]);
+  while (e->graves) {
+    kvl__peer *p = e->graves;
+    e->graves = p->next_grave;
+    peer_free(p);
+  }
   kvl__server_reap(e, 1);
   engine_free(e);
 }
@@ -220,15 +225,10 @@ static kvl__peer *peer_hold(kvl_engine *e, uint32_t id, int *rc) {
   kvl__peer *p = NULL;
   *rc = KVL_ENOPEER;
   pthread_mutex_lock(&e->mu);
-  int mine = e->peers[slot] && e->peers[slot]->id == id, issued = mine || gen < e->gens[slot];
-  int known = mine || gen + 1 == e->gens[slot]; /* the slot's last peer: what became of it is kept */
-  if (mine) {
-    int stop = __atomic_load_n(&e->peers[slot]->stop_rc, __ATOMIC_ACQUIRE);
-    if (stop) *rc = stop; /* being stopped: it takes no new part */
-    else (p = e->peers[slot])->refs++;
-  } else if (known) {
-    *rc = e->gone[slot];
-  }
+  if (e->peers[slot] && e->peers[slot]->id == id) (p = e->peers[slot])->refs++;
+  int issued = gen < e->gens[slot];
+  int known = gen + 1 == e->gens[slot]; /* the slot's last peer: what became of it is kept */
+  if (!p && known) *rc = e->gone[slot];
   pthread_mutex_unlock(&e->mu);
   if (p || !issued) return p;
   if (*rc == KVL_EPEERCHANGED)
@@ -249,9 +249,10 @@ static void peer_drop(kvl_engine *e, kvl__peer *p) {
 static kvl__peer *find_peer(kvl_engine *e, const char *host, uint16_t port) {
   for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) {
     kvl__peer *p = e->peers[i];
-    if (p && p->port == port && strcmp(p->host, host) == 0 && !__atomic_load_n(&p->changed, __ATOMIC_ACQUIRE) &&
-        !__atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE))
+    if (p && p->port == port && strcmp(p->host, host) == 0 && !__atomic_load_n(&p->changed, __ATOMIC_ACQUIRE)) {
+      p->used_us = kvl__now_us(); /* the caller is about to use it: not the one to evict next */
       return p;
+    }
   }
   return NULL;
 }
@@ -271,7 +272,7 @@ static void peer_stop(kvl__peer *p, int rc) {
  * used (e->mu held). */
 static int peer_idle(kvl__peer *p, uint64_t *last_us) {
   int idle = p->refs == 0;
-  *last_us = p->born_us;
+  *last_us = p->used_us;
   for (int k = 0; k < p->nstreams && idle; k++) {
     kvl__stream *s = &p->streams[k];
     pthread_mutex_lock(&s->mu);
@@ -282,41 +283,51 @@ static int peer_idle(kvl__peer *p, uint64_t *last_us) {
   return idle;
 }
 
-static void slot_free(kvl_engine *e, uint32_t slot, int why, kvl__peer **out, uint32_t *nout) {
-  out[(*nout)++] = e->peers[slot];
+/* The peer in slot leaves the table (e->mu held): stopped, it waits in the
+ * graveyard until its threads have exited, for take_slot or destroy to free. */
+static void slot_free(kvl_engine *e, uint32_t slot, int why) {
+  kvl__peer *p = e->peers[slot];
+  peer_stop(p, why);
+  p->next_grave = e->graves;
+  e->graves = p;
   e->peers[slot] = NULL;
   e->gens[slot]++;
   e->gone[slot] = why;
+  KVL__STAT_ADD(e, peers_freed, 1);
 }
 
 /* A free slot for a new peer, or -1 (e->mu held). On the way: retired peers
- * no call holds are stopped, stopped ones whose threads have exited leave
- * the table; with no slot free, the least recently used idle peer is
- * evicted (a prefill that went away leaves its peer idle for good). What
- * leaves the table is returned in out, to be freed (joined) without the lock. */
-static int take_slot(kvl_engine *e, kvl__peer **out, uint32_t *nout) {
+ * no call holds leave the table, and with no slot free the least recently
+ * used idle peer is evicted (a prefill that went away leaves its peer idle
+ * for good). Peers in the graveyard whose threads have all exited are
+ * moved to reaped, to be freed (joined: at once) without the lock. */
+static int take_slot(kvl_engine *e, kvl__peer **reaped) {
+  for (kvl__peer **g = &e->graves; *g;) {
+    kvl__peer *p = *g;
+    if (__atomic_load_n(&p->running, __ATOMIC_ACQUIRE) > 0) {
+      g = &p->next_grave;
+      continue;
+    }
+    *g = p->next_grave;
+    p->next_grave = *reaped;
+    *reaped = p;
+  }
   int free_slot = -1;
   for (uint32_t k = 0; k < KVL_MAX_PEERS; k++) {
     /* From the slot after the last one taken: a freed peer's slot is taken again as late as can be, so
      * its id's fate (gone) is told for the next KVL_MAX_PEERS connects, not overwritten at the next. */
     uint32_t i = (e->last_slot + 1 + k) % KVL_MAX_PEERS;
     kvl__peer *p = e->peers[i];
-    if (p && p->refs == 0 && !__atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE) &&
-        __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE))
-      peer_stop(p, KVL_EPEERCHANGED);
-    if (p && __atomic_load_n(&p->stop_rc, __ATOMIC_ACQUIRE) && !__atomic_load_n(&p->running, __ATOMIC_ACQUIRE))
-      slot_free(e, i, KVL_EPEERCHANGED, out, nout);
+    if (p && p->refs == 0 && __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE))
+      slot_free(e, i, KVL_EPEERCHANGED); /* its queued parts fail; a running one ends by its deadline */
     if (!e->peers[i] && free_slot < 0) free_slot = (int)i;
   }
   if (free_slot >= 0) return free_slot;
   int victim = -1;
   uint64_t oldest = UINT64_MAX, last;
   for (uint32_t i = 0; i < KVL_MAX_PEERS; i++)
-    if (!__atomic_load_n(&e->peers[i]->stop_rc, __ATOMIC_ACQUIRE) && peer_idle(e->peers[i], &last) && last < oldest)
-      victim = (int)i, oldest = last;
-  if (victim < 0) return -1;
-  peer_stop(e->peers[victim], KVL_ENOPEER);
-  slot_free(e, (uint32_t)victim, KVL_ENOPEER, out, nout);
+    if (peer_idle(e->peers[i], &last) && last < oldest) victim = (int)i, oldest = last;
+  if (victim >= 0) slot_free(e, (uint32_t)victim, KVL_ENOPEER);
   return victim;
 }
 
@@ -381,19 +392,18 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
       if (rc) snprintf(last_msg, sizeof last_msg, "%s", p->local.why);
     }
   }
-  kvl__peer *gone[KVL_MAX_PEERS]; /* left the table to make room: freed below, without the lock */
-  uint32_t ngone = 0;
+  kvl__peer *reaped = NULL; /* stopped peers whose threads have exited: freed below, without the lock */
   if (rc == 0) {
     pthread_mutex_lock(&e->mu);
     int slot = -1;
     if ((found = find_peer(e, host, port)) != NULL) {
       *peer_out = found->id; /* another call connected meanwhile: ours goes */
-    } else if ((slot = take_slot(e, gone, &ngone)) < 0) {
+    } else if ((slot = take_slot(e, &reaped)) < 0) {
       rc = KVL_EFULL;
     } else {
       p->id = (uint32_t)slot | e->gens[slot] << KVL__PEER_SLOT_BITS;
       e->last_slot = (uint32_t)slot;
-      p->born_us = kvl__now_us();
+      p->used_us = kvl__now_us();
       for (int k = 0; k < p->nstreams && rc == 0; k++)
         if ((rc = kvl__stream_start(&p->streams[k])) == 0) __atomic_fetch_add(&p->running, 1, __ATOMIC_RELEASE);
       /* Threads that started serve until stopped: keep the peer so they are joined, retired if one failed. */
@@ -409,8 +419,11 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
       snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
   }
   if (p) peer_free(p);
-  for (uint32_t i = 0; i < ngone; i++) peer_free(gone[i]); /* stopped: their threads exit, if not already */
-  if (ngone) KVL__STAT_ADD(e, peers_freed, ngone);
+  while (reaped) {
+    kvl__peer *q = reaped;
+    reaped = q->next_grave;
+    peer_free(q);
+  }
   if (rc) {
     const char *why = last_msg[0] ? last_msg : kvl_strerror(rc);
     kvl__event_log(&e->events, rc, "connect to %s:%u failed: %s", host, port, why);

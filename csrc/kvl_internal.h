@@ -325,8 +325,9 @@ typedef struct {  /* what the same-host probe found (kvl_local.c) */
  * and the slot's generation, so an id outlives its peer harmlessly: once the
  * peer is freed (retired, or idle and evicted to make room) the id names
  * nothing, never the slot's next occupant. A call that uses a peer holds a
- * reference (refs) from its lookup to the end of its enqueue; a peer is
- * stopped only at refs 0, so no part is queued on a stopping peer's streams. */
+ * reference (refs) from its lookup to the end of its enqueue; a peer leaves
+ * the table only at refs 0, so no part is queued on a stopped peer's streams
+ * after its threads have failed what was queued. */
 #define KVL__PEER_SLOT_BITS 8
 #define KVL__PEER_SLOT(id) ((id) & ((1u << KVL__PEER_SLOT_BITS) - 1u))
 #define KVL__PEER_GEN(id) ((id) >> KVL__PEER_SLOT_BITS)
@@ -337,12 +338,13 @@ struct kvl__peer { /* set by kvl_peer_connect before publication; the fields mar
   uint16_t port;
   char name[KVL_MAX_NAME + 1];
   int nstreams;
-  uint64_t born_us;  /* connected: an unused peer counts as used then (eviction picks the least recent) */
+  uint64_t used_us;  /* last connected or found by a connect; e->mu (eviction: the least recent of this and use) */
   uint32_t rr; /* next stream for a one-part batch (atomic) */
   int changed; /* another engine answered at its address (atomic): retired, a connect opens a new peer */
   int refs;    /* calls using it now; e->mu */
-  int stop_rc; /* atomic: 0, or told to stop: what a queued part fails with (its threads exit when idle) */
+  int stop_rc; /* atomic: 0, or out of the table: what a queued part fails with (its threads exit when idle) */
   int running; /* stream threads not yet exited (atomic) */
+  kvl__peer *next_grave; /* out of the table, threads not yet joined: the engine's graves list; e->mu */
   kvl__local_peer local; /* set at connect; a reconnect checks the process is still the one probed */
   kvl__stream streams[KVL_MAX_STREAMS];
 };
@@ -370,6 +372,7 @@ struct kvl_engine {
   uint32_t gens[KVL_MAX_PEERS];    /* the generation the slot's next peer gets */
   int gone[KVL_MAX_PEERS];         /* why the slot's last peer was freed (KVL_EPEERCHANGED, KVL_ENOPEER) */
   uint32_t last_slot;              /* the slot a peer last took (free slots are taken round the table) */
+  kvl__peer *graves;               /* peers out of the table whose threads may still run (kvl_engine.c) */
   pthread_mutex_t conns_mu;   /* guards conns, nconns and each conn's next and done (kvl_server.c) */
   kvl__conn *conns;
   uint32_t nconns;

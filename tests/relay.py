@@ -184,6 +184,10 @@ class Relay:
         """Stop accepting and drop every relayed connection (the peers see them close). Idempotent."""
         self._closed.set()
         self.sock.close()
+        self.drop()
+
+    def drop(self) -> None:
+        """Drop every relayed connection (the peers see them close); new ones are still relayed."""
         with self._lock:
             socks, self._socks = self._socks, []
         for s in socks:  # shutdown first: a pump thread blocked in recv would keep a bare close() from

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvlink import _binding as B
-from kvlink.errors import Closed
+from kvlink.errors import Closed, UnknownPeer
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
@@ -22,6 +22,7 @@ from kvlink.transport.region import Access, Region
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = B.PROTOCOL_VERSION
+CONNECT_TRIES = 3  # a peer closed to make room between connect's two calls is connected again
 
 
 @dataclass(frozen=True)
@@ -108,12 +109,19 @@ class Engine:
     def connect(self, address: str) -> Peer:
         """Connect (all streams, authenticated) to a peer engine at 'host:port'."""
         host, port = split_hostport(address, "peer address")
-        with self._using() as h:
-            try:
-                pid, name = B.peer_connect(h, host, port)
-            finally:
-                self._log_events(h)
-            local, why = B.peer_local(h, pid)
+        for attempt in range(CONNECT_TRIES):
+            with self._using() as h:
+                try:
+                    pid, name = B.peer_connect(h, host, port)
+                    local, why = B.peer_local(h, pid)
+                    break
+                except UnknownPeer:
+                    # With the peer table full and every other peer busy, another connect may close this
+                    # one (the least recently used idle peer) between these calls: connect again.
+                    if attempt == CONNECT_TRIES - 1:
+                        raise
+                finally:
+                    self._log_events(h)
         if self.config.same_host != "off":
             logger.info("kvlink peer %s (%s): %s", address, name, why if local else f"TCP, because {why}")
         return Peer(pid, address, name, local)

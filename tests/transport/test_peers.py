@@ -92,11 +92,15 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
         peers = [init.connect(f"{_spread(i)}:{port}") for i in range(MAX_PEERS - 1)]
         assert init.stats()["peers"] == MAX_PEERS
         init.read(peers[0], rdst, [0], region, [0], 16).wait()  # peers[0] used last: peers[1] is the oldest idle
+        assert init.connect(f"{_spread(2)}:{port}") == peers[2]  # found by a connect: counts as used now
         extra = init.connect(f"{_spread(MAX_PEERS)}:{port}")
         assert init.stats()["peers"] == MAX_PEERS and init.stats()["peers_freed"] == 1
         with pytest.raises(UnknownPeer, match="closed .*connect again"):
             init.read(peers[1], rdst, [0], region, [0], 16).wait()
-        for p in (peers[0], peers[2], extra):
+        extra2 = init.connect(f"{_spread(MAX_PEERS + 1)}:{port}")  # next oldest: peers[3], not the found peers[2]
+        with pytest.raises(UnknownPeer, match="closed .*connect again"):
+            init.read(peers[3], rdst, [0], region, [0], 16).wait()
+        for p in (peers[0], peers[2], extra, extra2):
             init.read(p, rdst, [0], region, [0], 16).wait()
         slow.wait()  # the busy peer (the oldest by far) was not the one closed
         assert (dst == src).all()
@@ -106,3 +110,63 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
         assert (dst == src).all()
     finally:
         relay.close()
+
+
+def test_with_the_table_full_a_retired_peer_makes_room_before_any_live_one(make_engine):
+    """255 live idle peers and one retired (its address restarted under another name): the connect to the
+    restarted engine takes the retired peer's slot, however recently it was used; no live peer is closed."""
+    from kvlink.errors import PeerChanged, PeerClosed
+
+    target = make_engine(name="prefill", listen="0.0.0.0:0", max_conns=4 * MAX_PEERS)
+    port = target.address.rsplit(":", 1)[1]
+    region = target.register(np.full(64, 9, dtype=np.uint8), Access.READ).id
+    init = make_engine(name="decode", listen=None, streams=1)
+    dst = np.zeros(64, dtype=np.uint8)
+    rdst = init.register(dst)
+    live = [init.connect(f"{_spread(i)}:{port}") for i in range(MAX_PEERS - 1)]
+    old = make_engine(name="other/0", streams=1)
+    address = old.address
+    old.register(np.zeros(64, dtype=np.uint8), Access.READ)
+    peer = init.connect(address)
+    assert init.stats()["peers"] == MAX_PEERS
+    old.close()
+    new = make_engine(name="other/1", streams=1, listen=address)
+    new.register(np.full(64, 7, dtype=np.uint8), Access.READ)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            init.read(peer, rdst, [0], region, [0], 64).wait()
+            raise AssertionError("the retired peer read the new process")
+        except PeerChanged:
+            break
+        except PeerClosed:
+            assert time.monotonic() < deadline
+    fresh = init.connect(address)
+    init.read(fresh, rdst, [0], region, [0], 64).wait()
+    assert (dst == 7).all()
+    assert init.stats()["peers_freed"] == 1, "a live peer was closed while a retired one held its slot"
+    for p in live:
+        init.read(p, rdst, [0], region, [0], 64).wait()
+    assert (dst == 9).all()
+
+
+def test_a_peer_closed_between_connect_and_its_first_question_is_connected_again(make_engine, monkeypatch):
+    """Under churn with the table full, another thread's connect may close the peer a connect just got (the
+    only idle one) before it asks the peer's name or same-host state: the connect tries again instead of
+    failing UnknownPeer. (Driven here by making the first question fail; a stress run reproduced the race.)"""
+    from kvlink import _binding as B
+    from kvlink.errors import UnknownPeer
+
+    target = make_engine(name="target")
+    init = make_engine(name="decode", listen=None)
+    real, calls = B.peer_local, []
+
+    def flaky(h, pid):
+        calls.append(pid)
+        if len(calls) == 1:
+            raise UnknownPeer("peer same-host state: peer 0 was closed (idle, to make room for another)")
+        return real(h, pid)
+
+    monkeypatch.setattr(B, "peer_local", flaky)
+    peer = init.connect(target.address)
+    assert len(calls) == 2 and peer.name == "target"

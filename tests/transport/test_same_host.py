@@ -252,3 +252,44 @@ def test_an_engine_older_than_the_same_host_path_is_read_over_tcp_under_auto(mak
             strict.connect(relay.address)
     finally:
         relay.close()
+
+
+def test_a_same_host_peer_whose_address_then_refuses_the_probe_is_retired_and_read_over_tcp_anew(make_engine):
+    """A peer read through the same-host path reconnects, and its address now refuses the probe (an older
+    kvlink answers there: not the process probed). The peer is retired (PeerChanged, nothing read), and a
+    connect opens a new peer that reads over TCP under "auto". Before, every later READ failed
+    SameHostUnavailable and connect handed the broken peer back for good."""
+    from kvlink.errors import PeerChanged, PeerClosed
+    from tests.relay import Relay
+
+    target = make_engine(name="target", same_host="auto")
+    src = np.random.default_rng(6).integers(0, 256, 1 << 20, dtype=np.uint8)
+    region = target.register(src, Access.READ).id
+    relay = Relay(target.address)
+    try:
+        init = make_engine(name="init", listen=None, same_host="auto", streams=1)
+        dst = np.zeros_like(src)
+        rdst = init.register(dst)
+        peer = init.connect(relay.address)
+        assert peer.same_host
+        init.read(peer, rdst, [0], region, [0], src.nbytes).wait()
+        assert (dst == src).all()
+        relay.refuse_type = 16  # LPROBE: from now on an engine that predates it answers at the address
+        relay.drop()
+        dst[:] = 0
+        deadline = time.monotonic() + 10
+        while True:  # the first READ may meet the dropped connection
+            try:
+                init.read(peer, rdst, [0], region, [0], src.nbytes).wait()
+                raise AssertionError("read through a peer whose address refuses the probe")
+            except PeerChanged:
+                break
+            except PeerClosed:
+                assert time.monotonic() < deadline
+        assert not dst.any()
+        fresh = init.connect(relay.address)
+        assert fresh.id != peer.id and not fresh.same_host
+        init.read(fresh, rdst, [0], region, [0], src.nbytes).wait()
+        assert (dst == src).all()
+    finally:
+        relay.close()
