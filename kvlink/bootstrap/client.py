@@ -63,6 +63,8 @@ def canonical_url(url: str) -> str:
         raise ValueError(f"bootstrap url {url[:80]!r} is malformed: {e}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"bootstrap url must be http(s)://host[:port] or host:port, not {url[:80]!r}")
+    if parsed.port == 0:
+        raise ValueError(f"bootstrap url {url[:80]!r} names port 0, which no server listens on")
     if parsed.path not in ("", "/") or parsed.query or parsed.fragment or "@" in parsed.netloc:
         raise ValueError(f"bootstrap url must be only scheme://host[:port] (no path, query or user), not {url[:80]!r}")
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, "", "", ""))

@@ -225,10 +225,9 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                 if resp.status >= 500:
                     raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}")
                 st.served += 1
-                return web.Response(body=data, status=resp.status, content_type=ctype.split(";")[0],
-                                    headers={"X-KVLink-Decode": url})
-            out = web.StreamResponse(status=200, headers={
-                "Content-Type": ctype, "Cache-Control": "no-cache", "X-KVLink-Decode": url})
+                # (No header names the backend: the client is not told the deployment's internal addresses.)
+                return web.Response(body=data, status=resp.status, content_type=ctype.split(";")[0])
+            out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
             try:
                 await out.prepare(request)  # writes the headers: the client may be gone already
             except ConnectionError as e:

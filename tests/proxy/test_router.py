@@ -57,6 +57,23 @@ def test_several_samples_go_to_decode_and_prefill_computes_one(backends, proxy, 
     assert (dec["n"], dec["max_tokens"], dec["seed"]) == (3, 8, 7)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_answer_header_names_a_backend(backends, proxy, stream):
+    """The client is not told the deployment's internal addresses (an earlier X-KVLink-Decode header named
+    decode's URL on every answer)."""
+    p, d = backends("p0"), backends("d0")
+    url = proxy(prefill=(p.url,), decode=(d.url,))
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "x", "stream": stream}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.status == 200
+        headers = str(r.headers)
+        r.read()
+    for backend in (p.url, d.url):
+        hostport = backend.split("://", 1)[1]
+        assert hostport.split(":")[1] not in headers, headers  # neither the URL nor its port
+
+
 def test_chat_streaming_passthrough(backends, proxy):
     p, d = backends("p0"), backends("d0")
     url = proxy(prefill=(p.url,), decode=(d.url,))
@@ -373,7 +390,7 @@ def _client_gone_at(backends, proxy, monkeypatch, method: str, first_only: bool)
     calls = []
 
     async def failing(self, arg):
-        if "X-KVLink-Decode" in self.headers:  # the proxy's answer, not the fake decode's
+        if "Cache-Control" in self.headers:  # the proxy's answer, not the fake decode's
             calls.append(arg)
             if len(calls) == 1 or not first_only:
                 raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")

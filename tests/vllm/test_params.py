@@ -117,7 +117,9 @@ def test_bootstrap_addr_without_scheme_gets_http():
 
 def test_the_bootstrap_addr_rule_is_the_bootstrap_clients():
     """What decode will hand to BootstrapClient is checked by the client's own rule, in its canonical form."""
-    for url in ("http://h:1/", "h:1", "HTTPS://h", "[::1]:7", "http://a:1/kv", "ftp://a", "u@h:1"):
+    with pytest.raises(ValueError, match="port 0"):
+        canonical_url("http://h:0")
+    for url in ("http://h:1/", "h:1", "HTTPS://h", "[::1]:7", "http://a:1/kv", "ftp://a", "u@h:1", "h:0"):
         try:
             canonical = canonical_url(url)
         except ValueError:
