@@ -362,10 +362,17 @@ void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable) {
   pt->queued_on = s;
   pt->grace_until_us = stealable ? kvl__now_us() + KVL__STEAL_GRACE_US : 0;
   pthread_mutex_lock(&s->mu);
-  pt->queued = 1;
-  if (s->tail) s->tail->next = pt;
-  else s->head = pt;
-  s->tail = pt;
-  if (!stealable || !s->lingering) pthread_cond_signal(&s->cv);
+  /* The worker exits once it has seen a stop under this lock with nothing queued, and a stop is never
+   * undone: a part enqueued after that (a submit that passed its closing check before the engine began
+   * to close) is failed here, not stranded on a queue no thread reads any more. */
+  int stop = stopping(s->peer);
+  if (!stop) {
+    pt->queued = 1;
+    if (s->tail) s->tail->next = pt;
+    else s->head = pt;
+    s->tail = pt;
+    if (!stealable || !s->lingering) pthread_cond_signal(&s->cv);
+  }
   pthread_mutex_unlock(&s->mu);
+  if (stop) kvl__part_finish(pt, stop, stop == KVL_ECLOSED ? "engine closed" : stop_why(s->peer));
 }

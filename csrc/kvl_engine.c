@@ -320,13 +320,14 @@ static int take_slot(kvl_engine *e, kvl__peer **reaped) {
     kvl__peer *p = e->peers[i];
     if (p && p->refs == 0 && __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE))
       slot_free(e, i, KVL_EPEERCHANGED); /* its queued parts fail; a running one ends by its deadline */
-    if (!e->peers[i] && free_slot < 0) free_slot = (int)i;
+    if (!e->peers[i] && free_slot < 0 && e->gens[i] < KVL__PEER_GENS) free_slot = (int)i;
   }
   if (free_slot >= 0) return free_slot;
   int victim = -1;
   uint64_t oldest = UINT64_MAX, last;
   for (uint32_t i = 0; i < KVL_MAX_PEERS; i++)
-    if (peer_idle(e->peers[i], &last) && last < oldest) victim = (int)i, oldest = last;
+    if (e->peers[i] && e->gens[i] + 1 < KVL__PEER_GENS && peer_idle(e->peers[i], &last) && last < oldest)
+      victim = (int)i, oldest = last;
   if (victim >= 0) slot_free(e, (uint32_t)victim, KVL_ENOPEER);
   return victim;
 }

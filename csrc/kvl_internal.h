@@ -331,6 +331,7 @@ typedef struct {  /* what the same-host probe found (kvl_local.c) */
 #define KVL__PEER_SLOT_BITS 8
 #define KVL__PEER_SLOT(id) ((id) & ((1u << KVL__PEER_SLOT_BITS) - 1u))
 #define KVL__PEER_GEN(id) ((id) >> KVL__PEER_SLOT_BITS)
+#define KVL__PEER_GENS (1u << (32 - KVL__PEER_SLOT_BITS)) /* a slot that used them all is never taken again */
 struct kvl__peer { /* set by kvl_peer_connect before publication; the fields marked aside, read-only afterwards */
   kvl_engine *e;
   uint32_t id;

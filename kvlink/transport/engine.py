@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvlink import _binding as B
-from kvlink.errors import Closed, UnknownPeer
+from kvlink.errors import Closed, PeerChanged, UnknownPeer
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
 from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
@@ -115,9 +115,9 @@ class Engine:
                     pid, name = B.peer_connect(h, host, port)
                     local, why = B.peer_local(h, pid)
                     break
-                except UnknownPeer:
-                    # With the peer table full and every other peer busy, another connect may close this
-                    # one (the least recently used idle peer) between these calls: connect again.
+                except (UnknownPeer, PeerChanged):
+                    # Between these calls another connect may close this peer: the least recently used idle
+                    # one (the table full, every other peer busy), or one retired meanwhile: connect again.
                     if attempt == CONNECT_TRIES - 1:
                         raise
                 finally:

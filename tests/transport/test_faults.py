@@ -335,3 +335,62 @@ def test_close_while_another_thread_connects_waits_for_it_and_frees_nothing_unde
     for c in fill:
         c.close()
     silent.close()
+
+
+def test_a_read_submitted_while_the_engine_closes_fails_instead_of_stranding(make_engine):
+    """A READ whose submit passed the engine's closing check as the close began (its descriptors still being
+    built, in C): the stream thread, idle, had already exited on the close, and the part was queued where no
+    thread would run or fail it; after the engine was freed its wait timed out, or read the freed peer. Such
+    a READ now fails Closed as it is queued. Driven through the binding, as Engine.close does (stop, then
+    destroy), so that the window is the C build of 2M descriptors and close lands in it."""
+    from kvlink import _binding as B
+    from tests.conftest import TOKEN
+
+    n = 2_000_000
+    target = make_engine(name="target")
+    region = target.register(np.full(n, 7, dtype=np.uint8), Access.READ).id
+    host, port = target.address.rsplit(":", 1)
+    dst = np.zeros(n, dtype=np.uint8)
+    offsets = np.arange(n, dtype=np.uint64)
+    local = offsets + np.uint64(dst.ctypes.data)
+    regions, lengths = np.array([region], dtype=np.uint32), np.array([1], dtype=np.uint64)
+    overlapped = 0
+    for attempt in range(80):
+        if overlapped >= 3:
+            break
+        h = B.engine_create(listen_host=None, listen_port=0, token=TOKEN, name="init", streams=1, crc=False,
+                            allow_insecure=False, op_timeout_ms=10_000, connect_timeout_ms=5_000,
+                            handshake_timeout_ms=5_000, max_conns=64, same_host=0)
+        reg = B.region_register(h, dst.ctypes.data, dst.nbytes, int(Access.READ | Access.WRITE))
+        peer, _ = B.peer_connect(h, host, int(port))
+        B.batch_wait(B.submit(h, peer, B.OP_READ, local[:16], regions, offsets[:16], lengths, 5_000), 5_000)
+        box: dict = {}  # (the stream ran a part just now: it lingers, and sees the close at once)
+
+        def submit():
+            try:
+                box["batch"] = B.submit(h, peer, B.OP_READ, local, regions, offsets, lengths, 60_000)
+            except Closed:
+                pass  # refused at its start: no overlap this time
+
+        t = threading.Thread(target=submit)
+        t.start()
+        time.sleep(0.0005 * (1 + attempt % 16))
+        B.engine_stop(h)
+        t.join(60)
+        B.engine_destroy(h)  # joins the stream threads: they fail whatever is queued
+        del reg
+        batch = box.get("batch")
+        if batch is None:
+            continue
+        try:
+            done = B.batch_poll(batch)
+        except KVLinkError:
+            done = True
+        assert done, "a READ submitted as the engine closed was queued where nothing runs or fails it"
+        try:
+            B.batch_wait(batch, 1_000)
+        except Closed:
+            overlapped += 1  # the close reached it before it ran: failed, not stranded
+        finally:
+            B.batch_release(batch)
+    assert overlapped, "no submit overlapped the close: nothing was tested"
