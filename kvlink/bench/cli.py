@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", help="file holding the pre-shared token")
     p.add_argument("--allow-insecure", action="store_true", help="target: listen off loopback without a token")
     p.add_argument("--compare", default="",
-                   help="comma list of yardsticks (raw-tcp,memcpy) and peers (mooncake,nixl-tcp,nixl)")
+                   help="comma list of kvlink's same-host path (kvlink-same-host), yardsticks (raw-tcp,memcpy) "
+                        "and peers (mooncake,nixl-tcp,nixl)")
     p.add_argument("--peers", default="", help="target: also serve the buffer through these peers (mooncake,nixl)")
     p.add_argument("--workloads", default="", help="comma list of workload names (default: all standard)")
     p.add_argument("--blocks", type=int, help="custom paged READ: number of blocks")

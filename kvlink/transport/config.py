@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 
 MAX_NAME = 64
+MAX_STREAMS = 16  # csrc/kvl.h KVL_MAX_STREAMS (this module does not load the C core: a test checks they agree)
 
 
 def split_hostport(addr: str, what: str = "address") -> tuple[str, int]:
@@ -74,8 +75,8 @@ class EngineConfig:
         if not isinstance(self.name, str) or len(self.name) > MAX_NAME or not self.name.isprintable() \
                 or not self.name.isascii():
             raise ValueError(f"name must be printable ASCII of at most {MAX_NAME} characters, got {self.name!r}")
-        if not isinstance(self.streams, int) or not 1 <= self.streams <= 16:
-            raise ValueError(f"streams must be 1..16, got {self.streams!r}")
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be 1..{MAX_STREAMS}, got {self.streams!r}")
         for field in ("op_timeout_s", "connect_timeout_s", "handshake_timeout_s"):
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or not 0.001 <= v <= 3600:

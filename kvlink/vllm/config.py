@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvlink.bootstrap.config import is_loopback
+from kvlink.transport.config import MAX_STREAMS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STAGING_MODES = ("auto", "always", "never")
@@ -113,9 +114,9 @@ class ConnectorConfig:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a port "
                                            f"number 0..65535, got {v!r}")
-        if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= 64:
+        if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= MAX_STREAMS:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
-                                       f"integer 1..64, got {self.transport_streams!r}")
+                                       f"integer 1..{MAX_STREAMS}, got {self.transport_streams!r}")
         for key in ("crc", "allow_insecure", "spread_threads", "stream_kv", "stream_layer_on_entry",
                     "stream_lockstep"):
             if not isinstance(getattr(self, key), bool):

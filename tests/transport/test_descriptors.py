@@ -80,3 +80,12 @@ def test_remote_bounds_name_the_descriptor_region_and_size():
     d = check_descriptors(SIZE, [0], 3, [U64_MAX - 200], 100)  # no overflow in the check
     with pytest.raises(OutOfRange, match="descriptor 0"):
         check_remote_bounds(d, np.array([1 << 20]))
+
+
+def test_the_configs_limits_are_the_c_engines():
+    """EngineConfig (and the connector's transport_streams) validate without loading the C core: their
+    copies of its limits must agree with it, or a value passes validation and fails at engine start."""
+    from kvlink import _binding as B
+    from kvlink.transport import config
+
+    assert (config.MAX_NAME, config.MAX_STREAMS) == (B.MAX_NAME, B.MAX_STREAMS)
