@@ -1,6 +1,6 @@
 """Fakes shared by the test suites, each here once: a clock, a bootstrap client and a pull table with
 scripted answers, a staging pool and a piece sender that record what they are asked, an HTTP server and
-a raw HTTP client, peers that hang or trickle. The other fakes live
+a raw HTTP client, peers that hang or trickle, a call that fails once. The other fakes live
 beside this module:
 the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
 fakes_vllm_server.py, connectors recording their stats or corrupting what they pulled in fakes_connector.py;
@@ -395,3 +395,17 @@ def serve_slow_forever(token: bytes | None = None) -> None:
 
 if __name__ == "__main__":  # python -m tests.fakes TOKEN, from the repository root
     serve_slow_forever(sys.argv[1].encode())
+
+
+def failing_once(real, error: Exception):
+    """``real`` wrapped to raise ``error`` on its first call only; (the wrapper, the list of each call's
+    arguments). For monkeypatching a call that a component must retry."""
+    calls: list = []
+
+    def wrapper(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise error
+        return real(*args)
+
+    return wrapper, calls

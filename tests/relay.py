@@ -125,11 +125,7 @@ class Relay:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src, dst)
 
     def _pump_frames(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
         """Client to upstream, frame by frame, refusing ``refuse_type`` frames."""
@@ -150,11 +146,7 @@ class Relay:
         except (OSError, ConnectionError, EOFError):
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src, dst)
 
     def _corrupt(self, data: bytes, seen: int) -> bytes:
         if self.flip_after is None or not seen <= self.flip_after < seen + len(data):
@@ -199,3 +191,12 @@ class Relay:
                 s.close()
             except OSError:
                 pass
+
+
+def _shut(*socks: socket.socket) -> None:
+    """Shut both ways (the peers see the connection end; a pump blocked in recv wakes)."""
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

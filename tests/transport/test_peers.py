@@ -156,17 +156,11 @@ def test_a_peer_closed_between_connect_and_its_first_question_is_connected_again
     failing UnknownPeer. (Driven here by making the first question fail; a stress run reproduced the race.)"""
     from kvlink import _binding as B
     from kvlink.errors import UnknownPeer
+    from tests.fakes import failing_once
 
     target = make_engine(name="target")
     init = make_engine(name="decode", listen=None)
-    real, calls = B.peer_local, []
-
-    def flaky(h, pid):
-        calls.append(pid)
-        if len(calls) == 1:
-            raise UnknownPeer("peer same-host state: peer 0 was closed (idle, to make room for another)")
-        return real(h, pid)
-
+    flaky, calls = failing_once(B.peer_local, UnknownPeer("peer same-host state: peer 0 was closed (idle)"))
     monkeypatch.setattr(B, "peer_local", flaky)
     peer = init.connect(target.address)
     assert len(calls) == 2 and peer.name == "target"

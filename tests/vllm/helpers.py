@@ -555,16 +555,25 @@ def streamed_stack(model: str, logs: Path, engine_id: str, args=(), **backend):
                  cpu=1, log=logs / "decode.log", extra_args=STREAM_CHUNK_ARGS + tuple(args))
     bad = Server(model, corrupting_kv_config(lookup_wait_s=10.0, **backend), cpu=1, log=logs / "corrupt.log",
                  extra_args=STREAM_CHUNK_ARGS + tuple(args))
-    proxies = []
+    with proxied(pre, (dec, bad), ((dec, "concurrent"), (bad, "concurrent"), (dec, "sequential")), bport,
+                 engine_id) as (conc, conc_bad, seq):
+        yield {"pre": pre, "dec": dec, "bad": bad, "conc": conc, "conc_bad": conc_bad, "seq": seq}
+
+
+@contextlib.contextmanager
+def proxied(pre: Server, others, routes, bport: int, engine_id: str):
+    """Once ``pre`` and ``others`` are ready, kvlink's proxy for each (decode server, mode) of ``routes`` in
+    front of ``pre`` (its embedded bootstrap server on ``bport``); yields their URLs in that order. Stops the
+    proxies and every server at the end."""
+    servers, proxies = (pre, *others), []
     try:
-        for s in (pre, dec, bad):
+        for s in servers:
             s.wait_ready()
-        for decode, mode in ((dec, "concurrent"), (bad, "concurrent"), (dec, "sequential")):
+        for decode, mode in routes:
             proxies.append(concurrent_proxy(pre.url, decode.url, bport, engine_id, mode))
-        yield {"pre": pre, "dec": dec, "bad": bad, "conc": proxies[0].url, "conc_bad": proxies[1].url,
-               "seq": proxies[2].url}
+        yield tuple(p.url for p in proxies)
     finally:
         for p in proxies:
             p.stop()
-        for s in (pre, dec, bad):
+        for s in servers:
             s.stop()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.helpers import (Server, assert_each_streamed, complete, concurrent_proxy, free_port, kv_config,
-                                metric, text, token_prompts, wait_for)
+from tests.vllm.helpers import (Server, assert_each_streamed, complete, free_port, kv_config, metric, proxied, text,
+                                token_prompts, wait_for)
 
 CHUNKS = ("--max-num-batched-tokens", "512", "--max-num-seqs", "16")
 LOCKSTEP = dict(stream_lockstep=True, stream_lockstep_stall_ms=10_000, lookup_wait_s=20.0, pull_timeout_s=60.0)
@@ -53,19 +53,9 @@ def mc(tiny_model, tmp_path_factory):
                                                    fake(consumer, "LockstepCorruptingConnector")],
                                    kv_load_failure_policy="fail"), cpu=1, log=logs / "corrupt.log")
     plain = Server(tiny_model, None, cpu=1, log=logs / "plain.log")
-    servers, proxies = [pre, dec, bad, plain], []
-    try:
-        for s in servers:
-            s.wait_ready()
-        for decode, mode in ((dec, "concurrent"), (bad, "concurrent"), (dec, "sequential")):
-            proxies.append(concurrent_proxy(pre.url, decode.url, bport, engine_id, mode))
-        yield {"pre": pre, "dec": dec, "plain": plain, "pd": proxies[0].url, "pd_bad": proxies[1].url,
-               "seq": proxies[2].url}
-    finally:
-        for p in proxies:
-            p.stop()
-        for s in servers:
-            s.stop()
+    with proxied(pre, (dec, bad, plain), ((dec, "concurrent"), (bad, "concurrent"), (dec, "sequential")), bport,
+                 engine_id) as (pd, pd_bad, seq):
+        yield {"pre": pre, "dec": dec, "plain": plain, "pd": pd, "pd_bad": pd_bad, "seq": seq}
 
 
 def test_streamed_lockstep_inside_multiconnector_equals_a_single_server(mc):

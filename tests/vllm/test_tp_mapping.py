@@ -422,15 +422,10 @@ def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
     one that never answers fails the pull after three tries, well before its deadline."""
     from kvlink.bootstrap import BootstrapClient
     from kvlink.bootstrap.errors import BootstrapUnavailable
+    from tests.fakes import failing_once
 
-    real, calls = BootstrapClient.engine_ranks, []
-
-    def flaky(self, engine_id):
-        calls.append(engine_id)
-        if len(calls) == 1:
-            raise BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out")
-        return real(self, engine_id)
-
+    flaky, calls = failing_once(BootstrapClient.engine_ranks,
+                                BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out"))
     monkeypatch.setattr(BootstrapClient, "engine_ranks", flaky)
     truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
     try:
