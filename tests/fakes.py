@@ -393,10 +393,6 @@ def serve_slow_forever(token: bytes | None = None) -> None:
         time.sleep(1)
 
 
-if __name__ == "__main__":  # python -m tests.fakes TOKEN, from the repository root
-    serve_slow_forever(sys.argv[1].encode())
-
-
 def failing_once(real, error: Exception):
     """``real`` wrapped to raise ``error`` on its first call only; (the wrapper, the list of each call's
     arguments). For monkeypatching a call that a component must retry."""
@@ -409,3 +405,8 @@ def failing_once(real, error: Exception):
         return real(*args)
 
     return wrapper, calls
+
+
+if __name__ == "__main__":  # python -m tests.fakes TOKEN, from the repository root
+    serve_slow_forever(sys.argv[1].encode())
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import Callable
 
 from kvlink.bootstrap.metrics import ServerCounters
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 # Descriptors a server needs beyond its connections: the listener, refused sockets accepted in one burst and
 # not yet closed, and whatever else the process holds (the embedding engine's own files and sockets).
 FD_HEADROOM = 256
+BACKLOG = 1024  # the listener's: asyncio accepts up to this many sockets in one go, before any is refused
 
 
 class ConnectionGate:
@@ -47,8 +49,9 @@ class ConnectionGate:
         if c.connections >= self._limit:
             c.connections_refused += 1
             return _Refusal(self._refusal)
+        counted = _Counted(self._handler_factory(), self._closed)  # (a factory that raises counted nothing)
         c.connections += 1
-        return _Counted(self._handler_factory(), self._closed)
+        return counted
 
     def _closed(self) -> None:
         self._counters.connections -= 1
@@ -61,19 +64,21 @@ class _Refusal(asyncio.Protocol):
         self._answer = answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(self._answer)  # a few hundred bytes into an empty socket buffer: sent at once
+        # (Not an isinstance check: uvloop's transports write but are no asyncio.WriteTransport.)
+        transport.write(self._answer)  # type: ignore[attr-defined]  # a few hundred bytes: sent at once
         transport.close()
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's handler, unchanged, with ``on_lost`` called once its connection is gone."""
+    """aiohttp's handler, unchanged, with ``on_lost`` called once its connection is gone: at
+    ``connection_lost``, or, where the loop failed to make the socket's transport after the factory ran (and
+    so never calls the protocol), when the wrapper is collected."""
 
-    __slots__ = ("_inner", "_on_lost")
+    __slots__ = ("_inner", "_lost", "__weakref__")
 
     def __init__(self, inner: asyncio.Protocol, on_lost: Callable[[], None]) -> None:
         self._inner = inner
-        self._on_lost: Callable[[], None] | None = on_lost
+        self._lost = weakref.finalize(self, on_lost)  # calling it runs on_lost once, and never again
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._inner.connection_made(transport)
@@ -91,12 +96,10 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        on_lost, self._on_lost = self._on_lost, None
         try:
             self._inner.connection_lost(exc)
         finally:
-            if on_lost is not None:
-                on_lost()
+            self._lost()
 
 
 def check_fd_limit(max_connections: int, *, raise_soft: bool = False) -> str | None:
@@ -111,7 +114,7 @@ def check_fd_limit(max_connections: int, *, raise_soft: bool = False) -> str | N
     except ImportError:  # not POSIX
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max_connections + FD_HEADROOM
+    need = max_connections + BACKLOG + FD_HEADROOM  # a burst: BACKLOG sockets accepted before the gate counts
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
     if raise_soft:

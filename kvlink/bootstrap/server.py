@@ -49,7 +49,7 @@ from kvlink.bootstrap.errors import (
     UnknownEngine,
     UnknownRequest,
 )
-from kvlink.bootstrap.gate import ConnectionGate, check_fd_limit
+from kvlink.bootstrap.gate import BACKLOG, ConnectionGate, check_fd_limit
 from kvlink.bootstrap.metrics import ServerCounters, ServerMetrics
 from kvlink.bootstrap.table import PairingTable
 
@@ -440,7 +440,7 @@ class BootstrapServer:
             assert runner.server is not None
             gate = ConnectionGate(self.config.max_connections, runner.server, self.app.counters)
             loop = asyncio.get_running_loop()
-            listener = await loop.create_server(gate, sock=sock, backlog=1024)
+            listener = await loop.create_server(gate, sock=sock, backlog=BACKLOG)
             sweeper = loop.create_task(self._sweep())
             self._ready.set()
             await self._stop.wait()

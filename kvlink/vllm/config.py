@@ -32,6 +32,8 @@ class ConnectorConfig:
     # any. Decode calls the server a request names, with its token, and connects where that server says.
     bootstrap_allow: tuple[str, ...] | None = None
     bootstrap_timeout_s: float = 5.0
+    # The embedded server's cap on open connections (BootstrapConfig.max_connections; long polls 3/4 of it).
+    bootstrap_max_connections: int = 4096
     # Transport engine of each worker. "auto": same-host peers are copied directly (process_vm_readv)
     # when the kernel allows it, else TCP; "tcp": always TCP; "same-host": refuse anything else.
     transport_backend: str = "auto"
@@ -114,6 +116,10 @@ class ConnectorConfig:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be a port "
                                            f"number 0..65535, got {v!r}")
+        v = self.bootstrap_max_connections
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConnectorConfigError("kv_connector_extra_config['bootstrap_max_connections'] must be a positive "
+                                       f"integer, got {v!r}")
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= MAX_STREAMS:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..{MAX_STREAMS}, got {self.transport_streams!r}")

@@ -13,6 +13,7 @@ docstring.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlink import trace
-from kvlink.bootstrap.errors import BootstrapUnavailable
+from kvlink.bootstrap.errors import BootstrapUnavailable, TooManyWaiters
 from kvlink.errors import Canceled, NotSettled
 from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
 from kvlink.vllm.lockstep import DEFAULT_STEP_S, STEP_EMA, lead_s
@@ -30,6 +31,10 @@ from kvlink.vllm.pulls import ALL_LAYERS, CancelBatch, Lease, Post, PullTable, R
 from kvlink.vllm.stager import Pending, Stager
 
 logger = logging.getLogger(__name__)
+
+# A bootstrap server answering too_many_waiters (429: as many long polls as it takes) is asked again after
+# these pauses (each jittered to 50-100%), while the pull's deadline allows; then the pull fails.
+BUSY_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
 
 
 @dataclass(eq=False)
@@ -246,6 +251,15 @@ class Puller:
                 logger.info("kvlink: pull for request %s: %s; asking again", rid, _why(e))
                 self._resolver.submit(self._resolve, spec, attempt + 1)
                 return
+            if isinstance(e, TooManyWaiters) and attempt < len(BUSY_BACKOFF_S) and self._may_retry(rid,
+                                                                                                BUSY_BACKOFF_S[attempt]):
+                # Back-pressure (the server holds as many long polls as it takes), not a failure: ask again
+                # a little later, jittered so that the refused do not come back together, while the deadline
+                # allows.
+                logger.info("kvlink: pull for request %s: %s; asking again", rid, _why(e))
+                self._resolver.submit(self._resolve_later, spec, attempt + 1,
+                                      BUSY_BACKOFF_S[attempt] * random.uniform(0.5, 1.0))
+                return
             if isinstance(e, PullFailed) and e.reason:
                 with self._lock:
                     self._stats.add(f"compat_refused.{e.reason}")
@@ -256,12 +270,16 @@ class Puller:
         lease = Lease(src.bootstrap_url, engine_id, remote_rid, lease_s)
         self._apply(lambda t, now: t.resolved(rid, remote, pairs, lease, held_until, renew_at, now, epoch, check))
 
-    def _may_retry(self, rid: str) -> bool:
-        """The pull still runs and its deadline leaves room for one more bootstrap call."""
+    def _may_retry(self, rid: str, after_s: float = 0.0) -> bool:
+        """The pull still runs and its deadline leaves room for one more bootstrap call (``after_s`` from now)."""
         with self._lock:
             pull = self._table.get(rid)
             return (pull is not None and not self._closed
-                    and pull.deadline - time.monotonic() > self.cfg.bootstrap_timeout_s + 1.0)
+                    and pull.deadline - time.monotonic() > after_s + self.cfg.bootstrap_timeout_s + 1.0)
+
+    def _resolve_later(self, spec: PullSpec, attempt: int, delay_s: float) -> None:
+        time.sleep(delay_s)  # on a resolver thread, as a long poll would be
+        self._resolve(spec, attempt)
 
     def _check_prompt(self, spec: PullSpec, sha: str | None, tokens: int) -> None:
         """Concurrent pairing: prefill's digest of its first ``tokens`` prompt tokens (params.prompt_digest)

@@ -76,7 +76,8 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
     recently used idle peer; a peer with a READ in flight is never chosen, however old; the closed peer's id
     says so (UnknownPeer, "connect again"), and nothing else changes."""
     from kvlink.errors import UnknownPeer
-    from tests.relay import Relay
+    from tests.conftest import TOKEN
+    from tests.fakes import SlowTarget
 
     target = make_engine(name="prefill", listen="0.0.0.0:0", max_conns=4 * MAX_PEERS)
     port = target.address.rsplit(":", 1)[1]
@@ -85,10 +86,10 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
     init = make_engine(name="decode", listen=None, streams=1, op_timeout_s=60.0)
     dst = np.zeros(8192, dtype=np.uint8)
     rdst = init.register(dst)
-    relay = Relay(f"127.0.0.1:{port}", rate=2048.0)  # 8 KiB take about 4 s: the busy peer
+    stalled = SlowTarget(token=TOKEN, stall=True)  # answers a READ and never sends its bytes: the busy peer
     try:
-        busy = init.connect(relay.address)
-        slow = init.read(busy, rdst, [0], region, [0], 8192)
+        busy = init.connect(stalled.address)
+        slow = init.read(busy, init.register(np.zeros(64, dtype=np.uint8)), [0], 1, [0], 64)
         peers = [init.connect(f"{_spread(i)}:{port}") for i in range(MAX_PEERS - 1)]
         assert init.stats()["peers"] == MAX_PEERS
         init.read(peers[0], rdst, [0], region, [0], 16).wait()  # peers[0] used last: peers[1] is the oldest idle
@@ -102,14 +103,14 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
             init.read(peers[3], rdst, [0], region, [0], 16).wait()
         for p in (peers[0], peers[2], extra, extra2):
             init.read(p, rdst, [0], region, [0], 16).wait()
-        slow.wait()  # the busy peer (the oldest by far) was not the one closed
-        assert (dst == src).all()
+        assert init.connect(stalled.address) == busy  # the busy peer (the oldest by far) was not closed
+        assert slow.cancel()  # still running until now
         again = init.connect(f"{_spread(1)}:{port}")  # the closed address connects anew, under a new id
         assert again.id != peers[1].id
         init.read(again, rdst, [0], region, [0], 8192).wait()
         assert (dst == src).all()
     finally:
-        relay.close()
+        stalled.close()
 
 
 def test_with_the_table_full_a_retired_peer_makes_room_before_any_live_one(make_engine):

@@ -1053,3 +1053,23 @@ def test_data_parallel_ranks_share_dp_rank_0s_embedded_bootstrap_server_on_a_fix
     finally:
         for r in ranks:
             r.shutdown()
+
+
+def test_the_embedded_bootstrap_server_takes_its_connection_cap_from_the_connector_config():
+    """bootstrap_max_connections reaches the server prefill embeds: beyond it, a connection is refused."""
+    import socket as socketlib
+
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_max_connections=2), "pre", "kv_producer", 32)
+    socks = []
+    try:
+        host, port = sched.bootstrap_url.split("://", 1)[1].rsplit(":", 1)
+        socks = [socketlib.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        socks[2].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert socks[2].recv(200).startswith(b"HTTP/1.1 503"), "the third connection was not refused"
+    finally:
+        for s in socks:
+            s.close()
+        sched.shutdown()

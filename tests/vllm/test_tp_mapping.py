@@ -417,6 +417,23 @@ def test_hybrid_groups_across_unequal_tp_and_pp(boot):
         _close(pre, dec)
 
 
+def test_a_bootstrap_server_busy_with_long_polls_is_asked_again_later(boot, monkeypatch):
+    """429 too_many_waiters is back-pressure, not a failure: decode asks again after a jittered pause instead
+    of computing the prompt itself (it did, at once, until session 28)."""
+    from kvlink.bootstrap import BootstrapClient, TooManyWaiters
+    from tests.fakes import failing_once
+
+    busy = TooManyWaiters("the server already holds 3072 long polls (3/4 of max_connections 4096)")
+    flaky, calls = failing_once(BootstrapClient.engine_ranks, busy)
+    monkeypatch.setattr(BootstrapClient, "engine_ranks", flaky)
+    truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
+    try:
+        _check_landed(truth, blank, dec, 1)
+        assert len(calls) == 2
+    finally:
+        _close(pre, dec)
+
+
 def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
     """A bootstrap server that stalls once (seen: 5 s in a loaded CI run) costs decode a retry, not a recompute;
     one that never answers fails the pull after three tries, well before its deadline."""

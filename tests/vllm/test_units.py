@@ -24,6 +24,7 @@ def test_unknown_key_names_it_and_lists_valid_keys():
                                         ({"crc": "yes"}, "crc"), ({"bootstrap_url": "http://x:1/kv"}, "bootstrap_url"),
                                         ({"transport_streams": 0}, "transport_streams"),
                                         ({"transport_streams": 17}, "transport_streams"),  # the engine's limit
+                                        ({"bootstrap_max_connections": 0}, "bootstrap_max_connections"),
                                         ({"stream_layer_on_entry": 1}, "stream_layer_on_entry")])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(ConnectorConfigError, match=key):
