@@ -417,14 +417,13 @@ def test_hybrid_groups_across_unequal_tp_and_pp(boot):
         _close(pre, dec)
 
 
-def test_a_bootstrap_server_busy_with_long_polls_is_asked_again_later(boot, monkeypatch):
-    """429 too_many_waiters is back-pressure, not a failure: decode asks again after a jittered pause instead
-    of computing the prompt itself (it did, at once, until session 28)."""
-    from kvlink.bootstrap import BootstrapClient, TooManyWaiters
+def _pull_lands_after_one_failed_call(boot, monkeypatch, error: Exception) -> list:
+    """A pull whose first call for the prefill engine's ranks fails with ``error`` lands all the same (decode
+    asked again); the calls made."""
+    from kvlink.bootstrap import BootstrapClient
     from tests.fakes import failing_once
 
-    busy = TooManyWaiters("the server already holds 3072 long polls (3/4 of max_connections 4096)")
-    flaky, calls = failing_once(BootstrapClient.engine_ranks, busy)
+    flaky, calls = failing_once(BootstrapClient.engine_ranks, error)
     monkeypatch.setattr(BootstrapClient, "engine_ranks", flaky)
     truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
     try:
@@ -432,6 +431,15 @@ def test_a_bootstrap_server_busy_with_long_polls_is_asked_again_later(boot, monk
         assert len(calls) == 2
     finally:
         _close(pre, dec)
+    return calls
+
+
+def test_a_bootstrap_server_busy_with_long_polls_is_asked_again_later(boot, monkeypatch):
+    """429 too_many_waiters is back-pressure, not a failure: decode asks again after a jittered pause instead
+    of computing the prompt itself (it did, at once, until session 28)."""
+    from kvlink.bootstrap import TooManyWaiters
+
+    _pull_lands_after_one_failed_call(boot, monkeypatch, TooManyWaiters("the server already holds 3072 long polls"))
 
 
 def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
@@ -439,17 +447,9 @@ def test_a_bootstrap_call_that_timed_out_is_asked_again(boot, monkeypatch):
     one that never answers fails the pull after three tries, well before its deadline."""
     from kvlink.bootstrap import BootstrapClient
     from kvlink.bootstrap.errors import BootstrapUnavailable
-    from tests.fakes import failing_once
 
-    flaky, calls = failing_once(BootstrapClient.engine_ranks,
-                                BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out"))
-    monkeypatch.setattr(BootstrapClient, "engine_ranks", flaky)
-    truth, blank, pre, dec = _pd(boot, "cpu", 4, 1, [LAYERS], 1, [LAYERS])
-    try:
-        _check_landed(truth, blank, dec, 1)
-        assert len(calls) == 2
-    finally:
-        _close(pre, dec)
+    calls = _pull_lands_after_one_failed_call(
+        boot, monkeypatch, BootstrapUnavailable("bootstrap server unavailable for /v1/engine/ranks: timed out"))
 
     def dead(self, engine_id):
         calls.append(engine_id)
