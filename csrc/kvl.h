@@ -135,6 +135,12 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
  * freed peer's id fail (KVL_EPEERCHANGED, KVL_ENOPEER). KVL_EFULL: every
  * peer is busy. */
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
+/* kvl_peer_connect, for the engine named expect only (NULL: any). A peer in
+ * the table under another name is not returned: the address is asked again,
+ * and if it now answers as another engine than that peer's, the peer is
+ * retired (its process left the address). KVL_EPEERCHANGED if the address
+ * answers as another engine than expect; nothing is kept of that connect. */
+int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const char *expect, uint32_t *peer_out);
 /* Name the peer announced during the handshake. */
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
 /* 1 if READs from this peer copy its memory directly (same host), else 0;

@@ -354,17 +354,23 @@ static int open_stream(kvl__peer *p, int k, int first) {
   return rc;
 }
 
+int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out) {
+  return kvl_peer_connect_as(e, host, port, NULL, peer_out);
+}
+
 /* Connects without holding an engine lock (a silent peer delays only its own
  * callers); two concurrent connects to one address both handshake, and the
  * second to finish uses the first's peer. */
-int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out) {
+int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const char *expect, uint32_t *peer_out) {
   last_msg[0] = 0;
   if (!host || strlen(host) >= sizeof(((kvl__peer *)0)->host) || port == 0) return KVL_EINVAL;
+  if (expect && (!*expect || strlen(expect) > KVL_MAX_NAME)) return KVL_EINVAL;
   if (__atomic_load_n(&e->closing, __ATOMIC_ACQUIRE)) return KVL_ECLOSED;
   int rc = 0;
   pthread_mutex_lock(&e->mu);
   kvl__peer *found = find_peer(e, host, port);
-  if (found) *peer_out = found->id;
+  if (found && (!expect || strcmp(found->name, expect) == 0)) *peer_out = found->id;
+  else found = NULL; /* none, or one under another name: perhaps a process gone from the address, ask it */
   pthread_mutex_unlock(&e->mu);
   if (found) return 0;
   kvl__peer *p = calloc(1, sizeof *p);
@@ -382,6 +388,11 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     kvl__cond_init(&s->cv);
   }
   for (int k = 0; k < p->nstreams && rc == 0; k++) rc = open_stream(p, k, k == 0);
+  int heard = rc == 0 || p->name[0]; /* the address's engine answered the first handshake */
+  if (rc == 0 && expect && strcmp(p->name, expect) != 0) {
+    snprintf(last_msg, sizeof last_msg, "%s:%u answers as engine \"%s\", not \"%s\"", host, port, p->name, expect);
+    rc = KVL_EPEERCHANGED;
+  }
   if (rc == 0 && e->cfg.same_host) {
     rc = kvl__local_probe(e, p->streams[0].fd, 0, &p->local);
     if (rc == KVL_ELOCAL && e->cfg.same_host == 1) { /* auto: an older engine is read over TCP */
@@ -394,6 +405,14 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
     }
   }
   kvl__peer *reaped = NULL; /* stopped peers whose threads have exited: freed below, without the lock */
+  if (heard) {
+    /* A peer in the table under another name than the address answers with now: its process left the
+     * address. Retired: calls naming it fail KVL_EPEERCHANGED, and the next connect does not return it. */
+    pthread_mutex_lock(&e->mu);
+    if ((found = find_peer(e, host, port)) != NULL && strcmp(found->name, p->name) != 0)
+      __atomic_store_n(&found->changed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->mu);
+  }
   if (rc == 0) {
     pthread_mutex_lock(&e->mu);
     int slot = -1;

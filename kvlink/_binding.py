@@ -131,12 +131,17 @@ def buffer_address(obj: Any, writable: bool) -> tuple[int, int, Any]:
 
 # ---- peers, batches, notifications -------------------------------------------
 
-def peer_connect(h: Handle, host: str, port: int) -> tuple[int, str]:
+def peer_connect(h: Handle, host: str, port: int, expect: str | None = None) -> int:
     out = ffi.new("uint32_t *")
-    check(lib.kvl_peer_connect(h, host.encode(), port, out), f"connect to {host}:{port}")
+    check(lib.kvl_peer_connect_as(h, host.encode(), port, ffi.NULL if expect is None else expect.encode(), out),
+          f"connect to {host}:{port}")
+    return int(out[0])
+
+
+def peer_name(h: Handle, peer: int) -> str:
     name = ffi.new("char[]", MAX_NAME + 1)
-    check(lib.kvl_peer_name(h, out[0], name, MAX_NAME + 1), "peer name")
-    return int(out[0]), ffi.string(name).decode()
+    check(lib.kvl_peer_name(h, peer, name, MAX_NAME + 1), "peer name")
+    return ffi.string(name).decode()
 
 
 def peer_local(h: Handle, peer: int) -> tuple[bool, str]:

@@ -71,6 +71,7 @@ int kvl_region_register(kvl_engine *e, uint64_t addr, uint64_t len, uint32_t acc
 int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
+int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const char *expect, uint32_t *peer_out);
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap);
 

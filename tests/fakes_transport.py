@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, ConnectError, NotSettled, PeerClosed,
-                           TimeoutError_, UnknownRegion)
+from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, ConnectError, NotSettled, PeerChanged,
+                           PeerClosed, TimeoutError_, UnknownRegion)
 from kvlink.transport import Access, Capabilities, EngineConfig
 from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
 from kvlink.transport.region import memory_for
@@ -123,7 +123,7 @@ class Engine:
         self._regions[r.id] = r
         return r
 
-    def connect(self, address: str) -> Peer:
+    def connect(self, address: str, expect: str | None = None) -> Peer:
         self._check_open()
         with _LOCK:
             eng = _ENGINES.get(address)
@@ -131,6 +131,8 @@ class Engine:
             raise ConnectError(f"cannot reach {address}: no fake engine listens there")
         if eng.config.token != self.config.token:
             raise AuthError(f"authentication with {address} failed: the peers hold different tokens")
+        if expect is not None and eng.config.name != expect:
+            raise PeerChanged(f"{address} answers as engine {eng.config.name!r}, not {expect!r}")
         return Peer(address, eng.config.name)
 
     def _xfer(self, peer: Peer, local: Region, lo: Any, rids: Any, ro: Any, ln: Any, write: bool) -> Batch:

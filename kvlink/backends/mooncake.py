@@ -73,10 +73,10 @@ import numpy as np
 
 from kvlink.backends.mooncake_config import MooncakeConfig, mooncake_device_memory
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
-from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, PeerClosed,
+from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, PeerChanged, PeerClosed,
                            QueueFull, RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
-from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
+from kvlink.transport.config import EngineConfig, check_name, join_hostport, split_hostport
 from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
 from kvlink.transport.region import Access, memory_for
 
@@ -364,19 +364,25 @@ class MooncakeBackend:
         return encode_table(self.session, regions)
 
     # -- peers -------------------------------------------------------------------------
-    def connect(self, address: str) -> MooncakePeer:
+    def connect(self, address: str, expect: str | None = None) -> MooncakePeer:
         """Authenticate to a peer's side channel at 'host:port', fetch its region
         table and open its Mooncake segment. One peer per address, as with the
         native engine: a live one is returned; one whose side channel closed
-        (its process ended or restarted) is retired for a new one."""
+        (its process ended or restarted) is retired for a new one. ``expect``:
+        only the engine of that name (PeerChanged if the address answers as
+        another; a peer there under another name is retired)."""
         self._check_open()
+        if expect is not None:
+            check_name(expect, "expect", empty=False)
         live = self._live_peer(address)
-        if live is not None:
+        if live is not None and expect in (None, live.name):
             return live
         host, port = split_hostport(address, "peer address")
         cfg = self.config
         client = SideClient(host, port, cfg.token, cfg.name, cfg.connect_timeout_s, cfg.handshake_timeout_s)
         try:
+            if expect is not None and client.peer_name != expect:
+                raise PeerChanged(f"mooncake: {address} answers as engine {client.peer_name!r}, not {expect!r}")
             session, table = decode_table(self._fetch(client)[1:])
             if self._engine.send_probe(session) != 0:
                 raise ConnectError(f"mooncake: peer {address} (session {session}) does not answer")
@@ -388,6 +394,8 @@ class MooncakeBackend:
         with self._cond:
             self._check_open()
             live = self._live_peer(address)
+            if live is not None and live.name != peer.name:
+                live = None  # the address answers as another engine now: that peer's process left it
             if live is None:
                 for p in [p for p in self._peers.values() if p.address == address]:
                     del self._peers[p.id]  # gone: it takes no new batch (_submit checks under this lock)

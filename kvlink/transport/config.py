@@ -38,6 +38,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+
+def check_name(name: object, what: str, empty: bool = True) -> None:
+    """An engine name as the handshake carries it: printable ASCII of at most MAX_NAME characters."""
+    if not isinstance(name, str) or len(name) > MAX_NAME or not name.isprintable() or not name.isascii() \
+            or not (empty or name):
+        raise ValueError(f"{what} must be printable ASCII of {'' if empty else '1 to '}at most {MAX_NAME} "
+                         f"characters, got {name!r}")
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one transport engine.
@@ -72,9 +80,7 @@ class EngineConfig:
                     "loopback; set token, or allow_insecure=True to opt in")
         if self.token is not None and (not isinstance(self.token, bytes) or not 1 <= len(self.token) <= 1024):
             raise ValueError("token must be 1..1024 bytes")
-        if not isinstance(self.name, str) or len(self.name) > MAX_NAME or not self.name.isprintable() \
-                or not self.name.isascii():
-            raise ValueError(f"name must be printable ASCII of at most {MAX_NAME} characters, got {self.name!r}")
+        check_name(self.name, "name")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"streams must be 1..{MAX_STREAMS}, got {self.streams!r}")
         for field in ("op_timeout_s", "connect_timeout_s", "handshake_timeout_s"):

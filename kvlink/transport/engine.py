@@ -15,7 +15,7 @@ from kvlink import _binding as B
 from kvlink.errors import Closed, PeerChanged, UnknownPeer
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
-from kvlink.transport.config import EngineConfig, join_hostport, split_hostport
+from kvlink.transport.config import EngineConfig, check_name, join_hostport, split_hostport
 from kvlink.transport.descriptors import check_descriptors, check_one
 from kvlink.transport.region import Access, Region
 
@@ -106,20 +106,26 @@ class Engine:
         return region
 
     # -- peers -----------------------------------------------------------------------
-    def connect(self, address: str) -> Peer:
-        """Connect (all streams, authenticated) to a peer engine at 'host:port'."""
+    def connect(self, address: str, expect: str | None = None) -> Peer:
+        """Connect (all streams, authenticated) to a peer engine at 'host:port'. ``expect``: only to the
+        engine of that name (PeerChanged if the address answers as another; a peer of an earlier process
+        there is retired)."""
         host, port = split_hostport(address, "peer address")
+        if expect is not None:
+            check_name(expect, "expect", empty=False)
         for attempt in range(CONNECT_TRIES):
             with self._using() as h:
                 try:
-                    pid, name = B.peer_connect(h, host, port)
-                    local, why = B.peer_local(h, pid)
-                    break
-                except (UnknownPeer, PeerChanged):
-                    # Between these calls another connect may close this peer: the least recently used idle
-                    # one (the table full, every other peer busy), or one retired meanwhile: connect again.
-                    if attempt == CONNECT_TRIES - 1:
-                        raise
+                    pid = B.peer_connect(h, host, port, expect)  # PeerChanged: another engine answers there
+                    try:
+                        name = B.peer_name(h, pid)
+                        local, why = B.peer_local(h, pid)
+                        break
+                    except (UnknownPeer, PeerChanged):
+                        # Between these calls another connect may close this peer: the least recently used
+                        # idle one (the table full, every other peer busy), or one retired meanwhile: again.
+                        if attempt == CONNECT_TRIES - 1:
+                            raise
                 finally:
                     self._log_events(h)
         if self.config.same_host != "off":

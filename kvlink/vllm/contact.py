@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvlink.transport.config import MAX_NAME
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_diff
 from kvlink.vllm.layout import BlockLayout, Geometry, LayoutError, head_geometry
 from kvlink.vllm.plan import LayerMap
@@ -49,6 +50,20 @@ class LocalKV:
     scales: dict[str, tuple[float, float]] | None = None  # fp8 caches: each layer's (K, V) scale (compat.kv_scales)
 
 
+def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
+    """A connector rank's transport engine name: the engine, the rank and the process (its registration's
+    ``instance``). A peer that reconnects and hears another name refuses it (a restarted process at the same
+    address: the region ids it knows name other memory there, KVL_EPEERCHANGED); decode's first contact
+    connects to the name the registration implies and no other (``expected_name``). The engine id is cut to
+    fit the transport's limit."""
+    tail = f"/tp{tp_rank}/{instance}"
+    return engine_id[:MAX_NAME - len(tail)] + tail
+
+
+def expected_name(reg: Any) -> str | None:
+    """The transport name a prefill rank's engine answers with, by its registration (None: a registration
+    without ``instance``, from a kvlink that predates it)."""
+    return engine_name(reg.engine_id, reg.tp_rank, reg.instance) if reg.instance else None
 
 
 def check_compat(engine_id: str, reg: Any, local: LocalKV) -> None:

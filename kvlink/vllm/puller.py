@@ -22,8 +22,8 @@ from typing import Any
 
 from kvlink import trace
 from kvlink.bootstrap.errors import BootstrapUnavailable, TooManyWaiters
-from kvlink.errors import Canceled, NotSettled
-from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
+from kvlink.errors import Canceled, NotSettled, PeerChanged
+from kvlink.vllm.contact import LocalKV, PullFailed, expected_name, legs_for
 from kvlink.vllm.lockstep import DEFAULT_STEP_S, STEP_EMA, lead_s
 from kvlink.vllm.metadata import PullSpec
 from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs, step_pairs
@@ -350,7 +350,7 @@ class Puller:
                 self._mismatch_logged.add(key)
                 logger.error("%s", e.detail)
             raise
-        remote = _Remote(key, [_Leg(self.engine.connect(reg.transport_addr), layers, reg.tp_rank, reg.pp_rank)
+        remote = _Remote(key, [_Leg(self._connect(engine_id, reg), layers, reg.tp_rank, reg.pp_rank)
                                for reg, layers in legs])
         with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
             remote = self._remotes.setdefault(key, remote)
@@ -359,6 +359,16 @@ class Puller:
                     ", ".join(f"tp{reg.tp_rank} pp{reg.pp_rank} at {reg.transport_addr} ({len(layers)} layers)"
                               for reg, layers in legs))
         return remote
+
+    def _connect(self, engine_id: str, reg) -> Any:
+        """The transport peer of one prefill rank, the process its registration names and no other: a process
+        that took the address since (the registered one died, its registration not yet expired) has other
+        memory behind the same region ids, and reading it would hand vLLM another request's KV."""
+        try:
+            return self.engine.connect(reg.transport_addr, expect=expected_name(reg))
+        except PeerChanged as e:
+            raise PullFailed(f"prefill engine {engine_id} tp{reg.tp_rank} pp{reg.pp_rank} is gone: another process "
+                             f"took its address ({e}); nothing read", "engine_changed") from e
 
     @property
     def _total_heads(self) -> int:

@@ -47,9 +47,9 @@ from typing import Any
 from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
-from kvlink.transport.config import MAX_NAME
 from kvlink.vllm.compat import PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_scales
 from kvlink.vllm.config import ConnectorConfig
+from kvlink.vllm.contact import engine_name
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
                                 tokens_per_block)
 from kvlink.vllm.lease import LeaseCalls
@@ -113,14 +113,6 @@ def head_dim_mismatch(layout_heads: int, tp_rank: int, tp_size: int, kv_heads: i
         return None
     return (f"the KV cache's head dimension holds {layout_heads}, but TP rank {tp_rank} of {tp_size} holds {mine} "
             f"of the model's {kv_heads} KV heads")
-
-
-def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
-    """The transport engine's name: the engine, the rank and this process. A peer that reconnects and hears
-    another name refuses it (a restarted process at the same address: the region ids it knows name other
-    memory there, KVL_EPEERCHANGED). The engine id is cut to fit the transport's limit."""
-    tail = f"/tp{tp_rank}/{instance}"
-    return engine_id[:MAX_NAME - len(tail)] + tail
 
 
 class KVLinkWorker(Puller):

@@ -517,3 +517,28 @@ def test_a_peer_whose_process_ended_takes_no_batch_until_connected_again(make_ba
     again = mc_target()
     p2 = init.connect(again.address)
     init.read(p2, rdst, [0], again.region, [0], 4096).wait()
+
+
+def test_a_connect_for_a_named_engine_takes_no_other(make_backend, kind):
+    """Both backends: ``connect(address, expect=name)`` refuses an engine answering under another name
+    (PeerChanged, naming both) and keeps no peer for it; the right name connects and reads."""
+    from kvlink.errors import PeerChanged
+    from kvlink.transport import Access
+
+    target = make_backend(kind, name="prefill/a")
+    init = make_backend(kind, name="decode", listen=None)
+    src = np.arange(4096, dtype=np.uint32).view(np.uint8)
+    region = target.register(src, Access.READ)
+    dst = np.zeros_like(src)
+    rdst = init.register(dst)
+    with pytest.raises(PeerChanged, match="prefill/a.*not .prefill/b"):
+        init.connect(target.address, expect="prefill/b")
+    peer = init.connect(target.address, expect="prefill/a")
+    assert peer.name == "prefill/a"
+    init.read(peer, rdst, [0], region.id, [0], len(src)).wait()
+    assert np.array_equal(dst, src)
+    with pytest.raises(PeerChanged):  # the live peer is not handed out under another name either
+        init.connect(target.address, expect="prefill/b")
+    assert init.connect(target.address).id == peer.id
+    with pytest.raises(ValueError, match="expect"):
+        init.connect(target.address, expect="")

@@ -362,7 +362,7 @@ def test_a_read_submitted_while_the_engine_closes_fails_instead_of_stranding(mak
                             allow_insecure=False, op_timeout_ms=10_000, connect_timeout_ms=5_000,
                             handshake_timeout_ms=5_000, max_conns=64, same_host=0)
         reg = B.region_register(h, dst.ctypes.data, dst.nbytes, int(Access.READ | Access.WRITE))
-        peer, _ = B.peer_connect(h, host, int(port))
+        peer = B.peer_connect(h, host, int(port))
         B.batch_wait(B.submit(h, peer, B.OP_READ, local[:16], regions, offsets[:16], lengths, 5_000), 5_000)
         box: dict = {}  # (the stream ran a part just now: it lingers, and sees the close at once)
 

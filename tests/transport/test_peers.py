@@ -165,3 +165,57 @@ def test_a_peer_closed_between_connect_and_its_first_question_is_connected_again
     monkeypatch.setattr(B, "peer_local", flaky)
     peer = init.connect(target.address)
     assert len(calls) == 2 and peer.name == "target"
+
+
+def test_a_connect_for_a_named_engine_takes_no_other(make_engine):
+    """``connect(address, expect=name)``: the engine answering there must be that one. Another name fails
+    PeerChanged naming both and keeps nothing (decode's first contact with a registration whose address
+    another process took: its region ids name other memory there)."""
+    from kvlink.errors import PeerChanged
+
+    target = make_engine(name="prefill/a")
+    init = make_engine(name="decode", listen=None)
+    with pytest.raises(PeerChanged, match='answers as engine "prefill/a", not "prefill/b"'):
+        init.connect(target.address, expect="prefill/b")
+    assert init.stats()["peers"] == 0  # nothing kept of the refused connect
+    peer = init.connect(target.address, expect="prefill/a")
+    assert peer.name == "prefill/a" and init.connect(target.address).id == peer.id
+    with pytest.raises(PeerChanged, match="not \"prefill/b\""):  # a live peer under another name is not returned
+        init.connect(target.address, expect="prefill/b")
+    assert init.connect(target.address, expect="prefill/a").id == peer.id  # and was not retired for it
+    for bad in ("", "x" * 65, "caf\u00e9", 7):
+        with pytest.raises(ValueError, match="expect"):
+            init.connect(target.address, expect=bad)
+
+
+def test_a_named_connect_retires_the_peer_of_a_process_gone_from_the_address(make_engine):
+    """A peer's process died and another took its address: the table still holds the old peer (nothing told
+    it). A connect for the new engine's name asks the address, retires the old peer (its id fails
+    PeerChanged) and reads the new process; one for the old name is refused from then on (before, it got the
+    table's peer, whose first READ hears the new name and fails: no byte of the new process is read)."""
+    from kvlink.errors import PeerChanged
+
+    init = make_engine(name="decode", listen=None, streams=2)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rdst = init.register(dst)
+    first = make_engine(name="prefill/1")
+    address = first.address
+    region = first.register(np.full(4096, 1, dtype=np.uint8), Access.READ).id
+    old = init.connect(address)
+    init.read(old, rdst, [0], region, [0], 4096).wait()
+    first.close()
+    second = make_engine(name="prefill/2", listen=address)
+    assert second.register(np.full(4096, 2, dtype=np.uint8), Access.READ).id == region
+    assert init.connect(address).id == old.id  # unnamed: the table's peer, as before
+    assert init.connect(address, expect="prefill/1").id == old.id  # its name: the same
+    new = init.connect(address, expect="prefill/2")
+    assert new.id != old.id and new.name == "prefill/2"
+    with pytest.raises(PeerChanged, match='answers as engine "prefill/2", not "prefill/1"'):
+        init.connect(address, expect="prefill/1")
+    init.read(new, rdst, [0], region, [0], 4096).wait()
+    assert (dst == 2).all()
+    dst[:] = 0
+    with pytest.raises(PeerChanged):
+        init.read(old, rdst, [0], region, [0], 4096).wait()
+    assert not dst.any()
+    assert init.connect(address).id == new.id  # the retired peer is never handed out again

@@ -380,7 +380,7 @@ def test_the_rotary_settings_are_described_compactly_and_digested_when_long():
 
 def test_the_transport_name_says_engine_rank_and_process_and_fits_the_limit():
     from kvlink.transport.config import MAX_NAME
-    from kvlink.vllm.worker import engine_name
+    from kvlink.vllm.contact import engine_name
 
     assert engine_name("prefill-0", 1, "0123456789abcdef") == "prefill-0/tp1/0123456789abcdef"
     long = engine_name("e" * 200, 3, "0123456789abcdef")

@@ -437,3 +437,51 @@ def test_a_post_that_raises_before_any_read_fails_its_pull_instead_of_stranding_
     monkeypatch.setattr(dec, "_group_layers", good)
     _pull(dec, url, "x2", [(2, 2)])
     assert pull_outcome(dec, "x2") == "ok"
+
+
+def test_a_registration_whose_address_another_process_took_is_never_read(monkeypatch):
+    """Real TCP transport. Prefill dies without unregistering (its registration lives out its lease) and
+    another engine's worker takes its transport port, with its own KV behind the same region ids. Decode's
+    first contact with the dead engine connects only to the process its registration names: the pull
+    fails ``engine_changed`` and no byte lands. Control: connecting to whatever answers at the address (as
+    before) reads the other process's blocks and reports the pull ok."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import puller as P
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from tests.ports import free_port
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port(), engine_lease_s=120.0)
+    workers = []
+
+    def worker(cfg, engine_id, role, cache):
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    try:
+        pre = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+        pre._ensure_registered(srv.url)
+        pre.shutdown()  # died: no unregister, its registration stays for its lease
+        other = worker(pre_cfg, "other", "kv_producer", _cache(50.0))  # the same port, another process's KV
+        other._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        before = {n: t.clone() for n, t in dst.items()}
+        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
+                     "kv_consumer", dst)
+        _pull(dec, srv.url, "r", [(1, 2), (3, 4)])
+        assert pull_outcome(dec, "r") == "failed"
+        assert all(torch.equal(dst[n], before[n]) for n in dst), "a byte of the other process landed"
+        assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
+
+        monkeypatch.setattr(P, "expected_name", lambda reg: None)  # control: any engine at the address
+        _pull(dec, srv.url, "r2", [(1, 2), (3, 4)])
+        assert pull_outcome(dec, "r2") == "ok"
+        layer = next(iter(dst.values()))
+        assert torch.equal(layer[1], next(iter(other.kv_caches.values()))[2])  # the other process's block
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        srv.stop()
