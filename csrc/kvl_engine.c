@@ -346,6 +346,9 @@ static int open_stream(kvl__peer *p, int k, int first) {
   rc = kvl__handshake_client(e, s->fd, 0, name, last_msg, sizeof last_msg);
   if (rc == 0 && first) {
     memcpy(p->name, name, sizeof name);
+    pthread_mutex_lock(&e->mu);
+    p->heard = ++e->heard;
+    pthread_mutex_unlock(&e->mu);
   } else if (rc == 0 && strcmp(name, p->name) != 0) {
     snprintf(last_msg, sizeof last_msg, "%s:%u answered as engine \"%s\", then \"%s\"", p->host, p->port, p->name,
              name);
@@ -387,11 +390,13 @@ int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const ch
     pthread_mutex_init(&s->mu, NULL);
     kvl__cond_init(&s->cv);
   }
-  for (int k = 0; k < p->nstreams && rc == 0; k++) rc = open_stream(p, k, k == 0);
-  int heard = rc == 0 || p->name[0]; /* the address's engine answered the first handshake */
-  if (rc == 0 && expect && strcmp(p->name, expect) != 0) {
-    snprintf(last_msg, sizeof last_msg, "%s:%u answers as engine \"%s\", not \"%s\"", host, port, p->name, expect);
-    rc = KVL_EPEERCHANGED;
+  for (int k = 0; k < p->nstreams && rc == 0; k++) {
+    rc = open_stream(p, k, k == 0);
+    if (rc == 0 && k == 0 && expect && strcmp(p->name, expect) != 0) { /* before opening the other streams */
+      snprintf(last_msg, sizeof last_msg, "%s:%u answers as engine \"%s\", not \"%s\"", host, port, p->name,
+               expect);
+      rc = KVL_EPEERCHANGED;
+    }
   }
   if (rc == 0 && e->cfg.same_host) {
     rc = kvl__local_probe(e, p->streams[0].fd, 0, &p->local);
@@ -405,19 +410,24 @@ int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const ch
     }
   }
   kvl__peer *reaped = NULL; /* stopped peers whose threads have exited: freed below, without the lock */
-  if (heard) {
-    /* A peer in the table under another name than the address answers with now: its process left the
-     * address. Retired: calls naming it fail KVL_EPEERCHANGED, and the next connect does not return it. */
-    pthread_mutex_lock(&e->mu);
-    if ((found = find_peer(e, host, port)) != NULL && strcmp(found->name, p->name) != 0)
+  pthread_mutex_lock(&e->mu);
+  found = p->heard ? find_peer(e, host, port) : NULL;
+  if (found && strcmp(found->name, p->name) != 0) {
+    if (found->heard < p->heard) {
+      /* The address answered as ours after it named the table's peer: that peer's process left the address.
+       * Retired: calls naming it fail KVL_EPEERCHANGED, and no connect returns it again. */
       __atomic_store_n(&found->changed, 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&e->mu);
+      found = NULL;
+    } else if (rc == 0) { /* a connect that heard it after ours: ours named a process gone from the address */
+      snprintf(last_msg, sizeof last_msg, "%s:%u answered as engine \"%s\", then \"%s\"", host, port, p->name,
+               found->name);
+      rc = KVL_EPEERCHANGED;
+    }
   }
   if (rc == 0) {
-    pthread_mutex_lock(&e->mu);
     int slot = -1;
-    if ((found = find_peer(e, host, port)) != NULL) {
-      *peer_out = found->id; /* another call connected meanwhile: ours goes */
+    if (found) {
+      *peer_out = found->id; /* another call connected meanwhile, to the same engine: ours goes */
     } else if ((slot = take_slot(e, &reaped)) < 0) {
       rc = KVL_EFULL;
     } else {
@@ -432,12 +442,12 @@ int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const ch
       e->peers[slot] = p;
       p = NULL;
     }
-    pthread_mutex_unlock(&e->mu);
     if (rc == KVL_EFULL)
       snprintf(last_msg, sizeof last_msg, "too many peers (%d), none idle to make room", KVL_MAX_PEERS);
     else if (rc)
       snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
   }
+  pthread_mutex_unlock(&e->mu);
   if (p) peer_free(p);
   while (reaped) {
     kvl__peer *q = reaped;

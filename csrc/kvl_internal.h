@@ -340,6 +340,7 @@ struct kvl__peer { /* set by kvl_peer_connect before publication; the fields mar
   char name[KVL_MAX_NAME + 1];
   int nstreams;
   uint64_t used_us;  /* last connected or found by a connect; e->mu (eviction: the least recent of this and use) */
+  uint64_t heard;    /* when its first handshake named it, in e->heard order (e->mu): which of two names is newer */
   uint32_t rr; /* next stream for a one-part batch (atomic) */
   int changed; /* another engine answered at its address (atomic): retired, a connect opens a new peer */
   int refs;    /* calls using it now; e->mu */
@@ -373,6 +374,7 @@ struct kvl_engine {
   uint32_t gens[KVL_MAX_PEERS];    /* the generation the slot's next peer gets */
   int gone[KVL_MAX_PEERS];         /* why the slot's last peer was freed (KVL_EPEERCHANGED, KVL_ENOPEER) */
   uint32_t last_slot;              /* the slot a peer last took (free slots are taken round the table) */
+  uint64_t heard;                  /* handshakes that named a peer being connected, counted (e->mu) */
   kvl__peer *graves;               /* peers out of the table whose threads may still run (kvl_engine.c) */
   pthread_mutex_t conns_mu;   /* guards conns, nconns and each conn's next and done (kvl_server.c) */
   kvl__conn *conns;

@@ -21,6 +21,7 @@ import numpy as np
 from kvlink.errors import (AccessDenied, AuthError, Canceled, Closed, ConnectError, NotSettled, PeerChanged,
                            PeerClosed, TimeoutError_, UnknownRegion)
 from kvlink.transport import Access, Capabilities, EngineConfig
+from kvlink.transport.config import check_name
 from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
 from kvlink.transport.region import memory_for
 
@@ -125,6 +126,8 @@ class Engine:
 
     def connect(self, address: str, expect: str | None = None) -> Peer:
         self._check_open()
+        if expect is not None:
+            check_name(expect, "expect", empty=False)
         with _LOCK:
             eng = _ENGINES.get(address)
         if eng is None or eng._closed:

@@ -7,7 +7,9 @@ byte (once, at that offset of a connection's stream) so CRC has something to cat
 it (bytes/s, None = full speed, changeable while running with ``throttle``) so a pull is held slow on
 purpose, or so a benchmark sees a link of that rate. ``refuse_type`` acts on the other direction: a client
 frame of that type is not passed on but answered with an ERROR frame, and the connection closed, as an
-engine that predates the frame type does (version skew).
+engine that predates the frame type does (version skew). ``hold_next`` keeps the upstream's answers on one
+coming connection back until the test lets them through (a peer slow mid-handshake), and ``retarget``
+sends the connections accepted from then on to another upstream (another process at the address).
 
 The rate is one link's: every connection's bytes share it, each chunk leaving when the link has carried
 the bytes before it (a clock of when the link is next free). A pump thread that wakes late sends its
@@ -48,6 +50,9 @@ class Relay:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
+        self._accepted = 0  # connections accepted so far
+        self._holds: dict[int, threading.Event] = {}  # by accept index: its answers wait for the event
+        self._held: list[threading.Event] = []  # every hold given out (close lets them all go)
         self.throttle(rate)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.sock.settimeout(0.1)  # accept polls: closing a socket does not wake a thread blocked in accept
@@ -75,6 +80,21 @@ class Relay:
         with self._lock:
             return self.up_at > self.down_at
 
+    def hold_next(self, skip: int = 0) -> threading.Event:
+        """The upstream's answers on the connection accepted after ``skip`` others from now wait until the
+        returned event is set."""
+        ev = threading.Event()
+        with self._lock:
+            self._holds[self._accepted + skip] = ev
+            self._held.append(ev)
+        return ev
+
+    def retarget(self, upstream: str) -> None:
+        """Connections accepted from now on go to ``upstream`` (those already open stay where they are)."""
+        host, _, port = upstream.rpartition(":")
+        with self._lock:
+            self.upstream = (host, int(port))
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -83,8 +103,11 @@ class Relay:
                 continue
             except OSError:
                 return  # closed
+            with self._lock:
+                upstream, hold = self.upstream, self._holds.pop(self._accepted, None)
+                self._accepted += 1
             try:
-                u = socket.create_connection(self.upstream, timeout=5)
+                u = socket.create_connection(upstream, timeout=5)
                 u.settimeout(None)
                 for s in (c, u):  # a wire forwards what it has: no Nagle hold behind a delayed ACK (40 ms)
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -95,9 +118,12 @@ class Relay:
                 self._socks += [c, u]
             up = self._pump if self.refuse_type is None else self._pump_frames
             threading.Thread(target=up, args=(c, u, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True, hold), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool,
+              hold: threading.Event | None = None) -> None:
+        if hold is not None:
+            hold.wait()
         if self.realtime:
             try:
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(20))  # this thread only
@@ -176,6 +202,8 @@ class Relay:
         """Stop accepting and drop every relayed connection (the peers see them close). Idempotent."""
         self._closed.set()
         self.sock.close()
+        for ev in self._held:
+            ev.set()
         self.drop()
 
     def drop(self) -> None:

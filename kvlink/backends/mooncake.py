@@ -73,8 +73,8 @@ import numpy as np
 
 from kvlink.backends.mooncake_config import MooncakeConfig, mooncake_device_memory
 from kvlink.backends.sidechannel import SideClient, SideServer, decode_table, encode_table
-from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, PeerChanged, PeerClosed,
-                           QueueFull, RemoteError, SystemError_, TimeoutError_, UnknownRegion)
+from kvlink.errors import (AccessDenied, Canceled, Closed, ConnectError, KVLinkError, NotSettled, PeerChanged,
+                           PeerClosed, QueueFull, RemoteError, SystemError_, TimeoutError_, UnknownRegion)
 from kvlink.transport.backend import Capabilities, Unsupported
 from kvlink.transport.config import EngineConfig, check_name, join_hostport, split_hostport
 from kvlink.transport.descriptors import check_descriptors, check_remote_bounds
@@ -370,7 +370,8 @@ class MooncakeBackend:
         native engine: a live one is returned; one whose side channel closed
         (its process ended or restarted) is retired for a new one. ``expect``:
         only the engine of that name (PeerChanged if the address answers as
-        another; a peer there under another name is retired)."""
+        another; a live peer there under another name whose side channel
+        outlived its process is retired once this connect is answered)."""
         self._check_open()
         if expect is not None:
             check_name(expect, "expect", empty=False)
@@ -395,6 +396,9 @@ class MooncakeBackend:
             self._check_open()
             live = self._live_peer(address)
             if live is not None and live.name != peer.name:
+                if client.gone():  # ours heard a process that has left since: the table's is the newer
+                    client.close()
+                    raise PeerChanged(f"mooncake: {address} answered as engine {peer.name!r}, then {live.name!r}")
                 live = None  # the address answers as another engine now: that peer's process left it
             if live is None:
                 for p in [p for p in self._peers.values() if p.address == address]:

@@ -38,13 +38,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-
 def check_name(name: object, what: str, empty: bool = True) -> None:
     """An engine name as the handshake carries it: printable ASCII of at most MAX_NAME characters."""
     if not isinstance(name, str) or len(name) > MAX_NAME or not name.isprintable() or not name.isascii() \
             or not (empty or name):
         raise ValueError(f"{what} must be printable ASCII of {'' if empty else '1 to '}at most {MAX_NAME} "
                          f"characters, got {name!r}")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

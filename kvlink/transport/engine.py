@@ -115,19 +115,30 @@ class Engine:
             check_name(expect, "expect", empty=False)
         for attempt in range(CONNECT_TRIES):
             with self._using() as h:
+                last = attempt == CONNECT_TRIES - 1
                 try:
-                    pid = B.peer_connect(h, host, port, expect)  # PeerChanged: another engine answers there
+                    try:
+                        pid = B.peer_connect(h, host, port, expect)
+                    except PeerChanged:
+                        # The address changed engines while this connect ran: again when any engine will do;
+                        # else the address answers as another engine than expected (or did: the caller asks
+                        # again later).
+                        if last or expect is not None:
+                            raise
+                        continue
                     try:
                         name = B.peer_name(h, pid)
                         local, why = B.peer_local(h, pid)
                         break
                     except (UnknownPeer, PeerChanged):
-                        # Between these calls another connect may close this peer: the least recently used
-                        # idle one (the table full, every other peer busy), or one retired meanwhile: again.
-                        if attempt == CONNECT_TRIES - 1:
+                        # Another connect closed this peer meanwhile (the least recently used idle one, the
+                        # table full, every other peer busy) or retired it: connect again.
+                        if last:
                             raise
                 finally:
                     self._log_events(h)
+        if expect is not None and name != expect:  # (the engine guarantees it; a peer must never be misnamed)
+            raise PeerChanged(f"{address} answers as engine {name!r}, not {expect!r}")
         if self.config.same_host != "off":
             logger.info("kvlink peer %s (%s): %s", address, name, why if local else f"TCP, because {why}")
         return Peer(pid, address, name, local)

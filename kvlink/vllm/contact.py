@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvlink.transport.config import MAX_NAME
+from kvlink.transport.config import MAX_NAME, check_name
 from kvlink.vllm.compat import PROTOCOL_VERSION, compat_diff
 from kvlink.vllm.layout import BlockLayout, Geometry, LayoutError, head_geometry
 from kvlink.vllm.plan import LayerMap
@@ -62,8 +62,19 @@ def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
 
 def expected_name(reg: Any) -> str | None:
     """The transport name a prefill rank's engine answers with, by its registration (None: a registration
-    without ``instance``, from a kvlink that predates it)."""
-    return engine_name(reg.engine_id, reg.tp_rank, reg.instance) if reg.instance else None
+    without ``instance``, from a kvlink that predates it). PullFailed for an instance no kvlink engine name
+    carries (not a kvlink worker's registration)."""
+    if not reg.instance:
+        return None
+    name = engine_name(reg.engine_id, reg.tp_rank, reg.instance)
+    try:
+        check_name(name, "engine name", empty=False)
+    except ValueError:
+        name = ""
+    if not name.endswith(f"/{reg.instance}"):
+        raise PullFailed(f"prefill engine {reg.engine_id} tp{reg.tp_rank}: its registration names its process "
+                         f"{reg.instance!r}, which no kvlink engine name carries", "engine_changed")
+    return name
 
 
 def check_compat(engine_id: str, reg: Any, local: LocalKV) -> None:

@@ -49,7 +49,8 @@ GAUGES = ("held_requests", "held_blocks",  # prefill: blocks kept for decode rig
 # pool); landing_s: one per batch, the copy of its landing slots into the KV cache (pool to device).
 # compat_refused.<reason>: pulls failed because decode refused the prefill engine at first contact, by the
 # first compat field that differs (model, kv_dtype, layout, kv_heads, groups, protocol_version, ...), or
-# "mapping" (TP/PP/layers cannot be mapped), "layout" (a head range of an NHD block), "block_bytes".
+# "mapping" (TP/PP/layers cannot be mapped), "layout" (a head range of an NHD block), "block_bytes",
+# "engine_changed" (another process answers at the registration's address: contact.expected_name).
 REFUSED = "compat_refused."
 SERIES = ("transfer_s", "pull_s", "handoff_s", "staging_s", "landing_s", "tail_s", "lockstep_wait_s")
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]

@@ -533,6 +533,7 @@ def test_a_connect_for_a_named_engine_takes_no_other(make_backend, kind):
     rdst = init.register(dst)
     with pytest.raises(PeerChanged, match="prefill/a.*not .prefill/b"):
         init.connect(target.address, expect="prefill/b")
+    assert init.stats()["peers"] == 0
     peer = init.connect(target.address, expect="prefill/a")
     assert peer.name == "prefill/a"
     init.read(peer, rdst, [0], region.id, [0], len(src)).wait()

@@ -219,3 +219,87 @@ def test_a_named_connect_retires_the_peer_of_a_process_gone_from_the_address(mak
         init.read(old, rdst, [0], region, [0], 4096).wait()
     assert not dst.any()
     assert init.connect(address).id == new.id  # the retired peer is never handed out again
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_connect_that_heard_an_engine_before_the_one_in_the_table_retires_nothing(make_engine, named):
+    """Two connects to one address while its engine changes: the slow one heard engine A on its first
+    stream, then waited for its second; meanwhile the address went to engine B and a second connect put B's
+    peer in the table. When the slow one finishes, B is the newer answer: B's peer stays and works, and the
+    slow connect fails PeerChanged if it wanted A, or (any engine will do) connects again and gets B's peer.
+    Before, the slow connect retired B's live peer."""
+    import threading
+
+    from kvlink.errors import PeerChanged
+    from tests.relay import Relay
+
+    a, b = make_engine(name="prefill/A"), make_engine(name="prefill/B")
+    src = np.full(4096, 7, dtype=np.uint8)
+    region = b.register(src, Access.READ).id
+    init = make_engine(name="decode", listen=None, streams=2, same_host="off", handshake_timeout_s=30.0)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rdst = init.register(dst)
+    relay = Relay(a.address)
+    try:
+        release = relay.hold_next(skip=1)  # the slow connect's second stream
+        slow: dict = {}
+
+        def connect_slowly():
+            try:
+                slow["peer"] = init.connect(relay.address, expect="prefill/A" if named else None)
+            except Exception as e:  # noqa: BLE001 - the test checks what it was
+                slow["error"] = e
+
+        t = threading.Thread(target=connect_slowly)
+        t.start()
+        deadline = time.monotonic() + 10
+        while relay._accepted < 2:  # its first stream heard A, its second waits for A's answer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        relay.retarget(b.address)
+        peer_b = init.connect(relay.address, expect="prefill/B")
+        release.set()
+        t.join(30)
+        assert not t.is_alive()
+        if named:
+            assert isinstance(slow.get("error"), PeerChanged), slow
+            assert 'answered as engine "prefill/A", then "prefill/B"' in str(slow["error"])
+        else:
+            assert slow.get("peer") is not None and slow["peer"].id == peer_b.id, slow
+        init.read(peer_b, rdst, [0], region, [0], 4096).wait()  # B's peer was not retired
+        assert (dst == 7).all()
+        assert init.stats()["peers"] == 1
+    finally:
+        relay.close()
+
+
+def test_a_named_connect_answered_by_a_third_engine_still_retires_the_stale_peer(make_engine):
+    """The table's peer is of a process gone from the address, the address answers as another engine, and
+    the connect wanted a third: refused, and the stale peer is retired all the same (an unnamed connect
+    then gets the engine that answers, not the stale peer)."""
+    from kvlink.errors import PeerChanged
+
+    init = make_engine(name="decode", listen=None, streams=1)
+    first = make_engine(name="prefill/Y", streams=1)
+    address = first.address
+    stale = init.connect(address)
+    first.close()
+    make_engine(name="prefill/X", streams=1, listen=address)
+    with pytest.raises(PeerChanged, match='answers as engine "prefill/X", not "prefill/Z"'):
+        init.connect(address, expect="prefill/Z")
+    now = init.connect(address)
+    assert now.id != stale.id and now.name == "prefill/X"
+
+
+def test_the_c_connect_refuses_an_expected_name_it_cannot_carry(make_engine):
+    from kvlink import _binding as B
+    from kvlink.errors import InvalidArgument
+
+    target = make_engine(name="t")
+    init = make_engine(name="decode", listen=None)
+    host, port = target.address.rsplit(":", 1)
+    with init._using() as h:
+        for bad in ("", "x" * 65):
+            with pytest.raises(InvalidArgument):
+                B.peer_connect(h, host, int(port), bad)
+        assert B.peer_name(h, B.peer_connect(h, host, int(port), "t")) == "t"

@@ -512,3 +512,17 @@ def test_nospin_patches_vllm_s_queue_loop_when_it_is_imported():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root / "tools" / "nospin")})
     assert r.stdout.split()[-2:] == ["sitecustomize", "_nap"], r.stdout + r.stderr
+
+
+def test_decode_expects_the_name_a_registration_implies_and_refuses_one_no_engine_carries():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.contact import PullFailed, engine_name, expected_name
+
+    reg = SimpleNamespace(engine_id="e" * 100, tp_rank=2, instance="0123456789abcdef")
+    assert expected_name(reg) == engine_name(reg.engine_id, 2, reg.instance)
+    assert expected_name(SimpleNamespace(engine_id="e", tp_rank=0, instance=None)) is None  # an older kvlink
+    for bad in ("i" * 64, "caf\u00e9"):
+        with pytest.raises(PullFailed, match="no kvlink engine name carries") as e:
+            expected_name(SimpleNamespace(engine_id="e", tp_rank=0, instance=bad))
+        assert e.value.reason == "engine_changed"
