@@ -65,7 +65,8 @@ enum {
 #define KVL_MAX_DESC_PER_MSG 65536
 #define KVL_MAX_STREAMS 16
 #define KVL_MAX_REGIONS 4096
-#define KVL_MAX_PEERS 256
+#define KVL_MAX_PEERS 4096     /* the largest peer table (kvl_config.max_peers) */
+#define KVL_DEFAULT_PEERS 1024 /* the peer table's size when max_peers is 0 */
 #define KVL_MAX_EVENT_MSG 200
 
 typedef struct kvl_engine kvl_engine;
@@ -85,6 +86,7 @@ typedef struct kvl_config {
   uint32_t handshake_timeout_ms;
   uint32_t max_conns;        /* accepted connections served at once */
   int same_host;             /* 0 off, 1 auto (probe; TCP if refused), 2 require */
+  uint32_t max_peers;        /* peer table size, 1..KVL_MAX_PEERS (0: KVL_DEFAULT_PEERS) */
 } kvl_config;
 
 typedef struct kvl_stats {
@@ -102,7 +104,7 @@ typedef struct kvl_stats {
   uint64_t peers_freed;      /* retired (restarted) or evicted (idle, to make room) peers freed */
   uint32_t server_conns;     /* currently open accepted connections */
   uint32_t regions;
-  uint32_t peers;            /* in the peer table (at most KVL_MAX_PEERS) */
+  uint32_t peers;            /* in the peer table (at most max_peers) */
 } kvl_stats;
 
 const char *kvl_err_name(int code);
@@ -130,7 +132,7 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 
 /* The live peer at host:port, connected first if there is none. A peer id
  * is never reused: a peer retired (its address answers as another engine)
- * is freed once nothing uses it, and with KVL_MAX_PEERS in the table the
+ * is freed once nothing uses it, and with max_peers in the table the
  * least recently used idle peer is closed to make room; calls naming a
  * freed peer's id fail (KVL_EPEERCHANGED, KVL_ENOPEER). KVL_EFULL: every
  * peer is busy. */

@@ -24,6 +24,7 @@ void kvl_config_init(kvl_config *cfg) {
   cfg->connect_timeout_ms = 5000;
   cfg->handshake_timeout_ms = 5000;
   cfg->max_conns = 256;
+  cfg->max_peers = KVL_DEFAULT_PEERS;
 }
 
 static void *listener_main(void *arg) {
@@ -55,7 +56,7 @@ static void *listener_main(void *arg) {
 
 static int config_ok(const kvl_config *cfg) {
   if (cfg->streams < 1 || cfg->streams > KVL_MAX_STREAMS || cfg->op_timeout_ms == 0 || cfg->connect_timeout_ms == 0 ||
-      cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 ||
+      cfg->handshake_timeout_ms == 0 || cfg->max_conns == 0 || cfg->max_peers > KVL_MAX_PEERS ||
       (cfg->token && (cfg->token_len == 0 || cfg->token_len > 1024)) ||
       (cfg->name && strlen(cfg->name) > KVL_MAX_NAME) || (cfg->listen_host && strlen(cfg->listen_host) >= 256) ||
       cfg->same_host < 0 || cfg->same_host > 2)
@@ -101,6 +102,7 @@ int kvl_engine_create(const kvl_config *cfg, kvl_engine **out) {
   kvl__notifs_init(&e->notifs);
   kvl__regions_init(&e->regions);
   e->cfg = *cfg; /* its strings are replaced by owned copies below */
+  if (!e->cfg.max_peers) e->cfg.max_peers = KVL_DEFAULT_PEERS;
   snprintf(e->name, sizeof e->name, "%s", cfg->name ? cfg->name : "");
   e->cfg.name = e->name;
   e->cfg.listen_host = NULL;
@@ -164,7 +166,7 @@ void kvl_engine_destroy(kvl_engine *e) {
   if (!e) return;
   kvl_engine_stop(e);
   if (e->has_listener) pthread_join(e->listener, NULL);
-  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) /* fails what is queued, joins */
+  for (uint32_t i = 0; i < e->cfg.max_peers; i++) /* fails what is queued, joins */
     if (e->peers[i]) peer_free(e->peers[i]);
   while (e->graves) {
     kvl__peer *p = e->graves;
@@ -190,7 +192,7 @@ void kvl_engine_stats(kvl_engine *e, kvl_stats *out) {
   KVL__LOAD(peers_freed);
 #undef KVL__LOAD
   pthread_mutex_lock(&e->mu);
-  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) out->peers += e->peers[i] != NULL;
+  for (uint32_t i = 0; i < e->cfg.max_peers; i++) out->peers += e->peers[i] != NULL;
   pthread_mutex_unlock(&e->mu);
   out->notifs_dropped = kvl__notifs_dropped(&e->notifs);
   out->events_dropped = kvl__events_dropped(&e->events);
@@ -247,7 +249,7 @@ static void peer_drop(kvl_engine *e, kvl__peer *p) {
 
 /* The live peer at host:port, or NULL (e->mu held). A retired one is not reused. */
 static kvl__peer *find_peer(kvl_engine *e, const char *host, uint16_t port) {
-  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++) {
+  for (uint32_t i = 0; i < e->cfg.max_peers; i++) {
     kvl__peer *p = e->peers[i];
     if (p && p->port == port && strcmp(p->host, host) == 0 && !__atomic_load_n(&p->changed, __ATOMIC_ACQUIRE)) {
       p->used_us = kvl__now_us(); /* the caller is about to use it: not the one to evict next */
@@ -313,10 +315,10 @@ static int take_slot(kvl_engine *e, kvl__peer **reaped) {
     *reaped = p;
   }
   int free_slot = -1;
-  for (uint32_t k = 0; k < KVL_MAX_PEERS; k++) {
+  for (uint32_t k = 0; k < e->cfg.max_peers; k++) {
     /* From the slot after the last one taken: a freed peer's slot is taken again as late as can be, so
-     * its id's fate (gone) is told for the next KVL_MAX_PEERS connects, not overwritten at the next. */
-    uint32_t i = (e->last_slot + 1 + k) % KVL_MAX_PEERS;
+     * its id's fate (gone) is told for the next max_peers connects, not overwritten at the next. */
+    uint32_t i = (e->last_slot + 1 + k) % e->cfg.max_peers;
     kvl__peer *p = e->peers[i];
     if (p && p->refs == 0 && __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE))
       slot_free(e, i, KVL_EPEERCHANGED); /* its queued parts fail; a running one ends by its deadline */
@@ -325,7 +327,7 @@ static int take_slot(kvl_engine *e, kvl__peer **reaped) {
   if (free_slot >= 0) return free_slot;
   int victim = -1;
   uint64_t oldest = UINT64_MAX, last;
-  for (uint32_t i = 0; i < KVL_MAX_PEERS; i++)
+  for (uint32_t i = 0; i < e->cfg.max_peers; i++)
     if (e->peers[i] && e->gens[i] + 1 < KVL__PEER_GENS && peer_idle(e->peers[i], &last) && last < oldest)
       victim = (int)i, oldest = last;
   if (victim >= 0) slot_free(e, (uint32_t)victim, KVL_ENOPEER);
@@ -443,7 +445,8 @@ int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const ch
       p = NULL;
     }
     if (rc == KVL_EFULL)
-      snprintf(last_msg, sizeof last_msg, "too many peers (%d), none idle to make room", KVL_MAX_PEERS);
+      snprintf(last_msg, sizeof last_msg, "too many peers (%u, max_peers), none idle to make room",
+               e->cfg.max_peers);
     else if (rc)
       snprintf(last_msg, sizeof last_msg, "cannot start a stream thread");
   }

@@ -328,7 +328,7 @@ typedef struct {  /* what the same-host probe found (kvl_local.c) */
  * reference (refs) from its lookup to the end of its enqueue; a peer leaves
  * the table only at refs 0, so no part is queued on a stopped peer's streams
  * after its threads have failed what was queued. */
-#define KVL__PEER_SLOT_BITS 8
+#define KVL__PEER_SLOT_BITS 12 /* KVL_MAX_PEERS slots */
 #define KVL__PEER_SLOT(id) ((id) & ((1u << KVL__PEER_SLOT_BITS) - 1u))
 #define KVL__PEER_GEN(id) ((id) >> KVL__PEER_SLOT_BITS)
 #define KVL__PEER_GENS (1u << (32 - KVL__PEER_SLOT_BITS)) /* a slot that used them all is never taken again */

@@ -26,6 +26,7 @@ OP_WRITE = lib.KVL_OP_WRITE
 MAX_NAME = lib.KVL_MAX_NAME
 MAX_NOTIFY = lib.KVL_MAX_NOTIFY
 MAX_STREAMS = lib.KVL_MAX_STREAMS
+MAX_PEERS = lib.KVL_MAX_PEERS
 MAX_DESC_PER_MSG = lib.KVL_MAX_DESC_PER_MSG
 _MSG = lib.KVL_MAX_EVENT_MSG + 1
 
@@ -56,7 +57,7 @@ def check(code: int, what: str, detail: str | None = None) -> int:
 
 def engine_create(*, listen_host: str | None, listen_port: int, token: bytes | None, name: str, streams: int,
                   crc: bool, allow_insecure: bool, op_timeout_ms: int, connect_timeout_ms: int,
-                  handshake_timeout_ms: int, max_conns: int, same_host: int) -> Handle:
+                  handshake_timeout_ms: int, max_conns: int, same_host: int, max_peers: int) -> Handle:
     cfg = ffi.new("kvl_config *")
     lib.kvl_config_init(cfg)
     keep = []
@@ -78,6 +79,7 @@ def engine_create(*, listen_host: str | None, listen_port: int, token: bytes | N
     cfg.handshake_timeout_ms = handshake_timeout_ms
     cfg.max_conns = max_conns
     cfg.same_host = same_host
+    cfg.max_peers = max_peers
     out = ffi.new("kvl_engine **")
     where = f"listen on {listen_host}:{listen_port}" if listen_host else "create engine"
     check(lib.kvl_engine_create(cfg, out), where, "")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 MAX_NAME = 64
 MAX_STREAMS = 16  # csrc/kvl.h KVL_MAX_STREAMS (this module does not load the C core: a test checks they agree)
+MAX_PEERS = 4096  # csrc/kvl.h KVL_MAX_PEERS (the same)
 
 
 def split_hostport(addr: str, what: str = "address") -> tuple[str, int]:
@@ -56,6 +57,11 @@ class EngineConfig:
         the engine only listens on loopback unless allow_insecure is set.
     streams: TCP connections per peer; large batches are striped over them.
     crc: verify a CRC32C of every descriptor this engine receives.
+    max_conns: connections this engine serves at once (a prefill rank: every decode rank that reads it
+        holds ``streams`` of them while it keeps the peer); beyond it a new connection is refused.
+    max_peers: peers this engine connects to at once (a decode rank: one per prefill rank it reads); with
+        the table full a connect closes the least recently used idle peer (the native engine; Mooncake's
+        has no such table).
     """
 
     listen: str | None = "127.0.0.1:0"
@@ -67,7 +73,8 @@ class EngineConfig:
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     allow_insecure: bool = False
-    max_conns: int = 256
+    max_conns: int = 4096
+    max_peers: int = 1024
     # "off", "auto" or "require": copy same-host peers' memory directly, and serve such copies ("off": neither)
     same_host: str = "off"
 
@@ -91,6 +98,9 @@ class EngineConfig:
             raise ValueError(f"same_host must be 'off', 'auto' or 'require', got {self.same_host!r}")
         if not isinstance(self.max_conns, int) or not 1 <= self.max_conns <= 65536:
             raise ValueError(f"max_conns must be 1..65536, got {self.max_conns!r}")
+        if not isinstance(self.max_peers, int) or isinstance(self.max_peers, bool) \
+                or not 1 <= self.max_peers <= MAX_PEERS:
+            raise ValueError(f"max_peers must be 1..{MAX_PEERS}, got {self.max_peers!r}")
 
     @staticmethod
     def read_token_file(path: str) -> bytes:

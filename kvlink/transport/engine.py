@@ -46,7 +46,7 @@ class Engine:
             allow_insecure=cfg.allow_insecure, op_timeout_ms=int(cfg.op_timeout_s * 1000),
             connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
             handshake_timeout_ms=int(cfg.handshake_timeout_s * 1000), max_conns=cfg.max_conns,
-            same_host={"off": 0, "auto": 1, "require": 2}[cfg.same_host])
+            same_host={"off": 0, "auto": 1, "require": 2}[cfg.same_host], max_peers=cfg.max_peers)
         self._host = host
         self.kind = "tcp" if cfg.same_host == "off" else "same-host"
         self.capabilities = Capabilities(crc=True, same_host=cfg.same_host != "off")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvlink.bootstrap.config import is_loopback
-from kvlink.transport.config import MAX_STREAMS
+from kvlink.transport.config import MAX_PEERS, MAX_STREAMS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STAGING_MODES = ("auto", "always", "never")
@@ -42,6 +42,10 @@ class ConnectorConfig:
     transport_advertise: str | None = None  # host:port published instead of the listen address (port + i too)
     transport_token: str | None = None
     transport_streams: int = 2
+    # The native engine's limits: connections a prefill rank serves (every decode rank that reads it holds
+    # transport_streams of them) and peers a decode rank keeps (one per prefill rank it reads).
+    transport_max_conns: int = 4096
+    transport_max_peers: int = 1024
     crc: bool = False
     # Without transport_token the transport is unauthenticated: allowed on loopback only (the engine
     # refuses peers from elsewhere) unless allow_insecure is set; a non-loopback transport_host without a
@@ -123,6 +127,11 @@ class ConnectorConfig:
         if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= MAX_STREAMS:
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..{MAX_STREAMS}, got {self.transport_streams!r}")
+        for key, top in (("transport_max_conns", 65536), ("transport_max_peers", MAX_PEERS)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be an integer 1..{top}, "
+                                           f"got {v!r}")
         for key in ("crc", "allow_insecure", "spread_threads", "stream_kv", "stream_layer_on_entry",
                     "stream_lockstep"):
             if not isinstance(getattr(self, key), bool):

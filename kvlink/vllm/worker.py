@@ -280,6 +280,7 @@ class KVLinkWorker(Puller):
             listen=self.cfg.transport_listen(self.rank.port_index),
             token=self.cfg.transport_token_bytes,
             name=engine_name(self.rank.engine_id, self.rank.tp_rank, self._instance), streams=self.cfg.transport_streams,
+            max_conns=self.cfg.transport_max_conns, max_peers=self.cfg.transport_max_peers,
             crc=self.cfg.crc, op_timeout_s=self.cfg.transfer_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s, allow_insecure=self.cfg.allow_insecure),
             self.cfg.mooncake_config if self.cfg.transport_backend == "mooncake" else None)

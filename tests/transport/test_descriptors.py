@@ -88,4 +88,4 @@ def test_the_configs_limits_are_the_c_engines():
     from kvlink import _binding as B
     from kvlink.transport import config
 
-    assert (config.MAX_NAME, config.MAX_STREAMS) == (B.MAX_NAME, B.MAX_STREAMS)
+    assert (config.MAX_NAME, config.MAX_STREAMS, config.MAX_PEERS) == (B.MAX_NAME, B.MAX_STREAMS, B.MAX_PEERS)

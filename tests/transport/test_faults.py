@@ -360,7 +360,7 @@ def test_a_read_submitted_while_the_engine_closes_fails_instead_of_stranding(mak
             break
         h = B.engine_create(listen_host=None, listen_port=0, token=TOKEN, name="init", streams=1, crc=False,
                             allow_insecure=False, op_timeout_ms=10_000, connect_timeout_ms=5_000,
-                            handshake_timeout_ms=5_000, max_conns=64, same_host=0)
+                            handshake_timeout_ms=5_000, max_conns=64, same_host=0, max_peers=8)
         reg = B.region_register(h, dst.ctypes.data, dst.nbytes, int(Access.READ | Access.WRITE))
         peer = B.peer_connect(h, host, int(port))
         B.batch_wait(B.submit(h, peer, B.OP_READ, local[:16], regions, offsets[:16], lengths, 5_000), 5_000)

@@ -12,7 +12,7 @@ import pytest
 
 from kvlink.transport import Access
 
-MAX_PEERS = 256
+MAX_PEERS = 64  # the tables of these tests (max_peers; the default is 1,024)
 
 
 def _threads() -> int:
@@ -20,12 +20,12 @@ def _threads() -> int:
 
 
 def test_retired_peers_are_freed_so_restarts_never_fill_the_table(make_engine):
-    """A prefill restarting 300 times at one address under a new name each time: every restart retires the
+    """A prefill restarting more times than the table holds, at one address under a new name each time: every restart retires the
     peer (PeerChanged) and a connect opens a new one. Before, retired peers kept their slots and threads and
-    the 257th connect failed "too many peers"."""
+    the connect past max_peers failed "too many peers"."""
     from kvlink.errors import PeerChanged, PeerClosed, UnknownPeer
 
-    init = make_engine(name="decode", listen=None, streams=1)
+    init = make_engine(name="decode", listen=None, streams=1, max_peers=MAX_PEERS)
     dst = np.zeros(4096, dtype=np.uint8)
     rdst = init.register(dst)
     first = make_engine(name="prefill/0", streams=1)
@@ -50,7 +50,7 @@ def test_retired_peers_are_freed_so_restarts_never_fill_the_table(make_engine):
             except PeerClosed:
                 assert time.monotonic() < deadline
         old_ids.append(peer.id)
-        peer = init.connect(address)  # fails "too many peers" without the fix, at the 257th
+        peer = init.connect(address)  # fails "too many peers" without the fix, past max_peers
         assert peer.name == f"prefill/{n}" and peer.id not in old_ids
         init.read(peer, rdst, [0], region, [0], 4096).wait()
         assert (dst == n % 251).all()
@@ -83,7 +83,7 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
     port = target.address.rsplit(":", 1)[1]
     src = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
     region = target.register(src, Access.READ).id
-    init = make_engine(name="decode", listen=None, streams=1, op_timeout_s=60.0)
+    init = make_engine(name="decode", listen=None, streams=1, op_timeout_s=60.0, max_peers=MAX_PEERS)
     dst = np.zeros(8192, dtype=np.uint8)
     rdst = init.register(dst)
     stalled = SlowTarget(token=TOKEN, stall=True)  # answers a READ and never sends its bytes: the busy peer
@@ -114,14 +114,14 @@ def test_with_the_table_full_the_least_recently_used_idle_peer_is_closed_and_a_b
 
 
 def test_with_the_table_full_a_retired_peer_makes_room_before_any_live_one(make_engine):
-    """255 live idle peers and one retired (its address restarted under another name): the connect to the
-    restarted engine takes the retired peer's slot, however recently it was used; no live peer is closed."""
+    """A full table of live idle peers and one retired (its address restarted under another name): the
+    connect to the restarted engine takes the retired peer's slot, however recently it was used; no live peer is closed."""
     from kvlink.errors import PeerChanged, PeerClosed
 
     target = make_engine(name="prefill", listen="0.0.0.0:0", max_conns=4 * MAX_PEERS)
     port = target.address.rsplit(":", 1)[1]
     region = target.register(np.full(64, 9, dtype=np.uint8), Access.READ).id
-    init = make_engine(name="decode", listen=None, streams=1)
+    init = make_engine(name="decode", listen=None, streams=1, max_peers=MAX_PEERS)
     dst = np.zeros(64, dtype=np.uint8)
     rdst = init.register(dst)
     live = [init.connect(f"{_spread(i)}:{port}") for i in range(MAX_PEERS - 1)]
@@ -303,3 +303,33 @@ def test_the_c_connect_refuses_an_expected_name_it_cannot_carry(make_engine):
             with pytest.raises(InvalidArgument):
                 B.peer_connect(h, host, int(port), bad)
         assert B.peer_name(h, B.peer_connect(h, host, int(port), "t")) == "t"
+
+
+def test_by_default_a_decode_rank_holds_over_a_thousand_peers_and_a_prefill_rank_serves_them(make_engine):
+    """The defaults: a requester's table holds 1,024 peers and a responder serves 4,096 connections. Before,
+    256 each: the 257th prefill rank one decode rank read closed a peer, and the 129th decode rank (two
+    streams each) that read one prefill rank was refused. 300 peers at once here, none closed, all served."""
+    from kvlink.transport import EngineConfig
+
+    assert (EngineConfig().max_peers, EngineConfig().max_conns) == (1024, 4096)
+    target = make_engine(name="prefill", listen="0.0.0.0:0")
+    port = target.address.rsplit(":", 1)[1]
+    region = target.register(np.full(64, 5, dtype=np.uint8), Access.READ).id
+    init = make_engine(name="decode", listen=None, streams=2)
+    dst = np.zeros(64, dtype=np.uint8)
+    rdst = init.register(dst)
+    peers = [init.connect(f"{_spread(i)}:{port}") for i in range(300)]
+    for p in (peers[0], peers[-1]):
+        init.read(p, rdst, [0], region, [0], 64).wait()
+    assert (dst == 5).all()
+    assert init.stats()["peers"] == 300 and init.stats()["peers_freed"] == 0
+    assert target.stats()["server_conns"] == 600 and target.stats()["conns_rejected"] == 0
+
+
+def test_the_table_size_is_validated():
+    from kvlink.transport import EngineConfig
+
+    for bad in (0, 4097, True, 2.0):
+        with pytest.raises(ValueError, match="max_peers must be 1..4096"):
+            EngineConfig(max_peers=bad)
+    assert EngineConfig(max_peers=4096).max_peers == 4096

@@ -25,6 +25,9 @@ def test_unknown_key_names_it_and_lists_valid_keys():
                                         ({"transport_streams": 0}, "transport_streams"),
                                         ({"transport_streams": 17}, "transport_streams"),  # the engine's limit
                                         ({"bootstrap_max_connections": 0}, "bootstrap_max_connections"),
+                                        ({"transport_max_peers": 4097}, "transport_max_peers"),
+                                        ({"transport_max_peers": True}, "transport_max_peers"),
+                                        ({"transport_max_conns": 0}, "transport_max_conns"),
                                         ({"stream_layer_on_entry": 1}, "stream_layer_on_entry")])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(ConnectorConfigError, match=key):

@@ -485,3 +485,17 @@ def test_a_registration_whose_address_another_process_took_is_never_read(monkeyp
         for w in reversed(workers):
             w.shutdown()
         srv.stop()
+
+
+def test_the_transport_limits_reach_the_engine():
+    """transport_max_conns / transport_max_peers configure each worker's transport engine (real TCP)."""
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", transport_max_conns=3, transport_max_peers=2),
+                       W.RankInfo("pre", 0, 1, 0, 1, "m"), "kv_producer")
+    try:
+        w.register_kv_caches(_cache(1.0))
+        assert (w.engine.config.max_conns, w.engine.config.max_peers) == (3, 2)
+    finally:
+        w.shutdown()
