@@ -138,6 +138,12 @@ void kvl__wdesc_put(uint8_t *body, uint32_t i, const kvl__wdesc *d);
 int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, int *is_loopback);
 int kvl__connect(const char *host, uint16_t port, uint32_t timeout_ms, const int *closing, int *fd_out);
 void kvl__sock_tune(int fd);
+/* TCP keepalive of every connection: the first probe after this long idle (well inside the 350 s and up
+ * idle timeouts of common NATs and load balancers), then one every interval; the peer is declared gone
+ * after that many unanswered. */
+#define KVL__KEEPALIVE_IDLE_S 60
+#define KVL__KEEPALIVE_INTVL_S 10
+#define KVL__KEEPALIVE_CNT 3
 void kvl__peer_str(int fd, char *buf, size_t cap);
 /* Send/receive every byte of iov before deadline (0: none); closing is polled
  * between slices. iov is consumed. */

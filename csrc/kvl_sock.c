@@ -43,12 +43,20 @@ static int is_loopback_addr(const struct sockaddr *sa) {
   return 0;
 }
 
+/* Every connection: no Nagle; blocking calls wake each slice (deadlines, closing); and TCP keepalive, so a
+ * peer's connection idle between requests (a decode rank keeps its peers) is neither forgotten by a NAT or
+ * firewall on the path (a request sent into a dropped flow would wait for its whole deadline) nor kept
+ * open for long when the other host vanished without a word. */
 void kvl__sock_tune(int fd) {
-  int one = 1;
+  int one = 1, idle = KVL__KEEPALIVE_IDLE_S, intvl = KVL__KEEPALIVE_INTVL_S, cnt = KVL__KEEPALIVE_CNT;
   struct timeval tv = {0, KVL__SLICE_MS * 1000};
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
 }
 
 int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, int *is_loopback) {

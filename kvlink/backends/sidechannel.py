@@ -68,6 +68,18 @@ class Tagger:
         return body
 
 
+KEEPALIVE = (60, 10, 3)  # idle s, interval s, probes: as the native engine's connections (csrc/kvl_internal.h)
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on a side-channel connection: it stays open while idle (a decode keeps its peers), so a
+    NAT or firewall on the path must not forget it, and a host that vanished must be noticed (``gone``)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, v in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        if hasattr(socket, opt):  # Linux names; others keep the system's timers
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
+
+
 def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(struct.pack(">I", len(body)) + body)
 
@@ -157,6 +169,7 @@ class SideServer:
                     conn.close()
                     continue
                 self._conns.add(conn)
+                keep_alive(conn)
                 t = threading.Thread(target=self._serve, args=(conn,), name="kvlink-mc-side-conn", daemon=True)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
@@ -206,6 +219,7 @@ class SideClient:
             self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         except OSError as e:
             raise ConnectError(f"mooncake side channel {host}:{port}: {e}") from None
+        keep_alive(self._sock)
         self._lock = threading.Lock()
         try:
             self._sock.settimeout(handshake_timeout_s)

@@ -543,3 +543,50 @@ def test_a_connect_for_a_named_engine_takes_no_other(make_backend, kind):
     assert init.connect(target.address).id == peer.id
     with pytest.raises(ValueError, match="expect"):
         init.connect(target.address, expect="")
+
+
+def _tcp_sockets_to(port: int) -> list:
+    """This process's TCP sockets connected to ``port`` or accepted on it (duplicates: closing them closes
+    nothing of the engine's)."""
+    import os
+    import socket
+
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
+                    and port in (s.getsockname()[1], s.getpeername()[1]):
+                found.append(s)
+                continue
+        except OSError:
+            pass  # a listener has no peer
+        s.close()
+    return found
+
+
+def test_every_connection_keeps_alive_while_idle(make_pair, kind):
+    """Both backends: a peer's connections (the native engine's streams, both ends; Mooncake's side
+    channel, both ends) run TCP keepalive after 60 s idle, every 10 s, 3 probes: a decode keeps its peers
+    open between requests, and a NAT or firewall that forgot an idle flow would swallow the next request
+    until its deadline."""
+    import socket
+
+    p = make_pair(kind)
+    p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096).wait()
+    socks = _tcp_sockets_to(int(p.target.address.rsplit(":", 1)[1]))
+    try:
+        conns = [s for s in socks if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0]
+        assert len(conns) >= 2, "both ends of at least one connection"
+        for s in conns:
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert [s.getsockopt(socket.IPPROTO_TCP, o) for o in
+                    (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)] == [60, 10, 3]
+    finally:
+        for s in socks:
+            s.close()
