@@ -2,12 +2,14 @@
  * each with one worker thread that takes parts of batches from its queue,
  * sends the whole descriptor list in one frame and receives the data
  * straight into the destinations (READ), or streams the sources out (WRITE).
- * A failed connection is closed and reopened on the next part. */
+ * A failed connection is closed and reopened on the next part, as is one
+ * found closed while idle (before its request is sent, so that part goes on). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "kvl_internal.h"
 
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,6 +211,13 @@ static int run_notify(kvl__stream *s, kvl__part *pt, char *why, size_t cap) {
   return kvl__recv_status(s, KVL__T_NOTIFY_ACK, s->seq, &st, b->deadline_ms, why, cap);
 }
 
+/* Between requests the peer never sends: an idle connection with something to read, or an error, was
+ * closed or reset (the peer's process ended, keepalive found the path gone, a middlebox dropped it). */
+static int hung_up(int fd) {
+  struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0;
+}
+
 static void run_part(kvl__stream *s, kvl__part *pt) {
   kvl_batch *b = pt->batch;
   char why[KVL_MAX_EVENT_MSG + 1] = "";
@@ -220,6 +229,10 @@ static void run_part(kvl__stream *s, kvl__part *pt) {
   if (kvl__now_ms() >= b->deadline_ms) {
     snprintf(why, sizeof why, "deadline passed before the request was sent");
     rc = KVL_ETIMEDOUT;
+  }
+  if (rc == 0 && s->fd >= 0 && hung_up(s->fd)) { /* closed while idle: a new connection, not a failed part */
+    close(s->fd);
+    s->fd = -1;
   }
   if (rc == 0 && s->fd < 0) rc = reconnect(s, b->deadline_ms, why, sizeof why);
   if (rc == 0) {

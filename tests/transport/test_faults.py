@@ -394,3 +394,30 @@ def test_a_read_submitted_while_the_engine_closes_fails_instead_of_stranding(mak
         finally:
             B.batch_release(batch)
     assert overlapped, "no submit overlapped the close: nothing was tested"
+
+
+def test_a_connection_closed_while_idle_is_reopened_for_the_next_read(make_engine):
+    """A peer's connection closed between requests (the other side restarted its listener's connections, a
+    middlebox or keepalive dropped it): the next READ opens a new connection to the same engine instead of
+    failing on the dead one. A connection dropped while a READ is on it still fails that READ (above)."""
+    from tests.relay import Relay
+
+    target = make_engine(name="target")
+    src = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8)
+    region = target.register(src, Access.READ).id
+    relay = Relay(target.address)
+    try:
+        init = make_engine(name="init", listen=None, streams=2)
+        dst = np.zeros_like(src)
+        rdst = init.register(dst)
+        peer = init.connect(relay.address)
+        init.read(peer, rdst, [0], region, [0], src.nbytes).wait()
+        for _ in range(3):
+            relay.drop()
+            time.sleep(0.2)  # the close reaches the engine's end of each stream
+            dst[:] = 0
+            init.read(peer, rdst, [0, 1 << 15], region, [0, 1 << 15], 1 << 15).wait()  # both streams
+            assert (dst == src).all()
+        assert init.stats()["batches_failed"] == 0
+    finally:
+        relay.close()
