@@ -241,6 +241,7 @@ static void run_part(kvl__stream *s, kvl__part *pt) {
     else rc = KVL_ECANCELED;
     pthread_mutex_unlock(&b->mu);
   }
+  int sent = rc == 0; /* from here the connection may be mid-frame if the part fails */
   if (rc == 0) {
     rc = b->op == KVL_OP_READ    ? run_read(s, pt, why, sizeof why)
          : b->op == KVL_OP_WRITE ? run_write(s, pt, why, sizeof why)
@@ -250,7 +251,7 @@ static void run_part(kvl__stream *s, kvl__part *pt) {
     if (rc && b->state != KVL__B_RUNNING) rc = b->err; /* we were stopped: keep the first cause */
     pthread_mutex_unlock(&b->mu);
   }
-  if (rc && s->fd >= 0) { /* the stream may be mid-frame: start afresh */
+  if (rc && sent && s->fd >= 0) { /* the stream may be mid-frame: start afresh */
     close(s->fd);
     s->fd = -1;
   }

@@ -23,7 +23,7 @@ void kvl_config_init(kvl_config *cfg) {
   cfg->op_timeout_ms = 30000;
   cfg->connect_timeout_ms = 5000;
   cfg->handshake_timeout_ms = 5000;
-  cfg->max_conns = 256;
+  cfg->max_conns = 4096;
   cfg->max_peers = KVL_DEFAULT_PEERS;
 }
 

@@ -144,6 +144,11 @@ void kvl__sock_tune(int fd);
 #define KVL__KEEPALIVE_IDLE_S 60
 #define KVL__KEEPALIVE_INTVL_S 10
 #define KVL__KEEPALIVE_CNT 3
+/* A responder: connections in their handshake at once (at most a quarter of max_conns, and this many: each
+ * holds a thread until it authenticates or its handshake times out), and the buffer bytes a connection
+ * keeps between requests. */
+#define KVL__PENDING_MAX 128u
+#define KVL__CONN_KEEP (256u << 10)
 void kvl__peer_str(int fd, char *buf, size_t cap);
 /* Send/receive every byte of iov before deadline (0: none); closing is polled
  * between slices. iov is consumed. */
@@ -335,6 +340,7 @@ typedef struct {  /* what the same-host probe found (kvl_local.c) */
  * the table only at refs 0, so no part is queued on a stopped peer's streams
  * after its threads have failed what was queued. */
 #define KVL__PEER_SLOT_BITS 12 /* KVL_MAX_PEERS slots */
+_Static_assert((1u << KVL__PEER_SLOT_BITS) >= KVL_MAX_PEERS, "a peer id's slot bits must name every slot");
 #define KVL__PEER_SLOT(id) ((id) & ((1u << KVL__PEER_SLOT_BITS) - 1u))
 #define KVL__PEER_GEN(id) ((id) >> KVL__PEER_SLOT_BITS)
 #define KVL__PEER_GENS (1u << (32 - KVL__PEER_SLOT_BITS)) /* a slot that used them all is never taken again */

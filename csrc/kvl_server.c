@@ -35,6 +35,14 @@ struct kvl__conn {
   struct iovec iov[KVL__IOV_MAX + 2]; /* + response header + checksum trailer */
 };
 
+/* Between requests a connection keeps at most KVL__CONN_KEEP bytes of each buffer: with thousands of
+ * connections served, each one's largest request must not stay allocated for its life. */
+static void trim(kvl__conn *c) {
+  if (c->cap > KVL__CONN_KEEP) free(c->body), c->body = NULL, c->cap = 0;
+  if (c->crc_cap > KVL__CONN_KEEP) free(c->crcs), c->crcs = NULL, c->crc_cap = 0;
+  if (c->addr_cap > KVL__CONN_KEEP) free(c->addrs), c->addrs = NULL, c->addr_cap = 0;
+}
+
 static int reply(kvl__conn *c, uint8_t type, uint32_t seq, int status, uint32_t index, uint64_t total,
                  const char *msg) {
   kvl__status st;
@@ -246,6 +254,7 @@ static void *conn_main(void *arg) {
       reply(c, KVL__T_ERROR, h.seq, rc, 0, 0, why);
       break;
     }
+    trim(c);
   }
   if (rc && rc != KVL_ECLOSED && rc != KVL_EPEERCLOSED) {
     KVL__STAT_ADD(e, conns_rejected, 1);
@@ -263,7 +272,7 @@ out:
 }
 
 /* Room for one more connection: connections still in their handshake are at
- * most a quarter of max_conns, and when that many wait (or every slot is
+ * most a quarter of max_conns (and KVL__PENDING_MAX), and when that many wait (or every slot is
  * taken) the one that has waited longest is dropped. So sockets that connect
  * and say nothing (no token needed for that) cannot keep authenticated peers
  * out: they only ever hold the pending quarter, each for less time than a
@@ -271,6 +280,7 @@ out:
  * full of authenticated connections. */
 static int make_room(kvl_engine *e, char *dropped, size_t cap) {
   uint32_t pending_max = e->cfg.max_conns / 4 ? e->cfg.max_conns / 4 : 1;
+  if (pending_max > KVL__PENDING_MAX) pending_max = KVL__PENDING_MAX;
   if (e->npending < pending_max && e->nconns < e->cfg.max_conns) return 1;
   kvl__conn *oldest = NULL;
   for (kvl__conn *c = e->conns; c; c = c->next) /* newest first: the last one found waited longest */

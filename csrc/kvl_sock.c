@@ -76,7 +76,7 @@ int kvl__listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   *is_loopback = is_loopback_addr(res->ai_addr);
-  if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+  if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, SOMAXCONN) != 0) {
     freeaddrinfo(res);
     close(fd);
     return KVL_ESYS;

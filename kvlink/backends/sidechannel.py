@@ -74,10 +74,13 @@ KEEPALIVE = (60, 10, 3)  # idle s, interval s, probes: as the native engine's co
 def keep_alive(sock: socket.socket) -> None:
     """TCP keepalive on a side-channel connection: it stays open while idle (a decode keeps its peers), so a
     NAT or firewall on the path must not forget it, and a host that vanished must be noticed (``gone``)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, v in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
-        if hasattr(socket, opt):  # Linux names; others keep the system's timers
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, v in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+            if hasattr(socket, opt):  # Linux names; others keep the system's timers
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
+    except OSError:  # (a socket the peer reset already: its first use says so)
+        pass
 
 
 def send_frame(sock: socket.socket, body: bytes) -> None:

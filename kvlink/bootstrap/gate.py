@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 
 from kvlink.bootstrap.metrics import ServerCounters
+from kvlink.fdlimit import fd_room
 
 log = logging.getLogger(__name__)
 
@@ -104,28 +105,11 @@ class _Counted(asyncio.Protocol):
 
 def check_fd_limit(max_connections: int, *, raise_soft: bool = False) -> str | None:
     """None if this process may open ``max_connections`` sockets and ``FD_HEADROOM`` more, else why not.
-
-    Below that the cap protects nothing: accept fails for want of descriptors first (asyncio then stops
-    accepting for a second, everyone included). ``raise_soft``: first raise the soft RLIMIT_NOFILE as far as
-    needed and the hard limit allows (the standalone server does; an embedding process owns its limits).
-    """
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ``raise_soft``: first raise the soft RLIMIT_NOFILE as far as needed and the hard limit allows (the
+    standalone server does; an embedding process owns its limits)."""
     need = max_connections + BACKLOG + FD_HEADROOM  # a burst: BACKLOG sockets accepted before the gate counts
-    if soft == resource.RLIM_INFINITY or soft >= need:
+    soft = fd_room(need, raise_soft=raise_soft)
+    if soft is None:
         return None
-    if raise_soft:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        if target > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-                soft = target
-            except (ValueError, OSError) as err:
-                log.debug("bootstrap: cannot raise RLIMIT_NOFILE to %d: %s", target, err)
-        if soft >= need:
-            return None
     return (f"max_connections={max_connections} needs about {need} file descriptors but this process may open "
             f"{soft} (RLIMIT_NOFILE): raise it (ulimit -n) or lower max_connections")

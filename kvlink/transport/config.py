@@ -74,9 +74,9 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     allow_insecure: bool = False
     max_conns: int = 4096
-    max_peers: int = 1024
     # "off", "auto" or "require": copy same-host peers' memory directly, and serve such copies ("off": neither)
     same_host: str = "off"
+    max_peers: int = 1024  # (last: fields are also passed by position)
 
     def __post_init__(self) -> None:
         if self.listen is not None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvlink import _binding as B
 from kvlink.errors import Closed, PeerChanged, UnknownPeer
+from kvlink.fdlimit import fd_room
 from kvlink.transport.backend import Capabilities
 from kvlink.transport.batch import Batch
 from kvlink.transport.config import EngineConfig, check_name, join_hostport, split_hostport
@@ -20,6 +21,8 @@ from kvlink.transport.descriptors import check_descriptors, check_one
 from kvlink.transport.region import Access, Region
 
 logger = logging.getLogger(__name__)
+
+FD_HEADROOM = 256  # descriptors beyond the engine's connections: the listener, the process's own files
 
 PROTOCOL_VERSION = B.PROTOCOL_VERSION
 CONNECT_TRIES = 3  # a peer closed to make room between connect's two calls is connected again
@@ -58,6 +61,13 @@ class Engine:
         self.port = B.engine_port(self._h)
         logger.info("kvlink engine %r: listen=%s streams=%d crc=%s auth=%s", cfg.name, self.address, cfg.streams,
                     cfg.crc, "token" if cfg.token else "none")
+        need = (cfg.max_conns if cfg.listen else 0) + cfg.max_peers * cfg.streams + FD_HEADROOM
+        soft = fd_room(need)
+        if soft is not None:
+            logger.warning("kvlink engine %r: serving max_conns=%d and connecting max_peers=%d x %d streams needs "
+                           "about %d file descriptors, but this process may open %d (RLIMIT_NOFILE): connections "
+                           "past that fail; raise it (ulimit -n) or lower the limits", cfg.name,
+                           cfg.max_conns if cfg.listen else 0, cfg.max_peers, cfg.streams, need, soft)
 
     # -- lifecycle -----------------------------------------------------------------
     @contextmanager

@@ -89,3 +89,4 @@ def test_the_configs_limits_are_the_c_engines():
     from kvlink.transport import config
 
     assert (config.MAX_NAME, config.MAX_STREAMS, config.MAX_PEERS) == (B.MAX_NAME, B.MAX_STREAMS, B.MAX_PEERS)
+    assert config.EngineConfig().max_peers == B.lib.KVL_DEFAULT_PEERS

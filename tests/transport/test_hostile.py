@@ -475,3 +475,25 @@ c.close(); e.close()
     assert r.returncode == 0, r.stderr
     got = dict(line.split() for line in r.stdout.splitlines())
     assert float(got["cpu"]) < 0.5 and int(got["dropped"]) == 0 and int(got["events"]) == 1, r.stdout
+
+
+def test_with_thousands_of_slots_at_most_128_connections_wait_in_their_handshake(make_engine):
+    """max_conns 4,096 (the default): a quarter would let 1,024 silent sockets hold a thread each until their
+    handshake times out. At most 128 wait at once (the one that waited longest is dropped for a new one),
+    and an authenticated peer still connects and reads."""
+    target = make_engine(name="t", handshake_timeout_s=30.0)
+    src = np.arange(4096, dtype=np.uint8)
+    r = target.register(src, Access.READ)
+    socks = [wire.connect(target.address) for _ in range(200)]
+    try:
+        deadline = time.monotonic() + 30
+        while target.stats()["conns_rejected"] < 200 - 128 or target.stats()["server_conns"] > 128:
+            assert time.monotonic() < deadline, target.stats()
+            time.sleep(0.05)
+        init = make_engine(name="i", listen=None)
+        dst = np.zeros_like(src)
+        init.read(init.connect(target.address), init.register(dst), [0], r.id, [0], src.nbytes).wait()
+        assert (dst == src).all()
+    finally:
+        for s in socks:
+            s.close()

@@ -307,23 +307,24 @@ def test_the_c_connect_refuses_an_expected_name_it_cannot_carry(make_engine):
 
 def test_by_default_a_decode_rank_holds_over_a_thousand_peers_and_a_prefill_rank_serves_them(make_engine):
     """The defaults: a requester's table holds 1,024 peers and a responder serves 4,096 connections. Before,
-    256 each: the 257th prefill rank one decode rank read closed a peer, and the 129th decode rank (two
-    streams each) that read one prefill rank was refused. 300 peers at once here, none closed, all served."""
+    256 each: the 257th prefill rank one decode rank read closed a peer, and the 257th connection to one
+    prefill rank (128 decode ranks of two streams) was refused. 260 peers at once here (one stream each: 520
+    descriptors, within a 1,024 ulimit), none closed, all served."""
     from kvlink.transport import EngineConfig
 
     assert (EngineConfig().max_peers, EngineConfig().max_conns) == (1024, 4096)
     target = make_engine(name="prefill", listen="0.0.0.0:0")
     port = target.address.rsplit(":", 1)[1]
     region = target.register(np.full(64, 5, dtype=np.uint8), Access.READ).id
-    init = make_engine(name="decode", listen=None, streams=2)
+    init = make_engine(name="decode", listen=None, streams=1)
     dst = np.zeros(64, dtype=np.uint8)
     rdst = init.register(dst)
-    peers = [init.connect(f"{_spread(i)}:{port}") for i in range(300)]
+    peers = [init.connect(f"{_spread(i)}:{port}") for i in range(260)]
     for p in (peers[0], peers[-1]):
         init.read(p, rdst, [0], region, [0], 64).wait()
     assert (dst == 5).all()
-    assert init.stats()["peers"] == 300 and init.stats()["peers_freed"] == 0
-    assert target.stats()["server_conns"] == 600 and target.stats()["conns_rejected"] == 0
+    assert init.stats()["peers"] == 260 and init.stats()["peers_freed"] == 0
+    assert target.stats()["server_conns"] == 260 and target.stats()["conns_rejected"] == 0
 
 
 def test_the_table_size_is_validated():
@@ -333,3 +334,18 @@ def test_the_table_size_is_validated():
         with pytest.raises(ValueError, match="max_peers must be 1..4096"):
             EngineConfig(max_peers=bad)
     assert EngineConfig(max_peers=4096).max_peers == 4096
+
+
+def test_an_engine_whose_limits_outgrow_the_descriptor_limit_says_so(make_engine, monkeypatch, caplog):
+    """Serving 4,096 connections and keeping 1,024 peers needs more descriptors than a default ``ulimit -n``
+    of 1,024: the engine warns at creation, naming both numbers (it leaves the process's limit alone: an
+    embedding program owns it), and says nothing when its limits fit."""
+    import logging
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 1024))
+    with caplog.at_level(logging.WARNING, logger="kvlink.transport.engine"):
+        make_engine(name="big")
+        make_engine(name="small", max_conns=256, max_peers=128, streams=2)
+    said = [r.getMessage() for r in caplog.records if "RLIMIT_NOFILE" in r.getMessage()]
+    assert len(said) == 1 and "'big'" in said[0] and "6400" in said[0] and "1024" in said[0], said
