@@ -556,8 +556,13 @@ def _tcp_sockets_to(port: int) -> list:
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            s = socket.socket(fileno=os.dup(int(fd)))
+            dup = os.dup(int(fd))
         except OSError:
+            continue  # (closed meanwhile)
+        try:
+            s = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
             continue
         try:
             if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \

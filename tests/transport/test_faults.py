@@ -403,7 +403,7 @@ def test_a_connection_closed_while_idle_is_reopened_for_the_next_read(make_engin
     from tests.relay import Relay
 
     target = make_engine(name="target")
-    src = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8)
+    src = np.random.default_rng(9).integers(0, 256, 4 << 20, dtype=np.uint8)
     region = target.register(src, Access.READ).id
     relay = Relay(target.address)
     try:
@@ -416,7 +416,9 @@ def test_a_connection_closed_while_idle_is_reopened_for_the_next_read(make_engin
             relay.drop()
             time.sleep(0.2)  # the close reaches the engine's end of each stream
             dst[:] = 0
-            init.read(peer, rdst, [0, 1 << 15], region, [0, 1 << 15], 1 << 15).wait()  # both streams
+            # 4 MiB: striped over both streams, by their threads; then a small READ the waiter runs itself
+            init.read(peer, rdst, [0], region, [0], src.nbytes).wait()
+            init.read(peer, rdst, [0], region, [0], 4096).wait()
             assert (dst == src).all()
         assert init.stats()["batches_failed"] == 0
     finally:
