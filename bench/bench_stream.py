@@ -183,11 +183,15 @@ class DeviceCore:
 
 
 def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None, kv_bytes: int,
-             name: str = "") -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
+             name: str = "", root: str | None = None) -> tuple[VLLMServer, VLLMServer, ProxyProc, Relay | None]:
     """Prefill and decode for ``mode`` (pd, pd-seq, pd-stream, pd-stream-step, pd-stream-exit,
     pd-stream-nopace, pd-stream-lockstep), ready, with the concurrent proxy in front (pd-seq: the sequential
     proxy, decode asked only once prefill has answered); prefill's transport behind a relay at ``rate`` bytes/s (None: plain
-    loopback), which the caller closes."""
+    loopback), which the caller closes. ``root``: prefill, decode and the proxy import kvlink from this
+    checkout instead (``--ab-root``)."""
+    # PYTHONSAFEPATH: ``python -m`` would otherwise put the working directory (this checkout) first
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
+           "PYTHONSAFEPATH": "1"} if root else None
     bport, tport = free_port(), free_port()
     relay = Relay(f"127.0.0.1:{tport}", rate=rate, realtime=True) if rate else None
     if relay is not None:
@@ -209,12 +213,12 @@ def pd_stack(stack: Stack, mode: str, model: str, logs: Path, rate: float | None
         if mode.endswith("-lockstep"):  # decode's first step in lock-step with prefill's last layers
             dec_kv["kv_load_failure_policy"] = "fail"  # (lockstep.why_not_lockstep; prefix caching stays on)
         pre = stack.add(VLLMServer(f"{name}prefill", model, logs, kv=pre_kv, cpu=0, kv_bytes=kv_bytes,
-                                   extra_args=CHUNK))
-        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes))
+                                   env=env, extra_args=CHUNK))
+        dec = stack.add(VLLMServer(f"{name}decode", model, logs, kv=dec_kv, cpu=1, kv_bytes=kv_bytes, env=env))
         pre.wait_ready()
         dec.wait_ready()
         proxy = stack.add(ProxyProc(pre.url, dec.url, logs, mode="sequential" if mode == "pd-seq" else "concurrent",
-                                    bootstrap=f"http://127.0.0.1:{bport}"))
+                                    bootstrap=f"http://127.0.0.1:{bport}", env=env, name=f"{name}proxy"))
         proxy.wait_ready()
     except BaseException:
         if relay is not None:
@@ -258,7 +262,7 @@ def run(mode: str, model: str, logs: Path, reps: int, seed: int, rate: float | N
 
 
 def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tuple[str, ...] = (),
-                gap_s: float = 0.0) -> dict:
+                gap_s: float = 0.0, ab_root: str | None = None) -> dict:
     """``--interleave``: the single server and both PD stacks (non-streamed, streamed) alive at once, one
     request to each in turn, ``reps`` rounds per size (concurrency 1): a slow spell of this VM falls on
     every mode alike instead of on whichever ran then. With ``--device-core`` CPU 0 runs whichever forward
@@ -266,8 +270,11 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tup
     server's first 2k request, as in the default run. ``more``: further PD modes beside pd and pd-stream.
     ``gap_s``: a pause before each measured request. vLLM's queue pollers stay awake for a second after each
     message (napping 0.5 ms between polls under tools/nospin); back to back, the last request's servers
-    (another stack's) still poll on both CPUs while the next one computes, which no separate host sees."""
-    modes = ("pd", "pd-stream", *more)
+    (another stack's) still poll on both CPUs while the next one computes, which no separate host sees.
+    ``ab_root``: only two lock-step stacks beside the single server, this checkout's and ``ab_root``'s
+    (mode ``pd-stream-lockstep-b``): two versions of kvlink side by side in the same rounds, their order
+    swapped every other round."""
+    modes = ("pd-stream-lockstep", "pd-stream-lockstep-b") if ab_root else ("pd", "pd-stream", *more)
     out: dict[str, dict] = {m: {} for m in ("single", *(f"{m}/emulated" for m in modes))}
     with Stack() as stack:
         single = stack.add(VLLMServer("single", model, logs, cpu=0, kv_bytes=1 << 30, extra_args=CHUNK))
@@ -282,7 +289,9 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tup
         pinner = None
         try:
             for mode in modes:
-                pre, dec, proxy, relay = pd_stack(stack, mode, model, logs, rate, 1 << 30, name=f"{mode}-")
+                b = mode.endswith("-b")
+                pre, dec, proxy, relay = pd_stack(stack, mode.removesuffix("-b"), model, logs, rate, 1 << 30,
+                                                  name=f"{mode}-", root=ab_root if b else None)
                 relays.append(relay)
                 ttft(proxy.url, prompts(1, 200, 2)[0])
                 urls[f"{mode}/emulated"], decs[f"{mode}/emulated"] = proxy.url, dec
@@ -295,7 +304,10 @@ def interleaved(model: str, logs: Path, reps: int, rate: float | None, more: tup
                 m0 = {m: d.metrics() for m, d in decs.items()}
                 cells_ = {m: {"ttft_ms": [], "compute_ms": []} for m in urls}
                 for r in range(reps):
-                    for mode, url in urls.items():
+                    order = list(urls.items())
+                    if ab_root and r % 2:  # A then B, then B then A: neither always runs right after the single
+                        order[-2:] = order[-1:-3:-1]
+                    for mode, url in order:
                         c0 = server_ttft_s(computes[mode])
                         time.sleep(gap_s)
                         cells_[mode]["ttft_ms"].append(1e3 * ttft(url, prompts(1, size, 1000 * r + size)[0]))
@@ -334,6 +346,28 @@ def ab_table(results: dict, other: str, ours: str, theirs: str, paired: bool) ->
                   f"{b['tail_ms']:.0f} | {ratio} |")
 
 
+def ab_roots(results: dict, root: str, rate: float, out: str | None) -> int:
+    """``--ab-root``: lock-step PD of this checkout (A) and of ``root`` (B) against the single server of the
+    same round, and B / A per round (medians of rounds)."""
+    med = statistics.median
+    print(f"\nemulated link {rate / 1e6:.0f} MB/s; A: this checkout, B: {root}\n\n| size | single ms | A (x single) "
+          f"| B (x single) | B / A, paired | prefill's own TTFT A / B (x single) |\n|---|---|---|---|---|---|")
+    for size in SIZES:
+        one = results["single"][(size, 1)]
+        a, b = results["pd-stream-lockstep/emulated"][(size, 1)], results["pd-stream-lockstep-b/emulated"][(size, 1)]
+
+        def x(c: dict, k: str = "ttft_ms") -> str:
+            return f"{med(t / s for t, s in zip(c[k], one[k])):.3f}"
+        print(f"| {size} | {med(one['ttft_ms']):.0f} | {med(a['ttft_ms']):.0f} ({x(a)}) | {med(b['ttft_ms']):.0f} "
+              f"({x(b)}) | {med(tb / ta for ta, tb in zip(a['ttft_ms'], b['ttft_ms'])):.3f} | "
+              f"{x(a, 'compute_ms')} / {x(b, 'compute_ms')} |")
+    if out:
+        Path(out).write_text(json.dumps({k: {f"{s}x{c}": v for (s, c), v in r.items()}
+                                         for k, r in results.items()} | {"rate_bytes_s": rate, "ab_root": root},
+                                        indent=1))
+    return 0
+
+
 def main() -> int:
     global SIZES, CONCURRENCY, CHUNK, ISOLATE, DEVICE_CORE, LOCKSTEP_STALL_MS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -367,6 +401,10 @@ def main() -> int:
     ap.add_argument("--gap-s", type=float, default=1.5, help="--interleave: pause before each measured request "
                     "so the other stacks' vLLM queue pollers (awake 1 s after each message) sleep; 0: back to back, "
                     "as in sessions 13-18")
+    ap.add_argument("--ab-root", default=None, help="--interleave: only the single server and two lock-step "
+                    "stacks, this checkout's and one whose prefill, decode and proxy import kvlink from this "
+                    "directory (another version's checkout, its C extension built in place), side by side in "
+                    "every round")
     ap.add_argument("--emulated-only", action="store_true", help="skip the plain loopback runs")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="comma-separated")
@@ -388,8 +426,11 @@ def main() -> int:
         CONCURRENCY = (1,)
         results = interleaved(model, logs, args.reps, args.link_mbps * 1e6 if args.link_mbps else None,
                               (("pd-seq",) if args.seq_ab else ()) + (("pd-stream-exit",) if args.entry_ab else ())
-                              + (("pd-stream-lockstep",) if args.lockstep_ab else ()), gap_s=args.gap_s)
+                              + (("pd-stream-lockstep",) if args.lockstep_ab else ()), gap_s=args.gap_s,
+                              ab_root=args.ab_root)
         rate, links = results.pop("rate"), (("emulated", None),)
+        if args.ab_root:
+            return ab_roots(results, args.ab_root, rate, args.out)
     else:
         print("single server:", flush=True)
         results["single"] = run("single", model, logs, args.reps, 100, None)

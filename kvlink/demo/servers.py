@@ -94,14 +94,14 @@ class VLLMServer(Proc):
 
 class ProxyProc(Proc):
     def __init__(self, prefill: str, decode: str, log_dir: Path, mode: str = "sequential",
-                 bootstrap: str | None = None):
+                 bootstrap: str | None = None, env: dict | None = None, name: str = "proxy"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "kvlink.proxy", "--prefill", prefill, "--decode", decode,
                 "--port", str(self.port), "--mode", mode]
         if bootstrap:
             args += ["--prefill-bootstrap", bootstrap]
-        super().__init__("proxy", args, log_dir / "proxy.log")
+        super().__init__(name, args, log_dir / f"{name}.log", env)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         wait_http(self.url + "/health", timeout, self)
