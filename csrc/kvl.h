@@ -145,6 +145,12 @@ int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *p
 int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const char *expect, uint32_t *peer_out);
 /* Name the peer announced during the handshake. */
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
+/* 1 if the peer may no longer be the process it named: retired, or one of
+ * its connections was closed by the other end while idle (its process
+ * ended, or the path dropped it); else 0. Nothing is sent. A caller that
+ * keeps peers asks before it uses one again and, if 1, connects anew,
+ * naming the engine it expects (kvl_peer_connect_as). */
+int kvl_peer_stale(kvl_engine *e, uint32_t peer);
 /* 1 if READs from this peer copy its memory directly (same host), else 0;
  * why says which, and why not. */
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap);

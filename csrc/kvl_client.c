@@ -316,8 +316,10 @@ static void *stream_main(void *arg) {
     else run_part(s, pt);
     unclaim(s);
   }
+  pthread_mutex_lock(&s->mu); /* kvl__stream_idle_closed reads fd under mu */
   if (s->fd >= 0) close(s->fd);
   s->fd = -1;
+  pthread_mutex_unlock(&s->mu);
   __atomic_fetch_sub(&p->running, 1, __ATOMIC_RELEASE); /* the peer may be freed once all are out (and joined) */
   return NULL;
 }
@@ -344,6 +346,14 @@ void kvl__stream_steal(kvl_batch *b, uint64_t until_ms) {
   KVL__STAT_ADD(s->peer->e, parts_inline, 1);
   run_part(s, pt);
   unclaim(s);
+}
+
+int kvl__stream_idle_closed(kvl__stream *s) {
+  /* Unclaimed, nobody replaces or closes fd: only a claim (under mu) or the exiting worker (under mu) does. */
+  pthread_mutex_lock(&s->mu);
+  int closed = !s->busy && s->fd >= 0 && hung_up(s->fd);
+  pthread_mutex_unlock(&s->mu);
+  return closed;
 }
 
 int kvl__stream_start(kvl__stream *s) {

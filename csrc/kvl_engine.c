@@ -474,6 +474,17 @@ int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap) {
   return 0;
 }
 
+int kvl_peer_stale(kvl_engine *e, uint32_t peer) {
+  last_msg[0] = 0;
+  int rc;
+  kvl__peer *p = peer_hold(e, peer, &rc); /* held: not stopped meanwhile, so its workers keep their fds */
+  if (!p) return rc;
+  int stale = __atomic_load_n(&p->changed, __ATOMIC_ACQUIRE) != 0;
+  for (int k = 0; k < p->nstreams && !stale; k++) stale = kvl__stream_idle_closed(&p->streams[k]);
+  peer_drop(e, p);
+  return stale;
+}
+
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap) {
   last_msg[0] = 0;
   int rc;

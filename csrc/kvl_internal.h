@@ -424,6 +424,8 @@ void kvl__stream_enqueue(kvl__stream *s, kvl__part *pt, int stealable);
 /* Run a single-part batch's part in the calling thread if no worker took it
  * yet, by until_ms at the latest (the batch's deadline is lowered to it). */
 void kvl__stream_steal(kvl_batch *b, uint64_t until_ms);
+/* 1 if the stream's connection, idle, was closed by the other end (kvl_peer_stale). */
+int kvl__stream_idle_closed(kvl__stream *s);
 /* one request on a stream, shared with the same-host path (kvl_request.c) */
 int kvl__recv_status(kvl__stream *s, uint8_t type, uint32_t seq, kvl__status *st, uint64_t deadline, char *why,
                      size_t cap);

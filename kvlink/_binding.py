@@ -146,6 +146,10 @@ def peer_name(h: Handle, peer: int) -> str:
     return ffi.string(name).decode()
 
 
+def peer_stale(h: Handle, peer: int) -> bool:
+    return bool(check(lib.kvl_peer_stale(h, peer), "peer state"))
+
+
 def peer_local(h: Handle, peer: int) -> tuple[bool, str]:
     why = ffi.new("char[]", _MSG)
     on = check(lib.kvl_peer_local(h, peer, why, _MSG), "peer same-host state")

@@ -76,6 +76,7 @@ int kvl_region_unregister(kvl_engine *e, uint32_t id, uint32_t timeout_ms);
 int kvl_peer_connect(kvl_engine *e, const char *host, uint16_t port, uint32_t *peer_out);
 int kvl_peer_connect_as(kvl_engine *e, const char *host, uint16_t port, const char *expect, uint32_t *peer_out);
 int kvl_peer_name(kvl_engine *e, uint32_t peer, char *buf, size_t cap);
+int kvl_peer_stale(kvl_engine *e, uint32_t peer);
 int kvl_peer_local(kvl_engine *e, uint32_t peer, char *why, size_t cap);
 
 int kvl_submit(kvl_engine *e, uint32_t peer, int op, const uint64_t *local_addrs,

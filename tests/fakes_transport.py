@@ -138,6 +138,12 @@ class Engine:
             raise PeerChanged(f"{address} answers as engine {eng.config.name!r}, not {expect!r}")
         return Peer(address, eng.config.name)
 
+    def peer_stale(self, peer: Peer) -> bool:
+        """The engine ``peer`` named closed, or another answers at its address."""
+        with _LOCK:
+            eng = _ENGINES.get(peer.address)
+        return eng is None or eng._closed or eng.config.name != peer.name
+
     def _xfer(self, peer: Peer, local: Region, lo: Any, rids: Any, ro: Any, ln: Any, write: bool) -> Batch:
         self._check_open()
         if not write and not local.writable:

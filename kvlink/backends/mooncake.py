@@ -412,6 +412,12 @@ class MooncakeBackend:
             return live
         return peer
 
+    def peer_stale(self, peer: MooncakePeer) -> bool:
+        """True when ``peer``'s side channel closed (its process ended or restarted) or it was retired."""
+        with self._cond:
+            retired = peer.id not in self._peers
+        return retired or peer._client.gone()
+
     def _live_peer(self, address: str) -> MooncakePeer | None:
         with self._cond:
             peers = [p for p in self._peers.values() if p.address == address]

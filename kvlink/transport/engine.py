@@ -153,6 +153,17 @@ class Engine:
             logger.info("kvlink peer %s (%s): %s", address, name, why if local else f"TCP, because {why}")
         return Peer(pid, address, name, local)
 
+    def peer_stale(self, peer: Peer) -> bool:
+        """True when ``peer`` may no longer be the process it named: retired (another engine answered at its
+        address), closed, or a connection of its closed by the other end while idle (its process ended, or
+        the path dropped the connection). Nothing is sent. A caller that keeps peers asks before using one
+        again and then connects anew, naming the engine it expects."""
+        with self._using() as h:
+            try:
+                return B.peer_stale(h, peer.id)
+            except (UnknownPeer, PeerChanged):
+                return True
+
     # -- batches ---------------------------------------------------------------------
     def read(self, peer: Peer, local: Region, local_offsets: Any, remote_regions: Any, remote_offsets: Any,
              lengths: Any, timeout_s: float | None = None) -> Batch:

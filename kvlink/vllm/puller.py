@@ -332,12 +332,22 @@ class Puller:
             self._apply(lambda t, now, rec=rec, pairs=pairs: t.piece(rid, remote, pairs, rec.epoch, now))
 
     def _remote(self, cli, url: str, engine_id: str) -> _Remote:
-        """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which)."""
+        """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which). A
+        remote kept from an earlier pull is used again unless a rank's peer is stale (transport
+        ``peer_stale``: its process closed the connection, as a prefill restarted under the same engine id
+        does): then the ranks are asked of the bootstrap server again and connected by the names their
+        registrations give now, instead of failing the pull on the old process's name."""
         key = (url, engine_id)
         with self._lock:
             remote = self._remotes.get(key)
         if remote is not None:
-            return remote
+            if not any(self.engine.peer_stale(leg.peer) for leg in remote.legs):
+                return remote
+            self._drop_remote(remote)
+            with self._lock:
+                self._stats.add("remote_refreshed")
+            logger.info("kvlink: prefill engine %s closed its connections since the last pull (restarted?): "
+                        "asking for its ranks again", engine_id)
         regs = cli.engine_ranks(engine_id)
         try:
             legs = legs_for(engine_id, regs, LocalKV(

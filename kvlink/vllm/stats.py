@@ -23,6 +23,7 @@ COUNTERS = (
     "pull_waits_nudged",  # decode: step waits (pull_step_wait_ms) a worker's nudge ended (nudge.py)
     "pull_after_release",  # decode: params of a prefill request decode already released (a late n > 1 sample,
     # the same params sent again): computed here, never pulled
+    "remote_refreshed",  # decode: a prefill engine's ranks asked for again, its kept peers stale (a restart)
     # decode, streamed KV: pieces read, or dropped (not waited for); block reads before the record (a block
     # read in several layer ranges counts once per range)
     "pieces", "pieces_dropped", "blocks_streamed",

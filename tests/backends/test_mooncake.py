@@ -508,15 +508,35 @@ def test_a_peer_whose_process_ended_takes_no_batch_until_connected_again(make_ba
     rdst = init.register(dst)
     peer = init.connect(t.address)
     init.read(peer, rdst, [0], t.region, [0], 4096).wait()
+    assert not init.peer_stale(peer)
     t.kill()
     deadline = time.monotonic() + 10
-    while not peer._client.gone() and time.monotonic() < deadline:
+    while not init.peer_stale(peer) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert peer._client.gone()
     with pytest.raises(PeerClosed, match="connect again"):
         init.read(peer, rdst, [0], t.region, [0], 4096)
     again = mc_target()
     p2 = init.connect(again.address)
     init.read(p2, rdst, [0], again.region, [0], 4096).wait()
+
+
+def test_a_kept_peer_reads_stale_once_its_engine_closed(make_backend, kind):
+    """Both backends: ``peer_stale`` is false for a live peer and turns true, without a batch, once the
+    engine behind it closed (the connector then asks for the prefill's ranks again)."""
+    from kvlink.transport import Access
+
+    target = make_backend(kind, name="prefill/a")
+    target.register(np.zeros(4096, dtype=np.uint8), Access.READ)
+    init = make_backend(kind, name="decode", listen=None)
+    peer = init.connect(target.address)
+    time.sleep(0.2)
+    assert not init.peer_stale(peer)
+    target.close()
+    deadline = time.monotonic() + 10
+    while not init.peer_stale(peer):
+        assert time.monotonic() < deadline, "the closed engine's peer never read stale"
+        time.sleep(0.05)
 
 
 def test_a_connect_for_a_named_engine_takes_no_other(make_backend, kind):

@@ -349,3 +349,64 @@ def test_an_engine_whose_limits_outgrow_the_descriptor_limit_says_so(make_engine
         make_engine(name="small", max_conns=256, max_peers=128, streams=2)
     said = [r.getMessage() for r in caplog.records if "RLIMIT_NOFILE" in r.getMessage()]
     assert len(said) == 1 and "'big'" in said[0] and "6400" in said[0] and "1024" in said[0], said
+
+
+def _until(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_peer_whose_process_ended_is_stale_before_any_batch_is_sent(make_engine):
+    """``peer_stale``: a kept peer whose process ended (it closed the connections) says so without a batch,
+    so a caller that keeps peers connects anew, naming the engine it expects now, instead of failing a
+    batch on the old name. A live idle peer is not stale; a retired one stays stale."""
+    old = make_engine(name="prefill/tp0/aaaa")
+    address = old.address
+    region = old.register(np.full(4096, 1, dtype=np.uint8), Access.READ).id
+    init = make_engine(name="decode", listen=None)
+    dst = np.zeros(4096, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(address)
+    init.read(peer, rdst, [0], region, [0], 4096).wait()
+    time.sleep(0.3)
+    assert not init.peer_stale(peer)  # idle, its process alive: kept
+    s = init.stats()
+    batches = s["batches_ok"] + s["batches_failed"]
+    old.close()
+    assert _until(lambda: init.peer_stale(peer)), "the ended process's peer never read stale"
+    s = init.stats()
+    assert s["batches_ok"] + s["batches_failed"] == batches  # told without a batch
+    new = make_engine(name="prefill/tp0/bbbb", listen=address)
+    assert new.register(np.full(4096, 2, dtype=np.uint8), Access.READ).id == region
+    fresh = init.connect(address, expect="prefill/tp0/bbbb")
+    assert fresh.id != peer.id and not init.peer_stale(fresh)
+    init.read(fresh, rdst, [0], region, [0], 4096).wait()
+    assert (dst == 2).all()
+    assert init.peer_stale(peer)  # retired for good
+
+
+def test_a_connection_the_path_dropped_makes_the_peer_stale_and_the_same_engine_connects_again(make_engine):
+    """A middlebox drops the idle connections of a live engine: the peer reads stale, a connect naming the
+    same engine answers, and reads go on."""
+    from tests.relay import Relay
+
+    target = make_engine(name="prefill/tp0/aaaa")
+    region = target.register(np.full(4096, 3, dtype=np.uint8), Access.READ).id
+    relay = Relay(target.address)
+    try:
+        init = make_engine(name="decode", listen=None)
+        dst = np.zeros(4096, dtype=np.uint8)
+        rdst = init.register(dst)
+        peer = init.connect(relay.address)
+        assert not init.peer_stale(peer)
+        relay.drop()
+        assert _until(lambda: init.peer_stale(peer)), "the dropped connections never read stale"
+        again = init.connect(relay.address, expect="prefill/tp0/aaaa")
+        init.read(again, rdst, [0], region, [0], 4096).wait()
+        assert (dst == 3).all()
+    finally:
+        relay.close()

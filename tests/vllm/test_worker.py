@@ -487,6 +487,65 @@ def test_a_registration_whose_address_another_process_took_is_never_read(monkeyp
         srv.stop()
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(monkeypatch, check):
+    """Real TCP transport. Decode keeps its connection to a prefill engine between pulls. The prefill
+    restarts under the same engine id and transport port (a pod restarted with a fixed ``engine_id``): a
+    new process, registered under a new instance. Decode's kept peer reads stale (the old process closed
+    its connections), so it asks for the engine's ranks again and reads the new process's blocks: the first
+    pull after the restart succeeds. Control (``check`` off: the kept peer trusted, as before): that pull
+    fails ``engine_changed``, and no byte lands."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import puller as P
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from tests.ports import free_port
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port())
+    workers = []
+
+    def worker(cfg, engine_id, role, cache):
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    try:
+        pre = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+        pre._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
+                     "kv_consumer", dst)
+        _pull(dec, srv.url, "r1", [(1, 2)])
+        assert pull_outcome(dec, "r1") == "ok"
+        pre.shutdown()
+        new = worker(pre_cfg, "pre", "kv_producer", _cache(50.0))  # same engine id and port, another process
+        new._ensure_registered(srv.url)
+        peer = next(iter(dec._remotes.values())).legs[0].peer
+        deadline = time.monotonic() + 10
+        while not dec.engine.peer_stale(peer):  # the old process's connections seen closed
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if not check:
+            monkeypatch.setattr(dec.engine, "peer_stale", lambda peer: False)
+        before = {n: t.clone() for n, t in dst.items()}
+        _pull(dec, srv.url, "r2", [(3, 4)])
+        layer, src = next(iter(dst.values())), next(iter(new.kv_caches.values()))
+        if check:
+            assert pull_outcome(dec, "r2") == "ok"
+            assert torch.equal(layer[3], src[4])  # the new process's block
+            assert dec.get_stats().data.get("remote_refreshed") == 1
+        else:
+            assert pull_outcome(dec, "r2") == "failed"
+            assert all(torch.equal(dst[n], before[n]) for n in dst)
+            assert dec.get_stats().data.get("remote_refreshed", 0) == 0
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        srv.stop()
+
+
 def test_the_transport_limits_reach_the_engine():
     """transport_max_conns / transport_max_peers configure each worker's transport engine (real TCP)."""
     from kvlink.vllm import worker as W

@@ -1,0 +1,53 @@
+"""A prefill server restarted under the same engine id, bootstrap port and transport port (a pod restarted
+with a fixed ``engine_id`` and fixed ports), with a decode that outlives it.
+
+Decode keeps its connection to a prefill engine between requests. Before, the first pull after such a
+restart went to the kept peer, whose reconnect heard the new process's name and failed the pull
+(``engine_changed``): with ``kv_load_failure_policy`` "fail" (lock-step needs it) a client request failed
+on every decode rank after every prefill restart. Now decode sees the kept peer stale (the old process's
+connections closed), asks for the engine's ranks again and reads the new process.
+"""
+
+from __future__ import annotations
+
+from tests.vllm.helpers import Server, complete, free_port, http_json, kv_config, text, token_prompts
+
+ENGINE = "prefill-restart"
+
+
+def _pd(pre: Server, dec: Server, prompt: list[int]) -> str:
+    """Sequential pairing by hand: prefill computes and publishes, decode pulls with its params."""
+    status, out = http_json(pre.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                          "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, out
+    return text(complete(dec.url, prompt, out["kv_transfer_params"], timeout=120))
+
+
+def test_the_first_request_after_a_prefill_restart_is_pulled_from_the_new_process(tiny_model, tmp_path):
+    bport, tport = free_port(), free_port()
+    pre_kv = dict(kv_config("kv_producer", bootstrap_port=bport, transport_port=tport, transport_backend="tcp",
+                            lease_s=30.0), engine_id=ENGINE)
+    dec_kv = dict(kv_config("kv_consumer", transport_backend="tcp", lookup_wait_s=10.0),
+                  kv_load_failure_policy="fail")  # a failed pull is a failed request, not a silent recompute
+    pre = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill-1.log")
+    dec = Server(tiny_model, dec_kv, cpu=1, log=tmp_path / "decode.log")
+    servers = [pre, dec]
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        prompts = token_prompts([120, 150, 90], seed=41)
+        # Computed on prefill without params (on decode they would fill its prefix cache: nothing to pull).
+        want = [text(complete(pre.url, p)) for p in prompts]
+        assert _pd(pre, dec, prompts[0]) == want[0]
+        pre.kill()  # SIGKILL: nothing unregistered; its connections close
+        pre = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill-2.log")  # same id and ports
+        servers.append(pre)
+        pre.wait_ready()
+        assert _pd(pre, dec, prompts[1]) == want[1]
+        assert _pd(pre, dec, prompts[2]) == want[2]
+        assert (dec.metric("kvlink_pulls_failed_total") or 0) == 0
+        assert dec.metric("kvlink_pulls_ok_total") == 3  # every answer came from pulled KV
+        assert dec.metric("kvlink_remote_refreshed_total") == 1  # once, at the first pull after the restart
+    finally:
+        for s in servers:
+            s.stop()
