@@ -494,9 +494,8 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(monkeypatc
     new process, registered under a new instance. Decode's kept peer reads stale (the old process closed
     its connections), so it asks for the engine's ranks again and reads the new process's blocks: the first
     pull after the restart succeeds. Control (``check`` off: the kept peer trusted, as before): that pull
-    fails ``engine_changed``, and no byte lands."""
+    fails (the reconnect hears the new name: PeerChanged), and no byte lands."""
     from kvlink.bootstrap import BootstrapConfig, BootstrapServer
-    from kvlink.vllm import puller as P
     from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
     from tests.ports import free_port
