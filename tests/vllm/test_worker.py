@@ -545,6 +545,52 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(monkeypatc
         srv.stop()
 
 
+def test_a_kept_peer_closed_to_make_room_is_connected_again_not_failed():
+    """Real TCP transport, a decode rank whose peer table holds one peer (``transport_max_peers`` 1). A pull
+    from engine B closes A's idle peer to make room while decode still keeps A's remote: the next pull from
+    A sees that peer gone (``peer_stale``), asks for A's ranks again and connects anew instead of failing
+    on the closed peer's id (before: that pull failed once, UnknownPeer)."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    workers = []
+
+    def worker(cfg, engine_id, role, cache):
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    def pull(rid, engine, pairs):
+        with BootstrapClient(srv.url) as cli:
+            cli.publish(engine, "p-" + rid, [[r for _, r in pairs]], num_tokens=BLOCK * len(pairs), lease_s=30.0)
+        submit_pull(dec, srv.url, rid, pairs, engine_id=engine)
+        return pull_outcome(dec, rid)
+
+    try:
+        a = worker(ConnectorConfig(transport_backend="tcp"), "a", "kv_producer", _cache(1.0))
+        b = worker(ConnectorConfig(transport_backend="tcp"), "b", "kv_producer", _cache(50.0))
+        a._ensure_registered(srv.url)
+        b._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        dec = worker(ConnectorConfig(transport_backend="tcp", transport_max_peers=1, pull_timeout_s=30.0,
+                                     lookup_wait_s=10.0), "dec", "kv_consumer", dst)
+        assert pull("r1", "a", [(1, 2)]) == "ok"
+        assert pull("r2", "b", [(2, 3)]) == "ok"  # A's peer closed to make room
+        assert pull("r3", "a", [(3, 4)]) == "ok"
+        layer = next(iter(dst.values()))
+        assert torch.equal(layer[3], next(iter(a.kv_caches.values()))[4])
+        stats = dec.get_stats().data
+        assert stats.get("remote_refreshed") == 1 and stats.get("pulls_failed", 0) == 0
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        srv.stop()
+
+
 def test_the_transport_limits_reach_the_engine():
     """transport_max_conns / transport_max_peers configure each worker's transport engine (real TCP)."""
     from kvlink.vllm import worker as W
