@@ -54,6 +54,7 @@ class _Remote:
 
     key: tuple[str, str]  # (bootstrap url, engine id)
     legs: list[_Leg]
+    looked_up: float = 0.0  # when its ranks' registrations were asked for (monotonic)
 
 
 class _Batches:
@@ -205,13 +206,14 @@ class Puller:
         src = spec.source
         trace.event("pull_start", rid=spec.request_id)
         with self._lock:
-            known = (src.block_ids is not None and src.engine_id is not None and src.request_id is not None
-                     and (src.bootstrap_url, src.engine_id) in self._remotes)
+            kept = self._remotes.get((src.bootstrap_url, src.engine_id)) if (
+                src.block_ids is not None and src.engine_id is not None and src.request_id is not None) else None
             actions = self._table.submit(spec, time.monotonic())
-        if actions and known:
+        if actions and kept is not None and not self._stale(kept):
             # Sequential pairing with a peer we already talk to: nothing to ask the network, so post the
             # READ now, on vLLM's thread, instead of waking a resolver (a GIL hand-off costs up to the
-            # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request).
+            # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request). A stale
+            # peer means asking the bootstrap server again: a resolver does that.
             self._resolve(spec)
         else:
             self._carry_out(actions)
@@ -245,6 +247,11 @@ class Puller:
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
             remote = self._remote(cli, src.bootstrap_url, engine_id)
+            if remote.looked_up > now:
+                # Its ranks were looked up after the record was asked for: a prefill that restarted in between
+                # (re-registered, the old process's records dropped) would be read at the old record's block
+                # ids. No read is trusted until a renewal proves the record still stands.
+                held_until, renew_at = 0.0, time.monotonic()
             pairs = group_pairs(rid, spec.tables, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             if isinstance(e, BootstrapUnavailable) and attempt < 2 and self._may_retry(rid):
@@ -336,18 +343,15 @@ class Puller:
         remote kept from an earlier pull is used again unless a rank's peer is stale (transport
         ``peer_stale``: its process closed the connection, as a prefill restarted under the same engine id
         does): then the ranks are asked of the bootstrap server again and connected by the names their
-        registrations give now, instead of failing the pull on the old process's name."""
+        registrations give now, instead of failing the pull on the old process's name. If they name the
+        same processes (a path that dropped idle connections: the next READ reopens them under the same
+        names), the kept remote stays, so pulls streaming through it keep their pieces."""
         key = (url, engine_id)
         with self._lock:
-            remote = self._remotes.get(key)
-        if remote is not None:
-            if not any(self.engine.peer_stale(leg.peer) for leg in remote.legs):
-                return remote
-            self._drop_remote(remote)
-            with self._lock:
-                self._stats.add("remote_refreshed")
-            logger.info("kvlink: prefill engine %s closed its connections since the last pull (restarted?): "
-                        "asking for its ranks again", engine_id)
+            kept = self._remotes.get(key)
+        if kept is not None and not self._stale(kept):
+            return kept
+        looked_up = time.monotonic()
         regs = cli.engine_ranks(engine_id)
         try:
             legs = legs_for(engine_id, regs, LocalKV(
@@ -360,15 +364,36 @@ class Puller:
                 self._mismatch_logged.add(key)
                 logger.error("%s", e.detail)
             raise
-        remote = _Remote(key, [_Leg(self._connect(engine_id, reg), layers, reg.tp_rank, reg.pp_rank)
-                               for reg, layers in legs])
-        with self._lock:  # two first contacts at once: both use the first one's (one batch per engine)
-            remote = self._remotes.setdefault(key, remote)
+        peers = [self._connect(engine_id, reg) for reg, _ in legs]
+        if kept is not None and len(peers) == len(kept.legs) and all(
+                p is leg.peer or p == leg.peer for p, leg in zip(peers, kept.legs)):
+            return kept
+        remote = _Remote(key, [_Leg(peer, layers, reg.tp_rank, reg.pp_rank)
+                               for peer, (reg, layers) in zip(peers, legs)], looked_up)
+        with self._lock:  # two contacts at once: both use the first one's (one batch per engine)
+            current = self._remotes.get(key)
+            if current is None or current is kept:
+                self._remotes[key] = remote
+            else:
+                remote = current
+            if kept is not None:
+                self._stats.add("remote_refreshed")
+        if kept is not None:
+            logger.info("kvlink: prefill engine %s closed its connections since the last pull and answers as "
+                        "other processes now (restarted)", engine_id)
         logger.info("kvlink: connected to prefill engine %s (TP=%d, PP=%d) from tp%d pp%d: %s", engine_id,
                     regs[0].tp_size, regs[0].pp_size, self.rank.tp_rank, self.rank.pp_rank,
                     ", ".join(f"tp{reg.tp_rank} pp{reg.pp_rank} at {reg.transport_addr} ({len(layers)} layers)"
                               for reg, layers in legs))
         return remote
+
+    def _stale(self, remote: _Remote) -> bool:
+        """A peer of ``remote`` may no longer be the process it named (transport ``peer_stale``; an engine
+        closing is stale too: the pull then fails on a resolver thread, not on vLLM's)."""
+        try:
+            return any(self.engine.peer_stale(leg.peer) for leg in remote.legs)
+        except Exception:  # noqa: BLE001
+            return True
 
     def _connect(self, engine_id: str, reg) -> Any:
         """The transport peer of one prefill rank, the process its registration names and no other: a process

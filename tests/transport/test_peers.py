@@ -406,7 +406,11 @@ def test_a_connection_the_path_dropped_makes_the_peer_stale_and_the_same_engine_
         relay.drop()
         assert _until(lambda: init.peer_stale(peer)), "the dropped connections never read stale"
         again = init.connect(relay.address, expect="prefill/tp0/aaaa")
-        init.read(again, rdst, [0], region, [0], 4096).wait()
-        assert (dst == 3).all()
+        assert again.id == peer.id  # the same engine: its peer, not a new one
+        for _ in range(init.config.streams):  # one-part batches take the streams in turn: each reopens
+            dst[:] = 0
+            init.read(again, rdst, [0], region, [0], 4096).wait()
+            assert (dst == 3).all()
+        assert not init.peer_stale(peer)
     finally:
         relay.close()

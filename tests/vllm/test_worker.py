@@ -545,6 +545,121 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(monkeypatc
         srv.stop()
 
 
+@pytest.mark.parametrize("renew", [True, False])
+def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_read_is_trusted(
+        monkeypatch, renew):
+    """Real TCP transport, concurrent pairing. Decode has prefill's published record in hand when the
+    prefill process dies and a new one registers under the same engine id and port (its registration drops
+    the old process's records); decode then looks up the engine's ranks and connects to the new process.
+    The old record's block ids name the new process's memory: no read is trusted until a renewal proves the
+    record still stands, and it does not, so the pull fails. Control (``renew`` off: the record's lease
+    trusted, as before): the pull reports ok with the new process's bytes, the wrong KV."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.vllm import puller as P
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+    from tests.ports import free_port
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port())
+    workers = []
+
+    def worker(cfg, engine_id, role, cache):
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    try:
+        old = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+        old._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
+                     "kv_consumer", dst)
+        with BootstrapClient(srv.url) as cli:
+            cli.publish("pre", "p-r", [[2]], num_tokens=BLOCK, lease_s=30.0, transfer_id="t-r")
+        real, replaced = dec._remote, []
+
+        def restart_then_remote(*a, **kw):  # between decode's record and its lookup of the ranks
+            if not replaced:
+                old.shutdown()
+                new = worker(pre_cfg, "pre", "kv_producer", _cache(50.0))
+                new._ensure_registered(srv.url)
+                replaced.append(new)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dec, "_remote", restart_then_remote)
+        if not renew:
+            monkeypatch.setattr(P._Remote, "looked_up", property(lambda self: 0.0, lambda self, v: None))
+        dec._submit(PullSpec(request_id="r", local_block_ids=(1,), first_block=0,
+                             source=RemoteSource(bootstrap_url=srv.url, engine_id="pre", transfer_id="t-r")))
+        outcome = pull_outcome(dec, "r")
+        assert replaced, "the restart did not happen between the record and the connect"
+        layer, new_block = next(iter(dst.values())), next(iter(replaced[0].kv_caches.values()))[2]
+        if renew:
+            assert outcome == "failed"
+        else:
+            assert outcome == "ok" and torch.equal(layer[1], new_block)  # the wrong KV, trusted
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        srv.stop()
+
+
+def test_connections_a_middlebox_dropped_keep_the_remote_and_its_peers():
+    """Real TCP through a relay (prefill advertises it). The relay drops every idle connection of a live
+    prefill: decode's kept peers read stale, it asks for the ranks again, they name the same process, so
+    the kept remote object stays (pulls streaming through it keep their pieces; nothing counted as a
+    restart) and the next READs reopen the connections."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from tests.ports import free_port
+    from tests.relay import Relay
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    tport = free_port()
+    relay = Relay(f"127.0.0.1:{tport}")
+    workers = []
+
+    def worker(cfg, engine_id, role, cache):
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    try:
+        pre = worker(ConnectorConfig(transport_backend="tcp", transport_port=tport,
+                                     transport_advertise=relay.address), "pre", "kv_producer", _cache(1.0))
+        pre._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
+                     "kv_consumer", dst)
+        _pull(dec, srv.url, "r1", [(1, 2)])
+        assert pull_outcome(dec, "r1") == "ok"
+        remote = next(iter(dec._remotes.values()))
+        relay.drop()
+        peer = remote.legs[0].peer
+        deadline = time.monotonic() + 10
+        while not dec.engine.peer_stale(peer):
+            assert time.monotonic() < deadline, "the dropped connections never read stale"
+            time.sleep(0.02)
+        for i, (lb, rb) in enumerate([(3, 4), (4, 5), (5, 1)]):
+            _pull(dec, srv.url, f"r{i + 2}", [(lb, rb)])
+            assert pull_outcome(dec, f"r{i + 2}") == "ok"
+        assert next(iter(dec._remotes.values())) is remote
+        layer, src = next(iter(dst.values())), next(iter(pre.kv_caches.values()))
+        assert all(torch.equal(layer[lb], src[rb]) for lb, rb in [(3, 4), (4, 5), (5, 1)])
+        assert dec.get_stats().data.get("remote_refreshed", 0) == 0
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        relay.close()
+        srv.stop()
+
+
 def test_a_kept_peer_closed_to_make_room_is_connected_again_not_failed():
     """Real TCP transport, a decode rank whose peer table holds one peer (``transport_max_peers`` 1). A pull
     from engine B closes A's idle peer to make room while decode still keeps A's remote: the next pull from
