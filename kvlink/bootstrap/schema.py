@@ -169,6 +169,10 @@ class RequestRecord(_Strict, kw_only=True, omit_defaults=True):  # an older clie
     # record, of the whole prompt being computed, ``prompt_tokens`` tokens.
     prompt_sha: PromptSha | None = None
     prompt_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
+    # The launch (EngineRegistration.launch) that published it, or whose ranks stream it: its block ids name
+    # memory of that launch's processes only. Decode reads them only through ranks registered by it (a
+    # rolling restart keeps the old process serving while the new one is registered under the same id).
+    launch: Instance | None = None
 
 
 class ReleasedRequest(_Strict, kw_only=True):

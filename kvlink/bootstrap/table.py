@@ -79,6 +79,7 @@ class _Request:
     epoch: int = 0
     prompt_sha: str | None = None
     lease_s: float = 0.0  # what prefill published it with: the most a renewal may promise decode
+    launch: str | None = None  # the publisher's start (RequestRecord.launch)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -316,7 +317,7 @@ class PairingTable:
             raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "
                             "(max_requests_per_engine): request refused, nothing stored", field="request_id")
         request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch,
-                           prompt_sha, lease_s)
+                           prompt_sha, lease_s, launch)
         engine.requests[request_id] = request
         if transfer_id is not None:
             self._transfers[transfer_id] = request
@@ -363,7 +364,8 @@ class PairingTable:
         if after is not None:
             progress = self.streams.progress(transfer_id)
             if progress is not None and (progress.version if layers else progress.block_version) > after:
-                return _partial(transfer_id, progress, layers)
+                engine = self._engines.get(progress.engine_id)
+                return _partial(transfer_id, progress, layers, _launch_of(engine) if engine else None)
         return RequestStatus.UNKNOWN
 
     # ----- streamed KV ------------------------------------------------------------------------------------
@@ -584,6 +586,7 @@ class PairingTable:
             lease_remaining_s=max(0.0, request.expires_at - now),
             epoch=request.epoch,
             prompt_sha=request.prompt_sha,
+            launch=request.launch,
         )
 
     def _sweep(self) -> float:
@@ -688,11 +691,19 @@ def _gone(status: RequestStatus, what: str, field: str) -> RequestGone:
                            field=field)
 
 
-def _partial(transfer_id: str, progress: Progress, layers: bool) -> RequestRecord:
+def _launch_of(engine: _Engine) -> str | None:
+    """The launch every live rank of ``engine`` registered with; None if none names one or they differ. Pieces
+    from another launch are refused and a new process's registration drops the old one's streams, so an
+    engine's progress comes from its ranks' launch."""
+    launches = {rank.registration.launch for rank in engine.ranks.values()}
+    return launches.pop() if len(launches) == 1 else None
+
+
+def _partial(transfer_id: str, progress: Progress, layers: bool, launch: str | None) -> RequestRecord:
     step = dict(step_block_ids=[list(g) for g in progress.step_block_ids], layers=progress.layers) \
         if layers and progress.layers else {}
     return RequestRecord(engine_id=progress.engine_id, request_id=progress.request_id, transfer_id=transfer_id,
                          block_ids=[list(g) for g in progress.block_ids], num_tokens=progress.num_tokens,
                          lease_remaining_s=0.0, partial=True, epoch=progress.epoch,
                          version=progress.version if layers else progress.block_version,
-                         prompt_sha=progress.prompt_sha, prompt_tokens=progress.prompt_tokens, **step)
+                         prompt_sha=progress.prompt_sha, prompt_tokens=progress.prompt_tokens, launch=launch, **step)

@@ -14,8 +14,10 @@ logger = logging.getLogger(__name__)
 # the compat fields, fp8 K/V scales per layer, the prompt digest (an older peer is refused by version, not by
 # a field it never sent); 5: a registration names its process (instance), an abandon its request; the
 # attention kernels in the compat fields; 6: registrations, publishes and streamed pieces name the engine's
-# launch, heartbeats their process (a bootstrap server older than 6 refuses those fields: upgrade it first)
-PROTOCOL_VERSION = 6
+# launch, heartbeats their process (a bootstrap server older than 6 refuses those fields: upgrade it first);
+# 7: records and sequential params name the launch that published them, and decode reads them only through
+# ranks of that launch (a decode older than 7 cannot parse a 7 server's records: upgrade servers first)
+PROTOCOL_VERSION = 7
 
 # vLLM symbols the connector cannot work without: (module, attribute).
 REQUIRED_VLLM_API = (

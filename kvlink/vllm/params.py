@@ -117,6 +117,7 @@ RULES: dict[str, Rule] = {
     "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
     "remote_bootstrap_addr": _bootstrap_url,
     "remote_prompt_sha": _typed(_PUBLISHED["prompt_sha"], "32 lowercase hex digits (kvlink's prompt digest)"),
+    "remote_launch": _typed(_PUBLISHED["launch"], "a non-empty string of at most 64 characters"),
     "kvlink_error": _typed(Annotated[str, Meta(max_length=MAX_ERROR_LEN)], "a string"),
 }
 
@@ -172,7 +173,7 @@ class PrefillRequest:
 _SOURCE_FIELDS = (("bootstrap_url", "remote_bootstrap_addr"), ("engine_id", "remote_engine_id"),
                   ("request_id", "remote_request_id"), ("block_ids", "remote_block_ids"),
                   ("num_tokens", "remote_num_tokens"), ("transfer_id", "transfer_id"),
-                  ("lease_s", "remote_lease_s"), ("prompt_sha", "remote_prompt_sha"))
+                  ("lease_s", "remote_lease_s"), ("prompt_sha", "remote_prompt_sha"), ("launch", "remote_launch"))
 _SEQUENTIAL = ("remote_engine_id", "remote_request_id", "remote_block_ids")
 
 
@@ -193,6 +194,7 @@ class RemoteSource:
     transfer_id: str | None = None
     lease_s: float | None = None  # prefill's lease; decode renews it while pulling
     prompt_sha: str | None = None  # prompt_digest of the tokens prefill computed: decode checks its own
+    launch: str | None = None  # prefill's start (RequestRecord.launch): decode reads only its ranks
 
     def __post_init__(self) -> None:
         for attr, name in _SOURCE_FIELDS:

@@ -226,7 +226,7 @@ class Producer:
         trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
                                   block_ids=groups, num_tokens=num_tokens, transfer_id=transfer_id,
-                                  lease_s=self.cfg.lease_s, prompt_sha=sha).to_params()
+                                  lease_s=self.cfg.lease_s, prompt_sha=sha, launch=self.launch).to_params()
 
     def _withdraw(self, rid: str) -> bool:
         """A publish refused: True when something freed the request meanwhile (vLLM waits for that free, in

@@ -54,7 +54,8 @@ class _Remote:
 
     key: tuple[str, str]  # (bootstrap url, engine id)
     legs: list[_Leg]
-    looked_up: float = 0.0  # when its ranks' registrations were asked for (monotonic)
+    looked_up: float = 0.0  # when the bootstrap server's answer naming its ranks arrived (monotonic)
+    launch: str | None = None  # the launch its ranks registered with (None: unfenced, or not one)
 
 
 class _Batches:
@@ -232,6 +233,7 @@ class Puller:
             now = time.monotonic()
             held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
             epoch, check = 0, blocks  # block ids from the params are checked against the record (lease.py)
+            rec = None
             if src.transfer_id is not None and (blocks is None or engine_id is None):
                 found = self._await_record(cli, spec, engine_id)
                 if found is None:
@@ -246,7 +248,7 @@ class Puller:
                 self._check_prompt(spec, rec.prompt_sha, rec.num_tokens)
                 held_until = now + rec.lease_remaining_s
                 renew_at = time.monotonic() + min(lease_s, rec.lease_remaining_s) / 3
-            remote = self._remote(cli, src.bootstrap_url, engine_id)
+            remote = self._remote(cli, src.bootstrap_url, engine_id, rec.launch if rec is not None else src.launch)
             if remote.looked_up > now:
                 # Its ranks were looked up after the record was asked for: a prefill that restarted in between
                 # (re-registered, the old process's records dropped) would be read at the old record's block
@@ -326,8 +328,13 @@ class Puller:
                 self._check_prompt(spec, rec.prompt_sha, rec.prompt_tokens)
             if not rec.partial:
                 return rec, asked
+            remote = self._remote(cli, src.bootstrap_url, rec.engine_id, rec.launch)
+            if remote.looked_up > asked:
+                # Its ranks were looked up after this progress was asked for: a prefill that restarted in
+                # between would be read at the old process's block ids. Asked again (``after`` unchanged):
+                # what the new lookup's registrations stand behind comes back at once.
+                continue
             after = rec.version
-            remote = self._remote(cli, src.bootstrap_url, rec.engine_id)
             whole = tuple(map(tuple, rec.block_ids))
             pairs: list[tuple[int, ...]] = ready_pairs(rid, spec.tables, whole)
             # layer-wise: the running step's blocks, in this rank's layers below rec.layers (all: whole)
@@ -338,21 +345,32 @@ class Puller:
                                                                                           rec.step_block_ids)))]
             self._apply(lambda t, now, rec=rec, pairs=pairs: t.piece(rid, remote, pairs, rec.epoch, now))
 
-    def _remote(self, cli, url: str, engine_id: str) -> _Remote:
+    def _remote(self, cli, url: str, engine_id: str, launch: str | None = None) -> _Remote:
         """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which). A
         remote kept from an earlier pull is used again unless a rank's peer is stale (transport
         ``peer_stale``: its process closed the connection, as a prefill restarted under the same engine id
         does): then the ranks are asked of the bootstrap server again and connected by the names their
         registrations give now, instead of failing the pull on the old process's name. If they name the
         same processes (a path that dropped idle connections: the next READ reopens them under the same
-        names), the kept remote stays, so pulls streaming through it keep their pieces."""
+        names), the kept remote stays, so pulls streaming through it keep their pieces.
+
+        ``launch``: the launch that published (or streams) what is about to be read (RequestRecord.launch).
+        Its block ids name memory of that launch's processes only: a kept remote of another launch is
+        looked up again, and ranks registered by another launch are refused (``engine_changed``: a rolling
+        restart, the old process still serving while the new one is registered under the same id)."""
         key = (url, engine_id)
         with self._lock:
             kept = self._remotes.get(key)
-        if kept is not None and not self._stale(kept):
+        if kept is not None and not self._stale(kept) and (launch is None or kept.launch in (None, launch)):
             return kept
-        looked_up = time.monotonic()
         regs = cli.engine_ranks(engine_id)
+        looked_up = time.monotonic()  # (after the answer: a registration it names may be that recent)
+        launches = {reg.launch for reg in regs}
+        registered = launches.pop() if len(launches) == 1 else None
+        if launch is not None and registered is not None and registered != launch:
+            raise PullFailed(f"prefill engine {engine_id}: the request comes from launch {launch}, but the engine's "
+                             f"ranks are registered by launch {registered} (replaced under the same engine id); "
+                             "nothing read", "engine_changed")
         try:
             legs = legs_for(engine_id, regs, LocalKV(
                 self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
@@ -369,18 +387,19 @@ class Puller:
                 p is leg.peer or p == leg.peer for p, leg in zip(peers, kept.legs)):
             return kept
         remote = _Remote(key, [_Leg(peer, layers, reg.tp_rank, reg.pp_rank)
-                               for peer, (reg, layers) in zip(peers, legs)], looked_up)
+                               for peer, (reg, layers) in zip(peers, legs)], looked_up, registered)
         with self._lock:  # two contacts at once: both use the first one's (one batch per engine)
             current = self._remotes.get(key)
-            if current is None or current is kept:
+            stored = current is None or current is kept
+            if stored:
                 self._remotes[key] = remote
-            else:
-                remote = current
-            if kept is not None:
-                self._stats.add("remote_refreshed")
+                if kept is not None:
+                    self._stats.add("remote_refreshed")
+        if not stored:  # (another contact's, of the same registrations or newer)
+            return current
         if kept is not None:
-            logger.info("kvlink: prefill engine %s closed its connections since the last pull and answers as "
-                        "other processes now (restarted)", engine_id)
+            logger.info("kvlink: prefill engine %s answers as other processes than at the last pull (restarted)",
+                        engine_id)
         logger.info("kvlink: connected to prefill engine %s (TP=%d, PP=%d) from tp%d pp%d: %s", engine_id,
                     regs[0].tp_size, regs[0].pp_size, self.rank.tp_rank, self.rank.pp_rank,
                     ", ".join(f"tp{reg.tp_rank} pp{reg.pp_rank} at {reg.transport_addr} ({len(layers)} layers)"

@@ -160,6 +160,10 @@ def test_a_replaced_process_can_no_longer_publish_stream_or_keep_the_new_ones_le
     table.publish("E", "r5", [[2]], 16)  # no launch named: not fenced
     assert table.stream_pieces("E", 0, 1, [piece], launch="B") == []
     assert {r.request_id for r in table.lookup("E", ["r4", "r5"]).ready} == {"r4", "r5"}
+    # Records name the launch whose memory their block ids are in (decode reads them only through its ranks):
+    # the publisher's, or for streamed progress the ranks' (pieces of another launch are refused).
+    assert {r.request_id: r.launch for r in table.lookup("E", ["r4", "r5"]).ready} == {"r4": "B", "r5": None}
+    assert table.lookup_transfer("t3", after=0).launch == "B"
 
 
 def test_a_request_cannot_publish_under_a_transfer_id_another_request_streams(table, engine):

@@ -608,6 +608,69 @@ def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_
         srv.stop()
 
 
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+@pytest.mark.parametrize("fence", [True, False])
+def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_kept(monkeypatch, mode, fence):
+    """Real TCP transport. A rolling restart under one engine id: the new process (launch L2, another port)
+    registers while the old one (L1) still serves, so decode's kept peers of L1 are not stale. The new
+    process's request names its launch (the record's ``launch``, the params' ``remote_launch``): decode looks
+    the ranks up again and reads L2's blocks. Control (``fence`` off: the launch not passed on, as before):
+    the kept remote reads the old process's memory at the new block ids and reports ok, the wrong KV."""
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    workers = []
+
+    def worker(engine_id, role, cache, launch=None, **cfg):
+        w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", **cfg),
+                           W.RankInfo(engine_id, 0, 1, 0, 1, "m", launch=launch), role)
+        workers.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    try:
+        old = worker("pre", "kv_producer", _cache(1.0), launch="L1")
+        old._ensure_registered(srv.url)
+        dst = _cache(0.0)
+        dec = worker("dec", "kv_consumer", dst, pull_timeout_s=30.0, lookup_wait_s=10.0)
+        with BootstrapClient(srv.url) as cli:
+            cli.publish("pre", "p-r1", [[2]], num_tokens=BLOCK, lease_s=30.0, launch="L1")
+        dec._submit(PullSpec(request_id="r1", local_block_ids=(1,), first_block=0, source=RemoteSource(
+            bootstrap_url=srv.url, engine_id="pre", request_id="p-r1", block_ids=((2,),), launch="L1")))
+        assert pull_outcome(dec, "r1") == "ok"
+        new = worker("pre", "kv_producer", _cache(50.0), launch="L2")  # the old one keeps serving
+        new._ensure_registered(srv.url)
+        with BootstrapClient(srv.url) as cli:
+            cli.publish("pre", "p-r2", [[4]], num_tokens=BLOCK, lease_s=30.0, launch="L2",
+                        transfer_id="t-r2" if mode == "concurrent" else None)
+        if not fence:
+            real = dec._remote
+            monkeypatch.setattr(dec, "_remote", lambda cli, url, engine_id, launch=None: real(cli, url, engine_id))
+        src = RemoteSource(bootstrap_url=srv.url, engine_id="pre", request_id="p-r2", block_ids=((4,),),
+                           launch="L2") if mode == "sequential" else \
+            RemoteSource(bootstrap_url=srv.url, engine_id="pre", transfer_id="t-r2")
+        dec._submit(PullSpec(request_id="r2", local_block_ids=(3,), first_block=0, source=src))
+        assert pull_outcome(dec, "r2") == "ok"
+        layer = next(iter(dst.values()))
+        new_block, old_block = (next(iter(w.kv_caches.values()))[4] for w in (new, old))
+        assert not torch.equal(new_block, old_block)
+        assert torch.equal(layer[3], new_block if fence else old_block)
+        if fence and mode == "sequential":  # params of a launch no rank is registered by: refused, nothing read
+            before = layer[5].clone()
+            dec._submit(PullSpec(request_id="r3", local_block_ids=(5,), first_block=0, source=RemoteSource(
+                bootstrap_url=srv.url, engine_id="pre", request_id="p-r2", block_ids=((4,),), launch="L9")))
+            assert pull_outcome(dec, "r3") == "failed" and torch.equal(layer[5], before)
+            assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
+    finally:
+        for w in reversed(workers):
+            w.shutdown()
+        srv.stop()
+
+
 def test_connections_a_middlebox_dropped_keep_the_remote_and_its_peers():
     """Real TCP through a relay (prefill advertises it). The relay drops every idle connection of a live
     prefill: decode's kept peers read stale, it asks for the ranks again, they name the same process, so
