@@ -1,5 +1,6 @@
-"""A prefill server restarted under the same engine id, bootstrap port and transport port (a pod restarted
-with a fixed ``engine_id`` and fixed ports), with a decode that outlives it.
+"""A prefill server replaced under the same engine id, with a decode that outlives it: restarted at the same
+bootstrap and transport ports (a pod restarted with a fixed ``engine_id`` and ports), or rolled (a new
+process registered with a shared bootstrap server while the old one still serves).
 
 Decode keeps its connection to a prefill engine between requests. Before, the first pull after such a
 restart went to the kept peer, whose reconnect heard the new process's name and failed the pull
@@ -51,3 +52,43 @@ def test_the_first_request_after_a_prefill_restart_is_pulled_from_the_new_proces
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_rolling_restart_is_read_from_the_new_process_while_the_old_one_still_serves(tiny_model, tmp_path):
+    """A standalone bootstrap server; the new prefill registers under the old one's engine id while the old
+    one keeps serving (Kubernetes' default rolling update). Decode's connections to the old process are not
+    stale: only the launch the new process's params name (``remote_launch``) tells decode to look the
+    ranks up again. Before, decode read the new process's block ids in the old process's memory: fluent,
+    wrong tokens. The old process's own publishes are refused by the server, so decode computes those."""
+    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    pre_kv = dict(kv_config("kv_producer", bootstrap_url=srv.url, transport_backend="tcp", lease_s=30.0),
+                  engine_id=ENGINE)
+    dec_kv = dict(kv_config("kv_consumer", transport_backend="tcp", lookup_wait_s=10.0),
+                  kv_load_failure_policy="fail")
+    old = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill-old.log")
+    dec = Server(tiny_model, dec_kv, cpu=1, log=tmp_path / "decode.log")
+    servers = [old, dec]
+    try:
+        old.wait_ready()
+        dec.wait_ready()
+        prompts = token_prompts([120, 150, 90], seed=43)
+        want0 = text(complete(old.url, prompts[0]))
+        assert _pd(old, dec, prompts[0]) == want0
+        new = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill-new.log")  # the old one keeps serving
+        servers.append(new)
+        new.wait_ready()
+        # Computed on the new process (never seen by the old one, whose blocks at the same ids hold other KV).
+        want = [text(complete(new.url, p)) for p in prompts[1:]]
+        assert _pd(new, dec, prompts[1]) == want[0]
+        assert dec.metric("kvlink_pulls_ok_total") == 2
+        assert dec.metric("kvlink_remote_refreshed_total") == 1
+        # The old process still answers; the server refuses its publish, so decode computes the prompt.
+        assert _pd(old, dec, prompts[2]) == want[1]
+        assert dec.metric("kvlink_pulls_ok_total") == 2
+        assert (dec.metric("kvlink_pulls_failed_total") or 0) == 0
+    finally:
+        for s in servers:
+            s.stop()
+        srv.stop()
