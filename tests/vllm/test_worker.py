@@ -439,114 +439,124 @@ def test_a_post_that_raises_before_any_read_fails_its_pull_instead_of_stranding_
     assert pull_outcome(dec, "x2") == "ok"
 
 
-def test_a_registration_whose_address_another_process_took_is_never_read(monkeypatch):
+class _TcpWorkers:
+    """Workers over the real TCP transport, with one bootstrap server (``url``); every worker made, then the
+    server, is shut down after the test, and ``closing`` callables run first."""
+
+    def __init__(self):
+        from kvlink.bootstrap import BootstrapConfig, BootstrapServer
+
+        self.srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+        self.url = self.srv.url
+        self.made: list = []
+        self.closing: list = []
+
+    def worker(self, cfg, engine_id: str, role: str, cache: dict, launch: str | None = None):
+        from kvlink.vllm import worker as W
+
+        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m", launch=launch), role)
+        self.made.append(w)
+        w.register_kv_caches(cache)
+        return w
+
+    def decode(self, cache: dict, **cfg):
+        """A decode worker over ``cache`` (pull timeout 30 s, lookups 10 s)."""
+        from kvlink.vllm.config import ConnectorConfig
+
+        return self.worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0, **cfg),
+                           "dec", "kv_consumer", cache)
+
+    def close(self) -> None:
+        for fn in self.closing:
+            fn()
+        for w in reversed(self.made):
+            w.shutdown()
+        self.srv.stop()
+
+
+@pytest.fixture
+def tcp():
+    t = _TcpWorkers()
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def test_a_registration_whose_address_another_process_took_is_never_read(tcp, monkeypatch):
     """Real TCP transport. Prefill dies without unregistering (its registration lives out its lease) and
     another engine's worker takes its transport port, with its own KV behind the same region ids. Decode's
     first contact with the dead engine connects only to the process its registration names: the pull
     fails ``engine_changed`` and no byte lands. Control: connecting to whatever answers at the address (as
     before) reads the other process's blocks and reports the pull ok."""
-    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
     from kvlink.vllm import puller as P
-    from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
     from tests.ports import free_port
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port(), engine_lease_s=120.0)
-    workers = []
+    pre = tcp.worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+    pre._ensure_registered(tcp.url)
+    pre.shutdown()  # died: no unregister, its registration stays for its lease
+    other = tcp.worker(pre_cfg, "other", "kv_producer", _cache(50.0))  # the same port, another process's KV
+    other._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    before = {n: t.clone() for n, t in dst.items()}
+    dec = tcp.decode(dst)
+    _pull(dec, tcp.url, "r", [(1, 2), (3, 4)])
+    assert pull_outcome(dec, "r") == "failed"
+    assert all(torch.equal(dst[n], before[n]) for n in dst), "a byte of the other process landed"
+    assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
 
-    def worker(cfg, engine_id, role, cache):
-        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
-
-    try:
-        pre = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
-        pre._ensure_registered(srv.url)
-        pre.shutdown()  # died: no unregister, its registration stays for its lease
-        other = worker(pre_cfg, "other", "kv_producer", _cache(50.0))  # the same port, another process's KV
-        other._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        before = {n: t.clone() for n, t in dst.items()}
-        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
-                     "kv_consumer", dst)
-        _pull(dec, srv.url, "r", [(1, 2), (3, 4)])
-        assert pull_outcome(dec, "r") == "failed"
-        assert all(torch.equal(dst[n], before[n]) for n in dst), "a byte of the other process landed"
-        assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
-
-        monkeypatch.setattr(P, "expected_name", lambda reg: None)  # control: any engine at the address
-        _pull(dec, srv.url, "r2", [(1, 2), (3, 4)])
-        assert pull_outcome(dec, "r2") == "ok"
-        layer = next(iter(dst.values()))
-        assert torch.equal(layer[1], next(iter(other.kv_caches.values()))[2])  # the other process's block
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        srv.stop()
+    monkeypatch.setattr(P, "expected_name", lambda reg: None)  # control: any engine at the address
+    _pull(dec, tcp.url, "r2", [(1, 2), (3, 4)])
+    assert pull_outcome(dec, "r2") == "ok"
+    layer = next(iter(dst.values()))
+    assert torch.equal(layer[1], next(iter(other.kv_caches.values()))[2])  # the other process's block
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(monkeypatch, check):
+def test_a_prefill_restarted_under_the_same_engine_id_is_read_at_once(tcp, monkeypatch, check):
     """Real TCP transport. Decode keeps its connection to a prefill engine between pulls. The prefill
     restarts under the same engine id and transport port (a pod restarted with a fixed ``engine_id``): a
     new process, registered under a new instance. Decode's kept peer reads stale (the old process closed
     its connections), so it asks for the engine's ranks again and reads the new process's blocks: the first
     pull after the restart succeeds. Control (``check`` off: the kept peer trusted, as before): that pull
     fails (the reconnect hears the new name: PeerChanged), and no byte lands."""
-    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
-    from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
     from tests.ports import free_port
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port())
-    workers = []
-
-    def worker(cfg, engine_id, role, cache):
-        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
-
-    try:
-        pre = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
-        pre._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
-                     "kv_consumer", dst)
-        _pull(dec, srv.url, "r1", [(1, 2)])
-        assert pull_outcome(dec, "r1") == "ok"
-        pre.shutdown()
-        new = worker(pre_cfg, "pre", "kv_producer", _cache(50.0))  # same engine id and port, another process
-        new._ensure_registered(srv.url)
-        peer = next(iter(dec._remotes.values())).legs[0].peer
-        deadline = time.monotonic() + 10
-        while not dec.engine.peer_stale(peer):  # the old process's connections seen closed
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        if not check:
-            monkeypatch.setattr(dec.engine, "peer_stale", lambda peer: False)
-        before = {n: t.clone() for n, t in dst.items()}
-        _pull(dec, srv.url, "r2", [(3, 4)])
-        layer, src = next(iter(dst.values())), next(iter(new.kv_caches.values()))
-        if check:
-            assert pull_outcome(dec, "r2") == "ok"
-            assert torch.equal(layer[3], src[4])  # the new process's block
-            assert dec.get_stats().data.get("remote_refreshed") == 1
-        else:
-            assert pull_outcome(dec, "r2") == "failed"
-            assert all(torch.equal(dst[n], before[n]) for n in dst)
-            assert dec.get_stats().data.get("remote_refreshed", 0) == 0
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        srv.stop()
+    pre = tcp.worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+    pre._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    dec = tcp.decode(dst)
+    _pull(dec, tcp.url, "r1", [(1, 2)])
+    assert pull_outcome(dec, "r1") == "ok"
+    pre.shutdown()
+    new = tcp.worker(pre_cfg, "pre", "kv_producer", _cache(50.0))  # same engine id and port, another process
+    new._ensure_registered(tcp.url)
+    peer = next(iter(dec._remotes.values())).legs[0].peer
+    deadline = time.monotonic() + 10
+    while not dec.engine.peer_stale(peer):  # the old process's connections seen closed
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    if not check:
+        monkeypatch.setattr(dec.engine, "peer_stale", lambda peer: False)
+    before = {n: t.clone() for n, t in dst.items()}
+    _pull(dec, tcp.url, "r2", [(3, 4)])
+    layer, src = next(iter(dst.values())), next(iter(new.kv_caches.values()))
+    if check:
+        assert pull_outcome(dec, "r2") == "ok"
+        assert torch.equal(layer[3], src[4])  # the new process's block
+        assert dec.get_stats().data.get("remote_refreshed") == 1
+    else:
+        assert pull_outcome(dec, "r2") == "failed"
+        assert all(torch.equal(dst[n], before[n]) for n in dst)
+        assert dec.get_stats().data.get("remote_refreshed", 0) == 0
 
 
 @pytest.mark.parametrize("renew", [True, False])
-def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_read_is_trusted(
+def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_read_is_trusted(tcp, 
         monkeypatch, renew):
     """Real TCP transport, concurrent pairing. Decode has prefill's published record in hand when the
     prefill process dies and a new one registers under the same engine id and port (its registration drops
@@ -554,220 +564,155 @@ def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_
     The old record's block ids name the new process's memory: no read is trusted until a renewal proves the
     record still stands, and it does not, so the pull fails. Control (``renew`` off: the record's lease
     trusted, as before): the pull reports ok with the new process's bytes, the wrong KV."""
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.bootstrap import BootstrapClient
     from kvlink.vllm import puller as P
-    from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.metadata import PullSpec
     from kvlink.vllm.params import RemoteSource
     from tests.ports import free_port
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     pre_cfg = ConnectorConfig(transport_backend="tcp", transport_port=free_port())
-    workers = []
+    old = tcp.worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
+    old._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    dec = tcp.decode(dst)
+    with BootstrapClient(tcp.url) as cli:
+        cli.publish("pre", "p-r", [[2]], num_tokens=BLOCK, lease_s=30.0, transfer_id="t-r")
+    real, replaced = dec._remote, []
 
-    def worker(cfg, engine_id, role, cache):
-        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
+    def restart_then_remote(*a, **kw):  # between decode's record and its lookup of the ranks
+        if not replaced:
+            old.shutdown()
+            new = tcp.worker(pre_cfg, "pre", "kv_producer", _cache(50.0))
+            new._ensure_registered(tcp.url)
+            replaced.append(new)
+        return real(*a, **kw)
 
-    try:
-        old = worker(pre_cfg, "pre", "kv_producer", _cache(1.0))
-        old._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
-                     "kv_consumer", dst)
-        with BootstrapClient(srv.url) as cli:
-            cli.publish("pre", "p-r", [[2]], num_tokens=BLOCK, lease_s=30.0, transfer_id="t-r")
-        real, replaced = dec._remote, []
-
-        def restart_then_remote(*a, **kw):  # between decode's record and its lookup of the ranks
-            if not replaced:
-                old.shutdown()
-                new = worker(pre_cfg, "pre", "kv_producer", _cache(50.0))
-                new._ensure_registered(srv.url)
-                replaced.append(new)
-            return real(*a, **kw)
-
-        monkeypatch.setattr(dec, "_remote", restart_then_remote)
-        if not renew:
-            monkeypatch.setattr(P._Remote, "looked_up", property(lambda self: 0.0, lambda self, v: None))
-        dec._submit(PullSpec(request_id="r", local_block_ids=(1,), first_block=0,
-                             source=RemoteSource(bootstrap_url=srv.url, engine_id="pre", transfer_id="t-r")))
-        outcome = pull_outcome(dec, "r")
-        assert replaced, "the restart did not happen between the record and the connect"
-        layer, new_block = next(iter(dst.values())), next(iter(replaced[0].kv_caches.values()))[2]
-        if renew:
-            assert outcome == "failed"
-        else:
-            assert outcome == "ok" and torch.equal(layer[1], new_block)  # the wrong KV, trusted
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        srv.stop()
+    monkeypatch.setattr(dec, "_remote", restart_then_remote)
+    if not renew:
+        monkeypatch.setattr(P._Remote, "looked_up", property(lambda self: 0.0, lambda self, v: None))
+    dec._submit(PullSpec(request_id="r", local_block_ids=(1,), first_block=0,
+                         source=RemoteSource(bootstrap_url=tcp.url, engine_id="pre", transfer_id="t-r")))
+    outcome = pull_outcome(dec, "r")
+    assert replaced, "the restart did not happen between the record and the connect"
+    layer, new_block = next(iter(dst.values())), next(iter(replaced[0].kv_caches.values()))[2]
+    if renew:
+        assert outcome == "failed"
+    else:
+        assert outcome == "ok" and torch.equal(layer[1], new_block)  # the wrong KV, trusted
 
 
 @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
 @pytest.mark.parametrize("fence", [True, False])
-def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_kept(monkeypatch, mode, fence):
+def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_kept(tcp, monkeypatch, mode, fence):
     """Real TCP transport. A rolling restart under one engine id: the new process (launch L2, another port)
     registers while the old one (L1) still serves, so decode's kept peers of L1 are not stale. The new
     process's request names its launch (the record's ``launch``, the params' ``remote_launch``): decode looks
     the ranks up again and reads L2's blocks. Control (``fence`` off: the launch not passed on, as before):
     the kept remote reads the old process's memory at the new block ids and reports ok, the wrong KV."""
-    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
-    from kvlink.vllm import worker as W
+    from kvlink.bootstrap import BootstrapClient
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.metadata import PullSpec
     from kvlink.vllm.params import RemoteSource
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    workers = []
-
-    def worker(engine_id, role, cache, launch=None, **cfg):
-        w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp", **cfg),
-                           W.RankInfo(engine_id, 0, 1, 0, 1, "m", launch=launch), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
-
-    try:
-        old = worker("pre", "kv_producer", _cache(1.0), launch="L1")
-        old._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        dec = worker("dec", "kv_consumer", dst, pull_timeout_s=30.0, lookup_wait_s=10.0)
-        with BootstrapClient(srv.url) as cli:
-            cli.publish("pre", "p-r1", [[2]], num_tokens=BLOCK, lease_s=30.0, launch="L1")
-        dec._submit(PullSpec(request_id="r1", local_block_ids=(1,), first_block=0, source=RemoteSource(
-            bootstrap_url=srv.url, engine_id="pre", request_id="p-r1", block_ids=((2,),), launch="L1")))
-        assert pull_outcome(dec, "r1") == "ok"
-        new = worker("pre", "kv_producer", _cache(50.0), launch="L2")  # the old one keeps serving
-        new._ensure_registered(srv.url)
-        with BootstrapClient(srv.url) as cli:
-            cli.publish("pre", "p-r2", [[4]], num_tokens=BLOCK, lease_s=30.0, launch="L2",
-                        transfer_id="t-r2" if mode == "concurrent" else None)
-        if not fence:
-            real = dec._remote
-            monkeypatch.setattr(dec, "_remote", lambda cli, url, engine_id, launch=None: real(cli, url, engine_id))
-        src = RemoteSource(bootstrap_url=srv.url, engine_id="pre", request_id="p-r2", block_ids=((4,),),
-                           launch="L2") if mode == "sequential" else \
-            RemoteSource(bootstrap_url=srv.url, engine_id="pre", transfer_id="t-r2")
-        dec._submit(PullSpec(request_id="r2", local_block_ids=(3,), first_block=0, source=src))
-        assert pull_outcome(dec, "r2") == "ok"
-        layer = next(iter(dst.values()))
-        new_block, old_block = (next(iter(w.kv_caches.values()))[4] for w in (new, old))
-        assert not torch.equal(new_block, old_block)
-        assert torch.equal(layer[3], new_block if fence else old_block)
-        if fence and mode == "sequential":  # params of a launch no rank is registered by: refused, nothing read
-            before = layer[5].clone()
-            dec._submit(PullSpec(request_id="r3", local_block_ids=(5,), first_block=0, source=RemoteSource(
-                bootstrap_url=srv.url, engine_id="pre", request_id="p-r2", block_ids=((4,),), launch="L9")))
-            assert pull_outcome(dec, "r3") == "failed" and torch.equal(layer[5], before)
-            assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        srv.stop()
+    old = tcp.worker(ConnectorConfig(transport_backend="tcp"), "pre", "kv_producer", _cache(1.0), launch="L1")
+    old._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    dec = tcp.decode(dst)
+    with BootstrapClient(tcp.url) as cli:
+        cli.publish("pre", "p-r1", [[2]], num_tokens=BLOCK, lease_s=30.0, launch="L1")
+    dec._submit(PullSpec(request_id="r1", local_block_ids=(1,), first_block=0, source=RemoteSource(
+        bootstrap_url=tcp.url, engine_id="pre", request_id="p-r1", block_ids=((2,),), launch="L1")))
+    assert pull_outcome(dec, "r1") == "ok"
+    # the old one keeps serving
+    new = tcp.worker(ConnectorConfig(transport_backend="tcp"), "pre", "kv_producer", _cache(50.0), launch="L2")
+    new._ensure_registered(tcp.url)
+    with BootstrapClient(tcp.url) as cli:
+        cli.publish("pre", "p-r2", [[4]], num_tokens=BLOCK, lease_s=30.0, launch="L2",
+                    transfer_id="t-r2" if mode == "concurrent" else None)
+    if not fence:
+        real = dec._remote
+        monkeypatch.setattr(dec, "_remote", lambda cli, url, engine_id, launch=None: real(cli, url, engine_id))
+    src = RemoteSource(bootstrap_url=tcp.url, engine_id="pre", request_id="p-r2", block_ids=((4,),),
+                       launch="L2") if mode == "sequential" else \
+        RemoteSource(bootstrap_url=tcp.url, engine_id="pre", transfer_id="t-r2")
+    dec._submit(PullSpec(request_id="r2", local_block_ids=(3,), first_block=0, source=src))
+    assert pull_outcome(dec, "r2") == "ok"
+    layer = next(iter(dst.values()))
+    new_block, old_block = (next(iter(w.kv_caches.values()))[4] for w in (new, old))
+    assert not torch.equal(new_block, old_block)
+    assert torch.equal(layer[3], new_block if fence else old_block)
+    if fence and mode == "sequential":  # params of a launch no rank is registered by: refused, nothing read
+        before = layer[5].clone()
+        dec._submit(PullSpec(request_id="r3", local_block_ids=(5,), first_block=0, source=RemoteSource(
+            bootstrap_url=tcp.url, engine_id="pre", request_id="p-r2", block_ids=((4,),), launch="L9")))
+        assert pull_outcome(dec, "r3") == "failed" and torch.equal(layer[5], before)
+        assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
 
 
-def test_connections_a_middlebox_dropped_keep_the_remote_and_its_peers():
+def test_connections_a_middlebox_dropped_keep_the_remote_and_its_peers(tcp):
     """Real TCP through a relay (prefill advertises it). The relay drops every idle connection of a live
     prefill: decode's kept peers read stale, it asks for the ranks again, they name the same process, so
     the kept remote object stays (pulls streaming through it keep their pieces; nothing counted as a
     restart) and the next READs reopen the connections."""
-    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
-    from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
     from tests.ports import free_port
     from tests.relay import Relay
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
     tport = free_port()
     relay = Relay(f"127.0.0.1:{tport}")
-    workers = []
+    tcp.closing.append(relay.close)
 
-    def worker(cfg, engine_id, role, cache):
-        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
-
-    try:
-        pre = worker(ConnectorConfig(transport_backend="tcp", transport_port=tport,
-                                     transport_advertise=relay.address), "pre", "kv_producer", _cache(1.0))
-        pre._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        dec = worker(ConnectorConfig(transport_backend="tcp", pull_timeout_s=30.0, lookup_wait_s=10.0), "dec",
-                     "kv_consumer", dst)
-        _pull(dec, srv.url, "r1", [(1, 2)])
-        assert pull_outcome(dec, "r1") == "ok"
-        remote = next(iter(dec._remotes.values()))
-        relay.drop()
-        peer = remote.legs[0].peer
-        deadline = time.monotonic() + 10
-        while not dec.engine.peer_stale(peer):
-            assert time.monotonic() < deadline, "the dropped connections never read stale"
-            time.sleep(0.02)
-        for i, (lb, rb) in enumerate([(3, 4), (4, 5), (5, 1)]):
-            _pull(dec, srv.url, f"r{i + 2}", [(lb, rb)])
-            assert pull_outcome(dec, f"r{i + 2}") == "ok"
-        assert next(iter(dec._remotes.values())) is remote
-        layer, src = next(iter(dst.values())), next(iter(pre.kv_caches.values()))
-        assert all(torch.equal(layer[lb], src[rb]) for lb, rb in [(3, 4), (4, 5), (5, 1)])
-        assert dec.get_stats().data.get("remote_refreshed", 0) == 0
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        relay.close()
-        srv.stop()
+    pre = tcp.worker(ConnectorConfig(transport_backend="tcp", transport_port=tport,
+                                 transport_advertise=relay.address), "pre", "kv_producer", _cache(1.0))
+    pre._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    dec = tcp.decode(dst)
+    _pull(dec, tcp.url, "r1", [(1, 2)])
+    assert pull_outcome(dec, "r1") == "ok"
+    remote = next(iter(dec._remotes.values()))
+    relay.drop()
+    peer = remote.legs[0].peer
+    deadline = time.monotonic() + 10
+    while not dec.engine.peer_stale(peer):
+        assert time.monotonic() < deadline, "the dropped connections never read stale"
+        time.sleep(0.02)
+    for i, (lb, rb) in enumerate([(3, 4), (4, 5), (5, 1)]):
+        _pull(dec, tcp.url, f"r{i + 2}", [(lb, rb)])
+        assert pull_outcome(dec, f"r{i + 2}") == "ok"
+    assert next(iter(dec._remotes.values())) is remote
+    layer, src = next(iter(dst.values())), next(iter(pre.kv_caches.values()))
+    assert all(torch.equal(layer[lb], src[rb]) for lb, rb in [(3, 4), (4, 5), (5, 1)])
+    assert dec.get_stats().data.get("remote_refreshed", 0) == 0
 
 
-def test_a_kept_peer_closed_to_make_room_is_connected_again_not_failed():
+def test_a_kept_peer_closed_to_make_room_is_connected_again_not_failed(tcp):
     """Real TCP transport, a decode rank whose peer table holds one peer (``transport_max_peers`` 1). A pull
     from engine B closes A's idle peer to make room while decode still keeps A's remote: the next pull from
     A sees that peer gone (``peer_stale``), asks for A's ranks again and connects anew instead of failing
     on the closed peer's id (before: that pull failed once, UnknownPeer)."""
-    from kvlink.bootstrap import BootstrapConfig, BootstrapServer
     from kvlink.bootstrap import BootstrapClient
-    from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
 
-    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
-    workers = []
-
-    def worker(cfg, engine_id, role, cache):
-        w = W.KVLinkWorker(cfg, W.RankInfo(engine_id, 0, 1, 0, 1, "m"), role)
-        workers.append(w)
-        w.register_kv_caches(cache)
-        return w
-
     def pull(rid, engine, pairs):
-        with BootstrapClient(srv.url) as cli:
+        with BootstrapClient(tcp.url) as cli:
             cli.publish(engine, "p-" + rid, [[r for _, r in pairs]], num_tokens=BLOCK * len(pairs), lease_s=30.0)
-        submit_pull(dec, srv.url, rid, pairs, engine_id=engine)
+        submit_pull(dec, tcp.url, rid, pairs, engine_id=engine)
         return pull_outcome(dec, rid)
 
-    try:
-        a = worker(ConnectorConfig(transport_backend="tcp"), "a", "kv_producer", _cache(1.0))
-        b = worker(ConnectorConfig(transport_backend="tcp"), "b", "kv_producer", _cache(50.0))
-        a._ensure_registered(srv.url)
-        b._ensure_registered(srv.url)
-        dst = _cache(0.0)
-        dec = worker(ConnectorConfig(transport_backend="tcp", transport_max_peers=1, pull_timeout_s=30.0,
-                                     lookup_wait_s=10.0), "dec", "kv_consumer", dst)
-        assert pull("r1", "a", [(1, 2)]) == "ok"
-        assert pull("r2", "b", [(2, 3)]) == "ok"  # A's peer closed to make room
-        assert pull("r3", "a", [(3, 4)]) == "ok"
-        layer = next(iter(dst.values()))
-        assert torch.equal(layer[3], next(iter(a.kv_caches.values()))[4])
-        stats = dec.get_stats().data
-        assert stats.get("remote_refreshed") == 1 and stats.get("pulls_failed", 0) == 0
-    finally:
-        for w in reversed(workers):
-            w.shutdown()
-        srv.stop()
-
+    a = tcp.worker(ConnectorConfig(transport_backend="tcp"), "a", "kv_producer", _cache(1.0))
+    b = tcp.worker(ConnectorConfig(transport_backend="tcp"), "b", "kv_producer", _cache(50.0))
+    a._ensure_registered(tcp.url)
+    b._ensure_registered(tcp.url)
+    dst = _cache(0.0)
+    dec = tcp.decode(dst, transport_max_peers=1)
+    assert pull("r1", "a", [(1, 2)]) == "ok"
+    assert pull("r2", "b", [(2, 3)]) == "ok"  # A's peer closed to make room
+    assert pull("r3", "a", [(3, 4)]) == "ok"
+    layer = next(iter(dst.values()))
+    assert torch.equal(layer[3], next(iter(a.kv_caches.values()))[4])
+    stats = dec.get_stats().data
+    assert stats.get("remote_refreshed") == 1 and stats.get("pulls_failed", 0) == 0
 
 def test_the_transport_limits_reach_the_engine():
     """transport_max_conns / transport_max_peers configure each worker's transport engine (real TCP)."""
