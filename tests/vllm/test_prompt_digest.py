@@ -147,7 +147,8 @@ def test_a_streamed_pull_reads_nothing_of_a_prompt_of_another_length(decode_toke
     finally:
         sched.shutdown()
     sha = prompt_digest(range(10, 74))  # prefill's prompt: 64 tokens, the first 40/60 of them decode's own
-    common = dict(prompt_sha=sha, prompt_tokens=64, engine_id="pre", request_id="p1", epoch=0, layers=0)
+    common = dict(prompt_sha=sha, prompt_tokens=64, engine_id="pre", request_id="p1", epoch=0, layers=0,
+                  launch=None)
     piece = SimpleNamespace(partial=True, block_ids=[[11, 12]], step_block_ids=[], version=1, **common)
     record = SimpleNamespace(partial=False, block_ids=[[11, 12, 13, 14]], num_tokens=64, lease_remaining_s=30.0,
                              version=2, **common)
@@ -155,7 +156,8 @@ def test_a_streamed_pull_reads_nothing_of_a_prompt_of_another_length(decode_toke
     try:
         w._layer_ids, w._layer_rank = None, {}
         w._clients_for = lambda url: _Answers([piece, record])
-        w._remote = lambda cli, url, engine_id: "prefill"
+        prefill = type("Remote", (), {"looked_up": 0.0})()  # connected before anything was asked
+        w._remote = lambda cli, url, engine_id, launch=None: prefill
         carried = []
         w._carry_out = carried.extend
         w._table.submit(spec, 0.0)
