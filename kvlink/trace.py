@@ -14,7 +14,8 @@ thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the
 request's external tokens), ``pull_start``, ``resolve``, ``answer`` (a long poll answered: pieces or the
 record), ``read_post`` / ``read_end`` (a batch of READs), ``pull_done`` (the worker has the outcome),
 ``recv_collected`` (vLLM's scheduler took it from a step's output), ``step`` (each scheduler step, with
-its scheduled token count: the request's first forward is the first step with tokens after it).
+its scheduled token count: the request's first forward is the first step with tokens after it),
+``lockstep_end`` (a lock-step step's worker has its armed requests' outcomes; vLLM's sampling follows).
 Off, ``event`` is one global test; call sites that would build a field first ask ``enabled()``.
 """
 

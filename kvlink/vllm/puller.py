@@ -662,6 +662,7 @@ class Puller:
         requests ``shared`` whose blocks another request of the step may have read from the prefix cache);
         the blocks of those that failed are this step's load errors (vLLM then fails the requests)."""
         self.lockstep_wait([*rids, *shared], None)
+        trace.event("lockstep_end", rids=rids)
         with self._lock:
             for rid in rids:
                 failed = self._table.take_step(rid)
