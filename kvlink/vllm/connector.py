@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvlink.vllm.compat import check_vllm_api, kv_format, rope_desc
+from kvlink.vllm.compat import check_vllm_api, kv_format, rope_desc, weights_desc
 
 check_vllm_api()  # a clear message at start-up instead of an AttributeError mid-request
 
@@ -322,6 +322,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
                             kv_format=kv_format(getattr(vllm_config.cache_config, "cache_dtype", ""),
                                                 _platform_fp8()),
                             rope=rope_desc(getattr(mc, "hf_text_config", None), getattr(mc, "max_model_len", None)),
+                            weights=weights_desc(mc),
                             dp_local=dp_local_of(vllm_config), launch=launch_of(vllm_config))
             self._worker = KVLinkWorker(self.config, rank, kv.kv_role,
                                         slot_bytes=_worker_slot_bytes(vllm_config, kv_cache_config),

@@ -47,7 +47,7 @@ class LocalKV:
     compat_hash: str
     groups: dict[str, int]  # layer name -> KV cache group
     layouts: dict[str, BlockLayout] | None = None  # per layer where they differ (state layers); else ``layout``
-    scales: dict[str, tuple[float, float]] | None = None  # fp8 caches: each layer's (K, V) scale (compat.kv_scales)
+    scales: dict[str, tuple[float, float]] | None = None  # quantized caches (fp8, nvfp4, ...): each layer's (K, V) scale (compat.kv_scales)
 
 
 def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
@@ -143,7 +143,7 @@ def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[Laye
                              f"head(s) of this model's layout take {want} B", "block_bytes")
         if local.scales and n in local.scales and (spec.k_scale, spec.v_scale) != local.scales[n]:
             k, v = local.scales[n]
-            raise PullFailed(f"prefill engine {engine_id} has fp8 K/V scales {spec.k_scale}/{spec.v_scale} in layer "
+            raise PullFailed(f"prefill engine {engine_id} has K/V scales {spec.k_scale}/{spec.v_scale} in layer "
                              f"{n}, this engine {k}/{v}: its KV bytes would decode to other values here (load "
                              "both engines from the same checkpoint and quantization config)", "kv_scales")
         remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)

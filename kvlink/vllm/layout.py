@@ -30,6 +30,7 @@ model's total KV heads.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from math import prod
 
@@ -96,22 +97,30 @@ def head_geometry(g: Geometry, layout: BlockLayout, first: int, heads: int) -> G
     return Geometry(g.offset + first * layout.head_bytes, g.block_stride, stride)
 
 
-def state_layout(parts: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]) -> BlockLayout:
+def state_layout(parts: list[tuple[int, tuple[int, ...], tuple[int, ...], int, str]]) -> BlockLayout:
     """A layer whose block is a per-request state (Mamba: conv state, then SSM state, packed in one page of a
     buffer vLLM shares with the other groups): ``parts`` are the state tensors as (data pointer, shape,
-    strides in elements, element size), each ``[num_blocks, ...]``. One segment per block, from the first
-    tensor's pointer to the end of the last state byte; moved whole (never cut by heads)."""
-    base, shape0, strides0, size0 = parts[0]
+    strides in elements, element size, dtype name), each ``[num_blocks, ...]``. One segment per block, from
+    the first tensor's pointer to the end of the last state byte; moved whole (never cut by heads). The
+    description names each part's offset in the page, dtype, shape and strides: two engines whose states
+    fill a page of the same size otherwise (a conv state stored transposed, ``VLLM_SSM_CONV_STATE_LAYOUT``;
+    an SSM state in float16 against bfloat16, ``--mamba-ssm-cache-dtype``) must not pair."""
+    base, shape0, strides0, size0, _ = parts[0]
     page, num_blocks = strides0[0] * size0, shape0[0]
-    what = f"state tensors {[(list(sh), list(st)) for _, sh, st, _ in parts]}"
+    what = f"state tensors {[(list(sh), list(st)) for _, sh, st, _, _ in parts]}"
     end = 0
-    for ptr, shape, strides, size in parts:
+    kinds = []
+    for ptr, shape, strides, size, dtype in parts:
         row = (sum((n - 1) * st for n, st in zip(shape[1:], strides[1:])) + 1) * size
         if shape[0] != num_blocks or strides[0] * size != page or ptr < base or ptr - base + row > page:
             raise LayoutError(f"{what}: the state tensors of a block do not share one page of {page} bytes")
         end = max(end, ptr - base + row)
+        kinds.append(f"{ptr - base}:{dtype}:{'x'.join(map(str, shape[1:]))}:{'.'.join(map(str, strides[1:]))}")
+    parts_desc = ",".join(kinds)
+    if len(parts_desc) > 160:  # (a registration's values are short; the digest tells them apart as well)
+        parts_desc = "sha256:" + hashlib.sha256(parts_desc.encode()).hexdigest()[:24]
     return BlockLayout(num_blocks=num_blocks, segments=1, segment_stride=0, block_stride=page, segment_bytes=end,
-                       span=(num_blocks - 1) * page + end, desc=f"state:{end}")
+                       span=(num_blocks - 1) * page + end, desc=f"state:{end}:{parts_desc}")
 
 
 def block_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, mla: bool = False) -> BlockLayout:

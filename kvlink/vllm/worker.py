@@ -81,8 +81,9 @@ class RankInfo:
     mla: bool = False  # the KV cache is MLA's latent (no heads)
     num_layers: int = 0  # the model's KV layers, all PP stages (0: the layers this rank registers)
     groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
-    kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (fp8 variants share the uint8 tensor dtype)
+    kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (quantized formats share uint8 tensors)
     rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
+    weights: str = ""  # compat.weights_desc: the checkpoint's revision and weight quantization, where set
     dp_local: int = 0  # this engine's DP rank on its host (connector.dp_local_of; 0 without data parallelism)
     launch: str | None = None  # this engine's start, shared with its scheduler (connector.launch_of)
 
@@ -230,7 +231,8 @@ class KVLinkWorker(Puller):
         try:
             self.layout = block_layout(first.shape, first.stride(), first.element_size(), mla=self.rank.mla)
             self.layouts = {n: self.layout for n in attn} | {
-                n: state_layout([(x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.element_size()) for x in ts])
+                n: state_layout([(x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.element_size(),
+                                  str(x.dtype).replace("torch.", "")) for x in ts])
                 for n, ts in states.items()}
             self.staged, why = staging_wanted(self.cfg.staging, first.device.type, self.cfg.transport_backend)
         except (LayoutError, ValueError) as e:
@@ -273,7 +275,8 @@ class KVLinkWorker(Puller):
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups,
-                                    kv_format=self.rank.kv_format, rope=self.rank.rope, attn=attn_kinds)
+                                    kv_format=self.rank.kv_format, rope=self.rank.rope, attn=attn_kinds,
+                                    weights=self.rank.weights)
         self.compat_hash = compat_hash(self.compat)
 
         self.engine = open_backend(self.cfg.transport_backend, EngineConfig(

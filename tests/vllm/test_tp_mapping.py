@@ -482,7 +482,7 @@ def test_first_contact_refuses_fp8_layers_whose_scales_differ_naming_the_layer()
     same = {"a": (0.5, 0.25), "b": (1.0, 2.0)}
     [(_, maps)] = legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, scales=same)], local)
     assert [m.name for m in maps] == ["a", "b"]
-    with pytest.raises(PullFailed, match=r"fp8 K/V scales 1.0/2.5 in layer b, this engine 1.0/2.0") as e:
+    with pytest.raises(PullFailed, match=r"K/V scales 1.0/2.5 in layer b, this engine 1.0/2.0") as e:
         legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, scales={"a": (0.5, 0.25), "b": (1.0, 2.5)})], local)
     assert e.value.reason == "kv_scales"
     with pytest.raises(PullFailed, match="scales None/None in layer a") as e:  # a prefill that sent none
@@ -498,7 +498,7 @@ def test_kv_scales_are_read_from_each_attention_module_or_refused():
 
     ctx = {"a": SimpleNamespace(_k_scale_float=0.5, _v_scale_float=2), "b": SimpleNamespace()}
     assert kv_scales(ctx, ["a"]) == {"a": (0.5, 2.0)}
-    with pytest.raises(RuntimeError, match="fp8 KV cache layer b has no K/V scales"):
+    with pytest.raises(RuntimeError, match="quantized KV cache layer b has no K/V scales"):
         kv_scales(ctx, ["a", "b"])
     with pytest.raises(RuntimeError, match="layer c"):
         kv_scales(ctx, ["c"])

@@ -231,8 +231,12 @@ def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
     assert [kv_format(cd, "torch.float8_e4m3fnuz") for cd in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto")] == [
         "fp8_e4m3fnuz", "fp8_e4m3fnuz", "fp8_e5m2", ""]
     assert kv_format("fp8", "torch.float8_e4m3fn") == "fp8_e4m3"
+    # The other quantized formats vLLM keeps in uint8/int8 tensors are named too (and get their scales
+    # compared); the plain float dtypes say nothing the tensor does not.
+    assert [kv_format(cd) for cd in ("nvfp4", "int8_per_token_head", "turboquant_k8v4", "float16", "float32")] == [
+        "nvfp4", "int8_per_token_head", "turboquant_k8v4", "", ""]
     compats = {}
-    for fmt in ("fp8_e4m3", "fp8_e5m2", ""):
+    for fmt in ("fp8_e4m3", "fp8_e5m2", "nvfp4", ""):
         w = KVLinkWorker(ConnectorConfig(transport_backend="tcp"), RankInfo("e", 0, 1, 0, 1, "m", kv_format=fmt),
                          "kv_consumer")
         try:
@@ -244,7 +248,51 @@ def test_fp8_formats_sharing_the_uint8_tensor_dtype_are_told_apart():
             w.shutdown()
     assert compat_hash(compats["fp8_e4m3"]) != compat_hash(compats["fp8_e5m2"])
     assert compat_diff(compats["fp8_e4m3"], compats["fp8_e5m2"]) == {"kv_format": ("fp8_e5m2", "fp8_e4m3")}
+    assert compat_diff(compats["nvfp4"], compats[""]) == {"kv_format": (None, "nvfp4")}
     assert "kv_format" not in compats[""]
+
+
+def test_the_weights_beyond_the_model_path_join_the_compat_check():
+    """A revision rolled out on one side only, or ``--quantization`` on one side: the same path and tokens,
+    other KV. Both join the compatibility fields where set; an engine with neither keeps its hash."""
+    from types import SimpleNamespace as NS
+
+    from kvlink.vllm.compat import compat_diff, compat_fields, weights_desc
+
+    def fields(mc):
+        return compat_fields(model="m", kv_dtype="bfloat16", layout="x", tokens_per_block=16, num_layers=2,
+                             kv_heads=2, weights=weights_desc(mc))
+
+    plain = fields(NS(revision=None, quantization=None))
+    assert "weights" not in plain and plain == compat_fields(model="m", kv_dtype="bfloat16", layout="x",
+                                                             tokens_per_block=16, num_layers=2, kv_heads=2)
+    a, b = fields(NS(revision="a1", quantization=None)), fields(NS(revision="b2", quantization=None))
+    assert compat_diff(a, b) == {"weights": ("revision=b2,quantization=", "revision=a1,quantization=")}
+    assert compat_diff(plain, fields(NS(revision=None, quantization="fp8"))) == {
+        "weights": ("revision=,quantization=fp8", None)}
+
+
+def test_mamba_states_laid_out_or_typed_otherwise_do_not_pair():
+    """A Mamba layer's state page holds the conv state and the SSM state. Two engines whose pages are as large
+    but hold them otherwise (the conv state transposed, VLLM_SSM_CONV_STATE_LAYOUT; the SSM state in
+    float16 against bfloat16, --mamba-ssm-cache-dtype) would copy the bytes exactly and decode would misread
+    them: the layout's description names each part's offset, dtype, shape and strides."""
+    from kvlink.vllm.layout import state_layout
+
+    nb, page = 6, 8192
+
+    def parts(conv_transposed=False, ssm_dtype="bfloat16"):
+        conv = ((3, 96), (96, 1)) if conv_transposed else ((96, 3), (3, 1))
+        return [(1000, (nb, *conv[0]), (page // 2, *conv[1]), 2, "bfloat16"),
+                (1000 + 576, (nb, 2, 16, 8), (page // 2, 128, 8, 1), 2, ssm_dtype)]
+
+    base = state_layout(parts())
+    assert base.segment_bytes == state_layout(parts(True)).segment_bytes == 576 + 2 * 256
+    assert base.desc == state_layout(parts()).desc
+    assert base.desc != state_layout(parts(conv_transposed=True)).desc
+    assert base.desc != state_layout(parts(ssm_dtype="float16")).desc
+    many = state_layout([(1000 + 16 * i, (nb, 8), (page // 2, 1), 2, "bfloat16") for i in range(40)])
+    assert many.desc.startswith(f"state:{many.segment_bytes}:sha256:") and len(many.desc) < 80
 
 
 def test_compat_refusals_are_a_prometheus_counter_labelled_by_reason():
