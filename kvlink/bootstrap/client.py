@@ -242,11 +242,12 @@ class BootstrapClient:
         return out
 
     def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None,
-                        after: int | None = None, layers: bool = False) -> RequestRecord:
+                        after: int | None = None, layers: bool = False, router: bool = False) -> RequestRecord:
         """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it. With
         ``after`` (streamed KV) prefill's progress also answers, as a record with ``partial`` set, once its
         ``version`` is above ``after``; with ``layers`` too, that progress is layer-wise (``step_block_ids``,
-        ``layers``: streams.py).
+        ``layers``: streams.py). ``router``: the caller is the router looking before it releases, not a
+        reader (the server does not count the record as handed to a reader).
 
         Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
         when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
@@ -257,7 +258,8 @@ class BootstrapClient:
             remaining = max(0.0, deadline - time.monotonic())
             body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
                              after=None if self._no_progress else after,
-                             layers=layers and after is not None and not (self._no_progress or self._no_layers))
+                             layers=layers and after is not None and not (self._no_progress or self._no_layers),
+                             router=router)
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
             except InvalidField as e:
@@ -288,14 +290,15 @@ class BootstrapClient:
         failed.update((rid, RequestStatus.UNKNOWN) for rid in answer.unknown)
         return failed, min(lease_s, answer.lease_s) if answer.lease_s is not None else lease_s
 
-    def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
+    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False) -> bool:
         """Report a request ``Outcome.PULLED`` or ``Outcome.ABANDONED``. Idempotent (returns True if it already
         was; the first outcome wins). RequestExpired if its lease ran out first: blocks read after that may be
-        garbage."""
+        garbage. ``router``: the caller is the router, not the reader: once a reader was handed the request,
+        prefill frees it only when the lease the reader was given runs out (PairingTable.release)."""
         if not isinstance(outcome, Outcome):
             # Strings are the wire's business (the server decodes them into Outcome); in Python it is the enum.
             raise InvalidField(f"outcome must be an Outcome, got {outcome!r}", field="outcome")
-        body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome)
+        body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome, router=router)
         return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
 
     def abandon_transfer(self, engine_id: str | None, transfer_id: str, request_id: str | None = None) -> bool:

@@ -56,6 +56,10 @@ class _Collector:
         yield counter("expired", "Requests whose lease ran out.", stats.expired)
         yield counter("transfers_abandoned", "Transfer ids abandoned by prefill (aborted requests).",
                       stats.transfers_abandoned)
+        yield counter("releases_deferred", "Router releases held until the lease a reader was given ran out.",
+                      stats.releases_deferred)
+        yield counter("renewals_capped", "Renewals refused: prefill, out of touch, would not hold the blocks "
+                      "that long.", stats.renewals_capped)
         yield counter("conflicts", "Refused conflicting registrations, publishes, abandons and streamed pieces.",
                       stats.conflicts)
         yield counter("refused_full", "Registrations and publishes refused: max_engines, max_ranks_per_engine or "

@@ -25,6 +25,10 @@ MAX_KV_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_LEASE_S = 86_400.0
 MAX_IDS_PER_CALL = 65_536
+# Prefill frees a held request it has not heard about from the server for a lease once this many of its
+# leases have passed since it published it (kvlink.vllm.held); the server never promises decode a lease
+# beyond that, nor beyond a lease after prefill's last poll (table.py, ``renew``).
+PREFILL_HOLD_LEASES = 1.5
 
 EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
@@ -279,6 +283,8 @@ class LookupTransferBody(_Strict, kw_only=True, omit_defaults=True):  # no "afte
     after: Annotated[int, Meta(ge=0)] | None = None
     # ... including layer-wise progress (``step_block_ids``, ``layers``); without it, whole blocks only
     layers: bool = False
+    # The router (the proxy) looking before it releases, not a reader (table.py, ``release``)
+    router: bool = False
 
 
 class RenewBody(_Strict, kw_only=True):
@@ -287,10 +293,13 @@ class RenewBody(_Strict, kw_only=True):
     lease_s: LeaseS
 
 
-class ReleaseBody(_Strict, kw_only=True):
+class ReleaseBody(_Strict, kw_only=True, omit_defaults=True):  # no "router" sent unless set (older servers)
     engine_id: EngineId
     request_id: RequestId
     outcome: Outcome  # on the wire its value: "pulled" or "abandoned"
+    # The router (the proxy) gives the request up, not the reader: deferred while a reader may read
+    # (table.py, ``release``)
+    router: bool = False
 
     def __post_init__(self) -> None:
         if self.outcome not in RELEASE_OUTCOMES:

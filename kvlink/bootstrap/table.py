@@ -45,6 +45,7 @@ from kvlink.bootstrap.errors import (
 )
 from kvlink.bootstrap.streams import PieceStatus, Progress, StreamBook, StreamConflict
 from kvlink.bootstrap.schema import (
+    PREFILL_HOLD_LEASES,
     EngineRegistration,
     LookupAnswer,
     Outcome,
@@ -80,6 +81,10 @@ class _Request:
     prompt_sha: str | None = None
     lease_s: float = 0.0  # what prefill published it with: the most a renewal may promise decode
     launch: str | None = None  # the publisher's start (RequestRecord.launch)
+    published_at: float = 0.0
+    handed: bool = False  # a reader (decode) looked it up or renewed it: it may be reading the blocks
+    doomed: bool = False  # the router released it while a reader may read: readers hear "released", the
+    # outcome waits for the lease the reader was given (release)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -88,6 +93,7 @@ class _Engine:
     ranks: dict[RankIndex, _Rank] = dataclasses.field(default_factory=dict)
     requests: dict[str, _Request] = dataclasses.field(default_factory=dict)
     outcomes: collections.deque[ReleasedRequest] = dataclasses.field(default_factory=collections.deque)
+    polled_at: float | None = None  # prefill's last poll for outcomes (renew: what prefill still honours)
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,6 +107,8 @@ class TableStats:
     expired: int = 0
     released_pulled: int = 0
     released_abandoned: int = 0
+    releases_deferred: int = 0  # router releases held until the lease a reader was given ran out
+    renewals_capped: int = 0  # renewals refused: prefill would not hold the blocks that long
     transfers_abandoned: int = 0
     outcomes_dropped: int = 0
     conflicts: int = 0
@@ -317,7 +325,7 @@ class PairingTable:
             raise TableFull(f"engine {engine_id!r} already has {len(engine.requests)} published requests "
                             "(max_requests_per_engine): request refused, nothing stored", field="request_id")
         request = _Request(engine_id, request_id, transfer_id, block_ids, num_tokens, now + lease_s, epoch,
-                           prompt_sha, lease_s, launch)
+                           prompt_sha, lease_s, launch, published_at=now)
         engine.requests[request_id] = request
         if transfer_id is not None:
             self._transfers[transfer_id] = request
@@ -340,7 +348,11 @@ class PairingTable:
         by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
         for request_id in dict.fromkeys(request_ids):
             request = engine.requests.get(request_id)
+            if request is not None and request.doomed:
+                released.append(request_id)
+                continue
             if request is not None:
+                request.handed = True
                 ready.append(self._record(request, now))
                 continue
             tomb = self._tombstones.get((engine_id, request_id))
@@ -349,14 +361,18 @@ class PairingTable:
         return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
 
     def lookup_transfer(self, transfer_id: str, after: int | None = None,
-                        layers: bool = False) -> RequestRecord | RequestStatus:
+                        layers: bool = False, router: bool = False) -> RequestRecord | RequestStatus:
         """The published record; else, with ``after`` (streamed KV), prefill's progress once its version
         is above ``after`` (a partial record, no lease; with ``layers``, layer-wise progress too, else
-        whole blocks only, versioned by them); else what is known of the id."""
+        whole blocks only, versioned by them); else what is known of the id. ``router``: the caller is the
+        router looking before it releases, not a reader (the record is not counted as handed out)."""
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
+        if request is not None and request.doomed:
+            return RequestStatus.RELEASED
         if request is not None:
+            request.handed = request.handed or not router
             return self._record(request, now)
         tomb = self._transfer_tombstones.get(transfer_id)
         if tomb is not None:
@@ -422,9 +438,11 @@ class PairingTable:
 
         A request is renewed by ``lease_s`` but never by more than prefill published it with: prefill keeps
         its blocks on the strength of its own lease (held.py: a renewal the server took promises decode at
-        most that much), so a decode asking for longer must not be told it has it. ``lease_s`` in the answer,
-        only where some request got less than asked: the least any got (decode trusts that much from when it
-        asked)."""
+        most that much), so a decode asking for longer must not be told it has it. Nor beyond what prefill
+        honours when it cannot reach this server (``_hold_cap``): a request past that is reported expired
+        (decode trusts no READ on it from then on). ``lease_s`` in the answer, only where some request got
+        less than asked: the least any got (decode trusts that much from when it asked). A request the
+        router released while a reader may read (``release``) is reported released."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(lease_s)
@@ -436,9 +454,17 @@ class PairingTable:
         by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
         for request_id in dict.fromkeys(request_ids):
             request = engine.requests.get(request_id)
+            if request is not None and request.doomed:
+                released.append(request_id)
+                continue
             if request is not None:
-                granted = min(lease_s, request.lease_s)
+                granted = min(lease_s, request.lease_s, self._hold_cap(engine, request) - now)
+                if granted <= 0:  # prefill may free it before any lease given now ends: no trust from here on
+                    self.stats.renewals_capped += 1
+                    expired.append(request_id)
+                    continue
                 request.expires_at = max(request.expires_at, now + granted)
+                request.handed = True
                 renewed.append(request_id)
                 least = granted if least is None else min(least, granted)
                 continue
@@ -447,13 +473,31 @@ class PairingTable:
         return RenewAnswer(renewed=renewed, expired=expired, released=released, unknown=unknown,
                            lease_s=least if least is not None and least < lease_s else None)
 
-    def release(self, engine_id: str, request_id: str, outcome: Outcome) -> bool:
+    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False) -> bool:
         """Decode is done with a request. Returns True if it was already released (idempotent; the first
-        outcome wins). RequestExpired if its lease ran out first: the blocks may have been reused."""
+        outcome wins). RequestExpired if its lease ran out first: the blocks may have been reused.
+
+        ``router``: the caller is not the reader but the router (the proxy), which gives up a request whose
+        client left or whose decode leg failed. Its decode may still be reading the blocks, on the strength
+        of a lease this server gave it (a lookup or a renewal), and hear of the abort only later. So once a
+        reader was handed the request, a router's release is deferred: readers hear "released" from now on
+        (no lookup or renewal trusts it again), and prefill gets the outcome (and frees the blocks) when the
+        lease given out runs out, or at once when the reader releases it itself."""
         now = self._sweep()
         if not isinstance(outcome, Outcome) or outcome not in RELEASE_OUTCOMES:  # "pulled" == PULLED: check the type
             raise InvalidField(f"outcome must be pulled or abandoned, not {outcome!r}", field="outcome")
         engine = self._engine(engine_id)
+        live = engine.requests.get(request_id)
+        if live is not None and live.doomed:
+            if not router:  # the reader is done with it: prefill may free it now (the router's outcome stands)
+                del engine.requests[request_id]
+                self._end(engine, live, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+            return True
+        if live is not None and router and live.handed and live.expires_at > now:
+            live.doomed = True
+            self.stats.released_abandoned += 1
+            self.stats.releases_deferred += 1
+            return False
         request = engine.requests.pop(request_id, None)
         if request is None:
             tomb = self._tombstones.get((engine_id, request_id))
@@ -512,8 +556,8 @@ class PairingTable:
         ``ack`` acknowledges every outcome with ``seq <= ack`` (only when ``server_id`` names this table:
         sequence numbers restart with the server).
         """
-        self._sweep()
         engine = self._engine(engine_id)
+        engine.polled_at = self._sweep()
         if server_id == self.server_id:
             while engine.outcomes and engine.outcomes[0].seq <= ack:
                 engine.outcomes.popleft()
@@ -555,6 +599,19 @@ class PairingTable:
                 raise Conflict(f"{what} of engine {engine.engine_id!r} comes from launch {launch!r}, but the "
                                f"engine's ranks are registered by launch {live!r}: the sender was replaced; "
                                "nothing stored", field="launch")
+
+    @staticmethod
+    def _hold_cap(engine: _Engine, request: _Request) -> float:
+        """Until when prefill holds ``request``'s blocks even if it stops hearing from this server: it frees a
+        request it has no word on once ``PREFILL_HOLD_LEASES`` of its leases have passed since publishing
+        it and it has not heard from the server for a lease (kvlink.vllm.held). So a renewal given now must
+        end by the later of those, counted from what this server saw (the publish, prefill's last poll):
+        a prefill cut off from this server while decode is not would otherwise free blocks under a READ
+        decode was told is covered."""
+        cap = request.published_at + PREFILL_HOLD_LEASES * request.lease_s
+        if engine.polled_at is not None:
+            cap = max(cap, engine.polled_at + request.lease_s)
+        return cap
 
     def _lease(self, lease_s: float) -> float:
         if not 0 < lease_s <= self.limits.max_lease_s:
@@ -616,6 +673,9 @@ class PairingTable:
                 heapq.heappush(heap, (request.expires_at, next(self._tie), request))
                 continue
             del engine.requests[request.request_id]
+            if request.doomed:  # a router's release, deferred until now (release)
+                self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+                continue
             self._end(engine, request, RequestStatus.EXPIRED, Outcome.EXPIRED, now)
             self.stats.expired += 1
         self._trim(self._tombstones, now)

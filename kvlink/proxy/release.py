@@ -10,9 +10,14 @@ will read. So the proxy reports them ``abandoned`` itself, through the prefill's
 - concurrent pairing: the request published under the transfer id, if prefill published it (a prefill
   still computing is cancelled by the proxy instead, and its connector gives the id up itself).
 
-This is safe only because decode's request has ended (or never started) when it is called: a decode that
-might still read the blocks must be the one to release them (its READs are trusted on the strength of
-prefill holding them). A report that fails is logged and dropped: the lease frees the blocks anyway.
+Decode's request may not have ended when the proxy reports it: the client left or the proxy gave up
+waiting, and decode hears of the abort only when its API server notices the closed connection, while a
+READ it trusts on the strength of a lease the bootstrap server gave it may still be on the wire. So the
+reports say they come from the router (``router=True``): a request a reader was handed (looked up or
+renewed) is freed only once that lease has run out, or at once when decode releases it itself; readers
+hear "released" from the report on (PairingTable.release). A request no reader was handed (decode refused
+the connection, or never got that far) is freed at once. A report that fails is logged and dropped: the
+lease frees the blocks anyway.
 
 One call is made while decode's request may still be out: ``abandon``, for a concurrent prefill that failed
 by itself (its connector may never have seen the request, so nobody else gives the transfer id up, and decode
@@ -60,7 +65,7 @@ class Releaser:
 
     def request(self, bootstrap_url: str, engine_id: str, request_id: str) -> None:
         """Sequential pairing: prefill's ``remote_engine_id``/``remote_request_id`` at ``bootstrap_url``."""
-        self._spawn(bootstrap_url, lambda cli: cli.release(engine_id, request_id, Outcome.ABANDONED),
+        self._spawn(bootstrap_url, lambda cli: cli.release(engine_id, request_id, Outcome.ABANDONED, router=True),
                     f"request {request_id} of engine {engine_id}", self._reported)
 
     def transfer(self, bootstrap_url: str, transfer_id: str, engine_id: str | None) -> None:
@@ -68,8 +73,8 @@ class Releaser:
         def work(cli):
             # A prefill that finished as the proxy gave up on the request publishes a moment later; one that
             # was stopped mid-compute gives the id up (410 at once) or never publishes (the wait ends).
-            rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id)
-            return cli.release(rec.engine_id, rec.request_id, Outcome.ABANDONED)
+            rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id, router=True)
+            return cli.release(rec.engine_id, rec.request_id, Outcome.ABANDONED, router=True)
 
         self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._reported)
 
@@ -79,7 +84,7 @@ class Releaser:
         def work(cli):
             if engine_id is not None:  # named, the server would release a published request: look first
                 try:
-                    rec = cli.lookup_transfer(transfer_id, engine_id=engine_id)
+                    rec = cli.lookup_transfer(transfer_id, engine_id=engine_id, router=True)
                 except UnknownRequest:
                     pass  # nothing published: nobody reads it
                 else:

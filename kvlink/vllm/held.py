@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvlink.bootstrap.schema import Outcome, RequestStatus
+from kvlink.bootstrap.schema import PREFILL_HOLD_LEASES, Outcome, RequestStatus
 
 # The local deadline's slack over the lease: decode renewals the server saw may have pushed it back.
-DEADLINE_FACTOR, DEADLINE_SLACK_S = 1.5, 5.0
+DEADLINE_FACTOR, DEADLINE_SLACK_S = PREFILL_HOLD_LEASES, 5.0
 
 # How a free is counted (kvlink_* counters); None: released, but the outcome never reached prefill.
 COUNTER_OF: dict[Outcome | None, str] = {

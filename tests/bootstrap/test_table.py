@@ -509,6 +509,7 @@ def test_a_publish_retried_after_a_renewal_does_not_shorten_the_lease(table, clo
     the blocks until 50 s, so the retry may not bring that back."""
     table.publish(engine, "a", [[1]], 16, lease_s=30.0)
     clock.advance(20)
+    table.poll_released(engine)  # prefill is in touch: it holds what a renewal now promises
     table.renew(engine, ["a"], lease_s=30.0)  # held until 50
     clock.advance(1)
     table.publish(engine, "a", [[1]], 16, lease_s=10.0)  # a retry asking less: not until 31
@@ -607,6 +608,7 @@ def test_renewals_do_not_grow_the_lease_heap(table, clock, engine):
     table.publish(engine, "r1", [[1]], 16, lease_s=2.0)
     for _ in range(1000):
         clock.advance(1)
+        table.poll_released(engine)  # prefill, holding it, keeps polling
         table.renew(engine, ["r1"], lease_s=2.0)
         table.heartbeat(engine)
     assert len(table._request_heap) == 1
@@ -670,3 +672,82 @@ def test_every_published_request_is_reported_exactly_once(make_registration, pro
     poll()
     assert sorted(ended) == sorted(live)  # each exactly once
     assert table.num_requests == 0
+
+
+# ----- a router's release while a reader may read; what a renewal may promise ----------------------------
+
+
+def test_a_router_release_of_a_request_no_reader_was_handed_frees_it_at_once(table, clock, engine):
+    """Decode refused the connection or never got that far: nothing reads the blocks, prefill frees them now.
+    The router's own look at the transfer id does not count as handing it to a reader."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
+    assert isinstance(table.lookup_transfer("t-a", router=True), RequestRecord)
+    assert table.release(engine, "a", Outcome.ABANDONED, router=True) is False
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
+    assert table.stats.releases_deferred == 0
+
+
+@pytest.mark.parametrize("handed_by", ["renew", "lookup", "lookup_transfer"])
+def test_a_router_release_waits_for_the_lease_a_reader_was_given(table, clock, engine, handed_by):
+    """The client left while decode's READ, trusted on a lease this table gave it, may still be on the wire
+    (decode hears of the abort only later). The router's release must not free the blocks under it: readers
+    hear "released" from now on, prefill gets the outcome when that lease has run out."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
+    clock.advance(5)
+    table.poll_released(engine)
+    if handed_by == "renew":
+        assert table.renew(engine, ["a"], lease_s=30.0).renewed == ["a"]  # held until 35
+    elif handed_by == "lookup":
+        assert table.lookup(engine, ["a"]).ready  # decode may trust until 30
+    else:
+        assert isinstance(table.lookup_transfer("t-a"), RequestRecord)
+    until = 35.0 if handed_by == "renew" else 30.0
+    clock.advance(1)
+    assert table.release(engine, "a", Outcome.ABANDONED, router=True) is False
+    assert table.poll_released(engine).released == []  # prefill keeps the blocks
+    assert table.lookup(engine, ["a"]).released == ["a"]
+    assert table.renew(engine, ["a"], lease_s=30.0).released == ["a"]  # no reader is promised more
+    assert table.lookup_transfer("t-a") is RequestStatus.RELEASED
+    assert table.release(engine, "a", Outcome.ABANDONED, router=True) is True  # idempotent
+    clock.advance(until - 6 - 0.5)
+    assert table.poll_released(engine).released == []
+    clock.advance(1)
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
+    assert table.lookup(engine, ["a"]).released == ["a"] and table.stats.releases_deferred == 1
+
+
+def test_the_reader_releasing_a_request_the_router_gave_up_frees_it_at_once(table, clock, engine):
+    """Decode's own release comes once its READs have settled: prefill need not wait out the lease."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    table.poll_released(engine)
+    table.renew(engine, ["a"], lease_s=30.0)
+    table.release(engine, "a", Outcome.ABANDONED, router=True)
+    assert table.poll_released(engine).released == []
+    assert table.release(engine, "a", Outcome.PULLED) is True  # the router's outcome stands
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
+
+
+def test_a_renewal_never_promises_more_than_a_prefill_out_of_touch_holds(table, clock, engine):
+    """Prefill frees a request it hears nothing about once 1.5 leases have passed since it published it and
+    the server has been silent for a lease (kvlink.vllm.held). A prefill cut off from the server while decode
+    is not: renewals end by the later of publish + 1.5 leases and its last poll + a lease, so no READ decode
+    trusts outlives what prefill holds. A prefill that keeps polling is renewed a whole lease each time."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    table.publish(engine, "b", [[2]], 16, lease_s=30.0)
+    table.poll_released(engine)  # at 0, then prefill goes silent
+    clock.advance(25)
+    answer = table.renew(engine, ["a"], lease_s=30.0)
+    assert answer.renewed == ["a"] and answer.lease_s == pytest.approx(20.0)  # until 45, not 55
+    clock.advance(19)
+    assert table.renew(engine, ["a"], lease_s=30.0).lease_s == pytest.approx(1.0)
+    clock.advance(1)
+    assert table.renew(engine, ["a"], lease_s=30.0).expired == ["a"]  # at 45: what prefill may free now
+    table.poll_released(engine)  # prefill is back in touch at 45: it holds a lease from its last poll
+    answer = table.renew(engine, ["b"], lease_s=30.0)
+    assert answer.expired == ["b"]  # (b's lease ran out at 30: nobody renewed it)
+    table.publish(engine, "c", [[3]], 16, lease_s=30.0)
+    for _ in range(5):  # polling every 10 s, renewed every 10 s: a whole lease each time, for 50 s
+        clock.advance(10)
+        table.poll_released(engine)
+        answer = table.renew(engine, ["c"], lease_s=30.0)
+        assert answer.renewed == ["c"] and answer.lease_s is None

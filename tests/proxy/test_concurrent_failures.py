@@ -186,3 +186,66 @@ def test_the_releaser_has_threads_of_its_own_and_a_bounded_backlog(monkeypatch):
 
     free_in, pending, dropped, left = asyncio.run(main())
     assert free_in < 5.0 and (pending, dropped, left) == (6, 2, 0)  # (held, the default pool waited 10 s)
+
+
+class ReadingDecode(FakeVLLMServer):
+    """Decode whose connector took the record (looked the transfer id up: its READ is now on the wire, on the
+    lease the lookup gave it) and is slow to answer; ``looked_up``: set once it has the record."""
+
+    def __init__(self, bootstrap_url: str):
+        import threading
+
+        self.looked_up = threading.Event()
+        super().__init__("d0", bootstrap_url=bootstrap_url, token=TOKEN)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        with BootstrapClient(self.bootstrap_url, token=TOKEN) as cli:
+            await asyncio.to_thread(cli.lookup_transfer, body["kv_transfer_params"]["transfer_id"], 5.0)
+        self.looked_up.set()
+        await asyncio.sleep(10)  # the READ, the step: the client leaves first
+        return web.json_response({"choices": [{"text": "late"}]})
+
+
+@pytest.mark.parametrize("decode_read", [True, False], ids=["decode-reading", "decode-never-looked"])
+def test_a_client_gone_while_decode_reads_leaves_prefills_blocks_to_the_lease(bootstrap, proxy, decode_read):
+    """The client leaves while decode reads prefill's blocks on the lease the bootstrap server gave it (decode
+    hears of the abort only when its API server notices the closed connection). The proxy reports the request
+    abandoned as the router: prefill must not get the outcome (and free the blocks, which the next request
+    then overwrites under decode's READ) before that lease runs out; decode's lookups hear "released" at once.
+    A request no reader took is freed at once."""
+    from kvlink.bootstrap.schema import Outcome
+
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    d = ReadingDecode(bootstrap.url) if decode_read else FakeVLLMServer("d0", "hang")
+    try:
+        url = proxy(prefill=(p.url,), decode=(d.url,), mode="concurrent", prefill_bootstrap=(bootstrap.url,),
+                    prefill_engine_ids=("p0",), bootstrap_token=TOKEN)
+        with BootstrapClient(bootstrap.url, token=TOKEN) as cli, pytest.raises(OSError):
+            post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4}, timeout=1.5)  # the client gives up
+        assert p.published == ["req-1"]
+        assert not decode_read or d.looked_up.is_set()
+        with BootstrapClient(bootstrap.url, token=TOKEN) as cli:
+            (_, dec), = d.bodies
+            transfer_id = dec["kv_transfer_params"]["transfer_id"]
+            assert wait_for(lambda: _ended(cli, transfer_id))  # readers: released, from the report on
+            time.sleep(0.3)
+            outcomes = cli.poll_released("p0")
+            if decode_read:
+                assert outcomes == [] and bootstrap.table.stats.releases_deferred == 1  # prefill holds on
+                cli.release("p0", "req-1", Outcome.ABANDONED)  # decode, its READ settled: freed now
+                assert cli.poll_released("p0") == [("req-1", Outcome.ABANDONED)]
+            else:
+                assert outcomes == [("req-1", Outcome.ABANDONED)] and bootstrap.table.stats.releases_deferred == 0
+    finally:
+        p.stop()
+        d.stop()
+
+
+def _ended(cli, transfer_id: str) -> bool:
+    try:
+        cli.lookup_transfer(transfer_id, router=True)  # (looking on, not reading: hands nothing out)
+    except RequestReleased:
+        return True
+    return False
