@@ -633,6 +633,8 @@ class PullTable:
             p.got.clear()
             p.queued.clear()
             p.epoch = epoch
+            if p.clock is not None and not p.armed:  # lock-step: the restart's pace is its own
+                p.clock = ArmClock(self.num_layers)
         on_wire = p.inflight if p.inflight_epoch == epoch else {}
         for pair in pairs:
             if len(pair) == 2:  # (local, remote): one KV cache group

@@ -165,6 +165,23 @@ def test_the_arm_clock_paces_on_the_layers_announced_since_all_positions_had_one
     assert lead_s(0.02, 10) == pytest.approx(0.033)
 
 
+def test_a_restarted_request_is_paced_from_its_restart_not_from_the_epoch_before():
+    """Prefill restarted the request (preempted: epoch 1). Paced against epoch 0's first sight, a pull would
+    arm at the first epoch-1 piece that shows half the layers (decode's whole step then waits on a prefill
+    that may be far from its last layer), or, with epoch 0 seen long before, never arm at all."""
+    early = table(lead=0.05)
+    early.submit(spec("a", (1, 2)), 0.0)
+    drain(early, layer_piece(early, 1, 0.00), 0.00)
+    drain(early, layer_piece(early, 4, 0.01, epoch=1), 0.01)  # first sight of epoch 1: 4 of 8 layers
+    assert not early.is_armed("a")
+    late = table(lead=0.05)
+    late.submit(spec("a", (1, 2)), 0.0)
+    drain(late, layer_piece(late, 5, 0.0), 0.0)
+    for i, layers in enumerate(range(1, L)):  # epoch 1, 3 s later: 10 ms a layer
+        drain(late, layer_piece(late, layers, 3.0 + 0.01 * i, epoch=1), 3.0 + 0.01 * i)
+    assert late.is_armed("a")
+
+
 @pytest.mark.parametrize("args, part", [
     (("recompute", True, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy"),
     (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching with async scheduling"),
