@@ -338,7 +338,10 @@ class PairingTable:
         return record
 
     def lookup(self, engine_id: str, request_ids: Iterable[str]) -> LookupAnswer:
-        """Grouped lookup: each distinct id lands in exactly one of ready/expired/released/unknown."""
+        """Grouped lookup: each distinct id lands in exactly one of ready/expired/released/unknown. Prefill's
+        reconcile asks it what the server still holds, decode beside a renewal whether the record is the one
+        its params name: it hands nothing to a reader (the renewal does), and a request a router released
+        while its reader's lease runs (``release``) is still held."""
         now = self._sweep()
         engine = self._engine(engine_id)
         ready: list[RequestRecord] = []
@@ -348,11 +351,7 @@ class PairingTable:
         by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
         for request_id in dict.fromkeys(request_ids):
             request = engine.requests.get(request_id)
-            if request is not None and request.doomed:
-                released.append(request_id)
-                continue
-            if request is not None:
-                request.handed = True
+            if request is not None:  # (a router's release still deferred: held, as prefill must keep seeing it)
                 ready.append(self._record(request, now))
                 continue
             tomb = self._tombstones.get((engine_id, request_id))
@@ -479,10 +478,11 @@ class PairingTable:
 
         ``router``: the caller is not the reader but the router (the proxy), which gives up a request whose
         client left or whose decode leg failed. Its decode may still be reading the blocks, on the strength
-        of a lease this server gave it (a lookup or a renewal), and hear of the abort only later. So once a
-        reader was handed the request, a router's release is deferred: readers hear "released" from now on
-        (no lookup or renewal trusts it again), and prefill gets the outcome (and frees the blocks) when the
-        lease given out runs out, or at once when the reader releases it itself."""
+        of a lease this server gave it (a transfer lookup or a renewal), and hear of the abort only later. So
+        once a reader was handed the request, a router's release is deferred: readers hear "released" from now
+        on (no transfer lookup or renewal trusts it again), and prefill gets the outcome (and frees the blocks)
+        when the lease given out runs out, or at once when the reader releases it itself; until then grouped
+        lookups, prefill's reconcile among them, see it held."""
         now = self._sweep()
         if not isinstance(outcome, Outcome) or outcome not in RELEASE_OUTCOMES:  # "pulled" == PULLED: check the type
             raise InvalidField(f"outcome must be pulled or abandoned, not {outcome!r}", field="outcome")

@@ -13,8 +13,8 @@ will read. So the proxy reports them ``abandoned`` itself, through the prefill's
 Decode's request may not have ended when the proxy reports it: the client left or the proxy gave up
 waiting, and decode hears of the abort only when its API server notices the closed connection, while a
 READ it trusts on the strength of a lease the bootstrap server gave it may still be on the wire. So the
-reports say they come from the router (``router=True``): a request a reader was handed (looked up or
-renewed) is freed only once that lease has run out, or at once when decode releases it itself; readers
+reports say they come from the router (``router=True``): a request a reader was handed (looked up by
+transfer id, or renewed) is freed only once that lease has run out, or at once when decode releases it itself; readers
 hear "released" from the report on (PairingTable.release). A request no reader was handed (decode refused
 the connection, or never got that far) is freed at once. A report that fails is logged and dropped: the
 lease frees the blocks anyway.
