@@ -35,6 +35,7 @@ worker's idle loop yields (sched_yield) to them on its own core, and on 2 cores 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -65,6 +66,9 @@ from kvlink.vllm.stats import KVLinkStats
 from kvlink.vllm.stream import PieceSender, PrefillStream
 
 logger = logging.getLogger(__name__)
+
+# The compat field ``layout`` goes into every registered layer (KVLayerSpec.layout, at most 128 characters).
+MAX_LAYOUT_DESC = 128
 
 
 @dataclass(frozen=True)
@@ -269,9 +273,12 @@ class KVLinkWorker(Puller):
             _request_amx_permission()
         num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
         self.block_bytes = self.layout.block_bytes
+        layout = "+".join(sorted({lay.desc for lay in self.layouts.values()}, key=lambda d: (d.startswith("state"), d)))
+        if len(layout) > MAX_LAYOUT_DESC:  # (a registered layer's layout is at most 128 characters; many state parts)
+            logger.info("kvlink: KV layout %s, compared as its digest", layout)
+            layout = "sha256:" + hashlib.sha256(layout.encode()).hexdigest()[:32]
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
-                                    layout="+".join(sorted({lay.desc for lay in self.layouts.values()},
-                                                           key=lambda d: (d.startswith("state"), d))),
+                                    layout=layout,
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups,

@@ -726,3 +726,52 @@ def test_the_transport_limits_reach_the_engine():
         assert (w.engine.config.max_conns, w.engine.config.max_peers) == (3, 2)
     finally:
         w.shutdown()
+
+
+def test_a_state_page_of_many_parts_registers_and_is_still_told_apart():
+    """A state page of four parts (a linear-attention state with its recovery records) describes itself in more
+    than the 128 characters a registered layer's layout may take: the layout is then compared as its digest,
+    so the engine registers, and another page still does not pair."""
+    import math
+
+    import torch
+
+    from kvlink.backends import register_backend, unregister_backend
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    def cache(conv_transposed: bool) -> dict:
+        nb, parts = 6, [((3, 1536) if conv_transposed else (1536, 3), torch.bfloat16), ((4, 32, 32), torch.float32),
+                        ((4, 4, 32), torch.float32), ((4, 4, 64), torch.float32)]
+        sizes = [math.prod(sh) * torch.empty(0, dtype=dt).element_size() for sh, dt in parts]
+        page = torch.zeros(nb, sum(sizes), dtype=torch.uint8)
+        states, off = [], 0
+        for (sh, dt), size in zip(parts, sizes):
+            states.append(page[:, off:off + size].view(dt).view(nb, *sh))
+            off += size
+        return {"model.layers.0.mixer": states,
+                "model.layers.1.self_attn.attn": torch.zeros(nb, 2, 16, 128, dtype=torch.bfloat16)}
+
+    register_backend("fake", fakes_transport.Engine)
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    made = []
+    try:
+        for transposed in (False, True):
+            w = W.KVLinkWorker(ConnectorConfig(transport_backend="fake"),
+                               W.RankInfo(f"pre{int(transposed)}", 0, 1, 0, 1, "m", kv_heads=2,
+                                          groups="MambaSpec:16|FullAttentionSpec:16"), "kv_producer",
+                               layer_groups={"model.layers.0.mixer": 0, "model.layers.1.self_attn.attn": 1},
+                               state_layers={"model.layers.0.mixer"}, num_groups=2)
+            made.append(w)
+            w.register_kv_caches(cache(transposed))
+            w._ensure_registered(srv.url)
+        with BootstrapClient(srv.url) as cli:
+            regs = [cli.engine_ranks(w.rank.engine_id)[0] for w in made]
+        assert [r.compat_hash for r in regs] == [w.compat_hash for w in made]
+        assert made[0].compat["layout"].startswith("sha256:") and made[0].compat_hash != made[1].compat_hash
+    finally:
+        for w in made:
+            w.shutdown()
+        srv.stop()
+        unregister_backend("fake")
