@@ -173,6 +173,7 @@ class BootstrapClient:
         # The server refused ``after`` (a bootstrap from before streamed KV): ask it without from then on.
         self._no_progress = False
         self._no_layers = False
+        self._no_peek = False  # a server of before the router's deferred release: it knows no "peek"
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -242,12 +243,13 @@ class BootstrapClient:
         return out
 
     def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None,
-                        after: int | None = None, layers: bool = False, router: bool = False) -> RequestRecord:
+                        after: int | None = None, layers: bool = False, peek: bool = False) -> RequestRecord:
         """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it. With
         ``after`` (streamed KV) prefill's progress also answers, as a record with ``partial`` set, once its
         ``version`` is above ``after``; with ``layers`` too, that progress is layer-wise (``step_block_ids``,
-        ``layers``: streams.py). ``router``: the caller is the router looking before it releases, not a
-        reader (the server does not count the record as handed to a reader).
+        ``layers``: streams.py). ``peek``: the caller looks without reading (the router before it releases,
+        decode before it reports): the record is not handed to a reader, and one the router released while a
+        reader's lease runs is still answered (PairingTable.release).
 
         Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
         when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
@@ -259,10 +261,13 @@ class BootstrapClient:
             body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
                              after=None if self._no_progress else after,
                              layers=layers and after is not None and not (self._no_progress or self._no_layers),
-                             router=router)
+                             peek=peek and not self._no_peek)
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
             except InvalidField as e:
+                if body.peek and e.field == "peek":
+                    self._old_server("peek")
+                    continue
                 if body.layers and e.field == "layers":
                     # A server of before layer-wise progress: whole blocks only.
                     log.warning("kvlink: bootstrap server %s does not know layer-wise progress; decode streams "
@@ -299,7 +304,21 @@ class BootstrapClient:
             # Strings are the wire's business (the server decodes them into Outcome); in Python it is the enum.
             raise InvalidField(f"outcome must be an Outcome, got {outcome!r}", field="outcome")
         body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome, router=router)
-        return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
+        try:
+            return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
+        except InvalidField as e:
+            if router and e.field == "router":  # it would free the blocks under a decode still reading them
+                self._old_server("router")
+            raise
+
+    def _old_server(self, field: str) -> None:
+        """A server of before the router's deferred release refused ``peek`` or ``router``. Its lookups need no
+        such word (they go without it from now on); a router's release is not made there (it would free the
+        blocks at once, also under a decode still reading them): the lease frees them."""
+        if field == "router" or not self._no_peek:
+            log.warning("kvlink: bootstrap server %s does not know %r: requests the proxy gives up are left to "
+                        "their lease there (upgrade the server)", self.url, field)
+        self._no_peek = True
 
     def abandon_transfer(self, engine_id: str | None, transfer_id: str, request_id: str | None = None) -> bool:
         """Give up a transfer id: waiting and later lookups of it answer RequestReleased at once. Idempotent

@@ -283,8 +283,9 @@ class LookupTransferBody(_Strict, kw_only=True, omit_defaults=True):  # no "afte
     after: Annotated[int, Meta(ge=0)] | None = None
     # ... including layer-wise progress (``step_block_ids``, ``layers``); without it, whole blocks only
     layers: bool = False
-    # The router (the proxy) looking before it releases, not a reader (table.py, ``release``)
-    router: bool = False
+    # Looking without reading (the router before it releases, decode before it reports): nothing is handed
+    # to a reader (table.py, ``release``)
+    peek: bool = False
 
 
 class RenewBody(_Strict, kw_only=True):

@@ -218,11 +218,11 @@ class BootstrapApp:
     async def _lookup_transfer(self, body: s.LookupTransferBody) -> s.RequestRecord:
         if body.engine_id is not None and not self.table.has_engine(body.engine_id):
             raise UnknownEngine(f"engine {body.engine_id!r} is not registered", field="engine_id")
-        found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.router)
+        found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek)
         if found is s.RequestStatus.UNKNOWN and body.wait_s > 0:
             deadline = time.monotonic() + min(body.wait_s, self.config.max_wait_s)
             while found is s.RequestStatus.UNKNOWN and await self._wait([("t", body.transfer_id)], deadline):
-                found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.router)
+                found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek)
             if found is s.RequestStatus.UNKNOWN:
                 raise LookupTimeout(f"transfer id {body.transfer_id!r} was not published in time", field="transfer_id")
         if isinstance(found, s.RequestRecord):

@@ -360,18 +360,20 @@ class PairingTable:
         return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
 
     def lookup_transfer(self, transfer_id: str, after: int | None = None,
-                        layers: bool = False, router: bool = False) -> RequestRecord | RequestStatus:
+                        layers: bool = False, peek: bool = False) -> RequestRecord | RequestStatus:
         """The published record; else, with ``after`` (streamed KV), prefill's progress once its version
         is above ``after`` (a partial record, no lease; with ``layers``, layer-wise progress too, else
-        whole blocks only, versioned by them); else what is known of the id. ``router``: the caller is the
-        router looking before it releases, not a reader (the record is not counted as handed out)."""
+        whole blocks only, versioned by them); else what is known of the id. ``peek``: the caller looks
+        without reading (the router before it releases, decode before it reports it done): the record is not
+        handed to a reader, and one a router released while a reader's lease runs (``release``) is still
+        answered, so decode can report it and prefill free it at once."""
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
-        if request is not None and request.doomed:
+        if request is not None and request.doomed and not peek:
             return RequestStatus.RELEASED
         if request is not None:
-            request.handed = request.handed or not router
+            request.handed = request.handed or not peek
             return self._record(request, now)
         tomb = self._transfer_tombstones.get(transfer_id)
         if tomb is not None:

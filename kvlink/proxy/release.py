@@ -73,7 +73,7 @@ class Releaser:
         def work(cli):
             # A prefill that finished as the proxy gave up on the request publishes a moment later; one that
             # was stopped mid-compute gives the id up (410 at once) or never publishes (the wait ends).
-            rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id, router=True)
+            rec = cli.lookup_transfer(transfer_id, wait_s=PUBLISH_WAIT_S, engine_id=engine_id, peek=True)
             return cli.release(rec.engine_id, rec.request_id, Outcome.ABANDONED, router=True)
 
         self._spawn(bootstrap_url, work, f"transfer {transfer_id}", self._reported)
@@ -84,7 +84,7 @@ class Releaser:
         def work(cli):
             if engine_id is not None:  # named, the server would release a published request: look first
                 try:
-                    rec = cli.lookup_transfer(transfer_id, engine_id=engine_id, router=True)
+                    rec = cli.lookup_transfer(transfer_id, engine_id=engine_id, peek=True)
                 except UnknownRequest:
                     pass  # nothing published: nobody reads it
                 else:

@@ -342,7 +342,10 @@ class KVLinkScheduler(Producer):
                     logger.debug("kvlink: could not stop the stream of %s: %s", src.key, e)
             try:
                 if request_id is None or engine_id is None or (waits and src.transfer_id is not None):
-                    rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0)
+                    # (peek: decode reports, it does not read; a request the proxy gave up while decode read it
+                    # is still answered, so prefill frees it now rather than when decode's lease runs out)
+                    rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0,
+                                              peek=True)
                     engine_id, request_id = rec.engine_id, rec.request_id
                 cli.release(engine_id, request_id, outcome)
             except Exception as e:  # noqa: BLE001 - prefill's lease frees the blocks anyway

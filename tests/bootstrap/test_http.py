@@ -484,7 +484,7 @@ def test_a_server_from_before_streamed_kv_is_asked_without_after(config, clock, 
     OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None)], bases=(s._Strict,), kw_only=True,
-        namespace={"after": None, "layers": False, "router": False})  # not fields: what today's handler reads, an older one never did
+        namespace={"after": None, "layers": False, "peek": False})  # not fields: what today's handler reads, an older one never did
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -517,7 +517,7 @@ def test_a_server_from_before_layer_wise_progress_is_asked_for_whole_blocks(conf
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None),
                                   ("after", s.Annotated[int, s.Meta(ge=0)] | None, None)],
-        bases=(s._Strict,), kw_only=True, namespace={"layers": False, "router": False})
+        bases=(s._Strict,), kw_only=True, namespace={"layers": False, "peek": False})
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -637,3 +637,39 @@ def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_unless_the
         with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
             cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
     assert not err.value.maybe_applied and not _maybe_applied(err.value)
+
+
+def test_a_server_from_before_router_releases_is_looked_up_without_it_and_not_released_by_the_router(
+        config, clock, make_registration, monkeypatch):
+    """A bootstrap server that knows no ``router`` refuses the field. The router's lookups go again without it
+    (nothing on such a server depends on who looks); its release is not made (the old server would free the
+    blocks at once, also under a decode still reading them): the request stays held, its lease frees it."""
+    from kvlink.bootstrap import schema as s
+
+    OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
+        "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
+                                  ("engine_id", s.EngineId | None, None),
+                                  ("after", s.Annotated[int, s.Meta(ge=0)] | None, None), ("layers", bool, False)],
+        bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"peek": False})
+    OldReleaseBody = msgspec.defstruct(  # noqa: N806
+        "OldReleaseBody", [("engine_id", s.EngineId), ("request_id", s.RequestId), ("outcome", s.Outcome)],
+        bases=(s._Strict,), kw_only=True, namespace={"router": False})
+
+    with monkeypatch.context() as m:
+        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
+        m.setattr(s, "ReleaseBody", OldReleaseBody)
+        old = BootstrapServer(config, clock=clock).start()
+    try:
+        from tests.bootstrap.conftest import TOKEN
+
+        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P"), lease_s=600.0)
+            cli.publish("P", "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+            assert cli.lookup_transfer("t1", peek=True).request_id == "r1" and cli._no_peek
+            with pytest.raises(InvalidField) as err:
+                cli.release("P", "r1", Outcome.ABANDONED, router=True)
+            assert err.value.field == "router"
+            assert cli.lookup("P", ["r1"])["r1"].request_id == "r1"  # still held
+            assert cli.release("P", "r1", Outcome.PULLED) is False  # decode's own release works as ever
+    finally:
+        old.stop()

@@ -681,7 +681,7 @@ def test_a_router_release_of_a_request_no_reader_was_handed_frees_it_at_once(tab
     """Decode refused the connection or never got that far: nothing reads the blocks, prefill frees them now.
     The router's own look at the transfer id, and prefill's reconcile lookups, hand nothing to a reader."""
     table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
-    assert isinstance(table.lookup_transfer("t-a", router=True), RequestRecord)
+    assert isinstance(table.lookup_transfer("t-a", peek=True), RequestRecord)
     assert table.lookup(engine, ["a"]).ready
     assert table.release(engine, "a", Outcome.ABANDONED, router=True) is False
     assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
@@ -717,12 +717,15 @@ def test_a_router_release_waits_for_the_lease_a_reader_was_given(table, clock, e
 
 
 def test_the_reader_releasing_a_request_the_router_gave_up_frees_it_at_once(table, clock, engine):
-    """Decode's own release comes once its READs have settled: prefill need not wait out the lease."""
-    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    """Decode's own release comes once its READs have settled: prefill need not wait out the lease. In
+    concurrent pairing decode finds the request by its transfer id first: a peek still answers it."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
     table.poll_released(engine)
     table.renew(engine, ["a"], lease_s=30.0)
     table.release(engine, "a", Outcome.ABANDONED, router=True)
     assert table.poll_released(engine).released == []
+    assert table.lookup_transfer("t-a") is RequestStatus.RELEASED  # to a reader
+    assert table.lookup_transfer("t-a", peek=True).request_id == "a"  # to decode about to report it
     assert table.release(engine, "a", Outcome.PULLED) is True  # the router's outcome stands
     assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
 
