@@ -10,10 +10,13 @@ renewals (their pulls' deadline bounds them), never those of healthy servers. A 
 proves that prefill held the blocks when the call was sent and will hold them until at least
 ``sent + lease_s``; that bound goes back to the table with ``lease_held``.
 
-A sequential pull's block ids came in its params, which decode's client sent: before its first lease proof
-the call also looks the request up (beside the renew call, on a thread of its own: one round trip), and a pull whose params name other block ids than prefill published
-for that request is failed (``lease_lost``), never trusted. (A client could otherwise name a live prefill
-request and any block ids of that engine: another request's KV, read into its own decode.)
+A sequential pull's params came from decode's client: before its first lease proof the call also looks the
+request up (beside the renew call, on a thread of its own: one round trip), and the record prefill published
+is the authority (``RecordCheck``): a pull whose params name other block ids, or whose prompt is not the one
+prefill computed (decode's own digests of its prompt against the record's), or a Mamba pull loading another
+token count, or one reading through ranks of another launch than the one that published, is failed
+(``lease_lost``), never trusted. (A client could otherwise name a live prefill request and any block ids of
+that engine, or drop or forge the params' prompt fields: another prompt's KV, read into its own decode.)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from kvlink.vllm.pulls import PullTable, Renew
@@ -29,6 +33,35 @@ from kvlink.vllm.pulls import PullTable, Renew
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[Callable[[PullTable, float], Any]], None]
+
+
+@dataclass(frozen=True)
+class RecordCheck:
+    """What a sequential pull takes on its params' word, to check against prefill's published record: the
+    block ids the params name, decode's own digests of its prompt (token count -> params.prompt_digest: of
+    the tokens it loads and of its whole prompt), the exact count a Mamba state needs (None: any), and the
+    launch of the ranks decode reads through."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    digests: tuple[tuple[int, str], ...] = ()
+    num_tokens: int | None = None
+    launch: str | None = None
+
+    def wrong(self, rec: Any, where: str) -> str | None:
+        """Why ``rec`` (the record of ``where``: engine/request) does not back this pull, or None."""
+        if tuple(map(tuple, rec.block_ids)) != self.blocks:
+            return f"kv_transfer_params name other block ids than prefill published for request {where}: not read"
+        if self.num_tokens is not None and rec.num_tokens != self.num_tokens:
+            return (f"prefill computed {rec.num_tokens} tokens of request {where}, decode loads {self.num_tokens}: "
+                    "a Mamba state continues only from the tokens it saw")
+        mine = dict(self.digests)
+        if rec.prompt_sha is not None and mine and mine.get(rec.num_tokens) != rec.prompt_sha:
+            return (f"prefill computed another prompt for request {where} ({rec.num_tokens} tokens that are not "
+                    "decode's): its KV is not used")
+        if rec.launch is not None and rec.launch != self.launch:
+            return (f"request {where} was published by another launch of the engine than the ranks decode reads "
+                    "through (a restarted prefill under the same engine id): not read")
+        return None
 
 
 class LeaseCalls:
@@ -71,8 +104,8 @@ class LeaseCalls:
             self._apply(lambda t, now: t.renew_failed(a.group, a.rids, now))
 
     def _check_records(self, a: Renew) -> dict[str, str]:
-        """Our id -> why, for the pulls in ``a.verify`` whose params named other block ids than the record
-        prefill published for their request (or whose record is gone). Raises what the lookup raises (the
+        """Our id -> why, for the pulls in ``a.verify`` whose params the record prefill published for their
+        request does not back (``RecordCheck``), or whose record is gone. Raises what the lookup raises (the
         group is then retried: nothing is trusted meanwhile)."""
         from kvlink.bootstrap.schema import RequestRecord
 
@@ -80,14 +113,13 @@ class LeaseCalls:
         prefill_id = dict(zip(a.rids, a.request_ids))
         answer = self._clients(url).lookup(engine_id, [prefill_id[rid] for rid, _ in a.verify])
         wrong = {}
-        for rid, named in a.verify:
+        for rid, check in a.verify:
             rec = answer.get(prefill_id[rid])
             if not isinstance(rec, RequestRecord):
                 wrong[rid] = (f"prefill request {engine_id}/{prefill_id[rid]} is "
                               f"{getattr(rec, 'value', rec)}; its blocks may be reused")
-            elif tuple(map(tuple, rec.block_ids)) != tuple(map(tuple, named)):
-                wrong[rid] = (f"kv_transfer_params name other block ids than prefill published for request "
-                              f"{engine_id}/{prefill_id[rid]}: not read")
+            elif (why := check.wrong(rec, f"{engine_id}/{prefill_id[rid]}")) is not None:
+                wrong[rid] = why
         return wrong
 
     def _renew(self, a: Renew) -> None:

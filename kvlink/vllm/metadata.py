@@ -40,7 +40,7 @@ class PullSpec:
     num_blocks: int | None = None  # positions the loaded tokens cover; local_block_ids must have as many
     others: tuple[GroupTable, ...] = ()  # the other KV cache groups' tables (hybrid models)
     num_tokens: int | None = None  # set with Mamba groups: prefill must have computed exactly these tokens
-    # Concurrent pairing: decode's params.prompt_digest of the tokens it loads and of its whole prompt, and how
+    # Decode's params.prompt_digest of the tokens it loads and of its whole prompt (both pairings), and how
     # many tokens each covers. Prefill's digest (pieces, record) must equal one of them at the same count.
     prompt_sha: str | None = None
     prompt_tokens: int = 0

@@ -24,6 +24,7 @@ from kvlink import trace
 from kvlink.bootstrap.errors import BootstrapUnavailable, TooManyWaiters
 from kvlink.errors import Canceled, NotSettled, PeerChanged
 from kvlink.vllm.contact import LocalKV, PullFailed, expected_name, legs_for
+from kvlink.vllm.lease import RecordCheck
 from kvlink.vllm.lockstep import DEFAULT_STEP_S, STEP_EMA, lead_s
 from kvlink.vllm.metadata import PullSpec
 from kvlink.vllm.plan import LayerMap, PairingError, ReadPlan, build_plan, group_pairs, ready_pairs, step_pairs
@@ -232,7 +233,7 @@ class Puller:
             lease_s = src.lease_s or self.cfg.lease_s
             now = time.monotonic()
             held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
-            epoch, check = 0, blocks  # block ids from the params are checked against the record (lease.py)
+            epoch, check = 0, None  # the params' word is checked against the record (lease.RecordCheck)
             rec = None
             if src.transfer_id is not None and (blocks is None or engine_id is None):
                 found = self._await_record(cli, spec, engine_id)
@@ -254,6 +255,11 @@ class Puller:
                 # (re-registered, the old process's records dropped) would be read at the old record's block
                 # ids. No read is trusted until a renewal proves the record still stands.
                 held_until, renew_at = 0.0, time.monotonic()
+            if rec is None:  # sequential: the params came from decode's client
+                check = RecordCheck(tuple(map(tuple, blocks)),
+                                    tuple((n, d) for n, d in ((spec.prompt_tokens, spec.prompt_sha),
+                                                              (spec.whole_tokens, spec.whole_sha)) if d is not None),
+                                    spec.num_tokens, remote.launch)
             pairs = group_pairs(rid, spec.tables, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             if isinstance(e, BootstrapUnavailable) and attempt < 2 and self._may_retry(rid):
@@ -294,7 +300,8 @@ class Puller:
         """Concurrent pairing: prefill's digest of its first ``tokens`` prompt tokens (params.prompt_digest)
         must be decode's own over as many: the tokens decode loads, or its whole prompt. A count that is
         neither is another prompt too. PairingError (the KV is not used) otherwise; nothing to compare where
-        either side has no token ids (prompt embeddings) or the scheduler compared already (sequential)."""
+        either side has no token ids (prompt embeddings). (Sequential pairing: lease.RecordCheck, beside the first
+        renewal.)"""
         mine = {n: d for n, d in ((spec.prompt_tokens, spec.prompt_sha), (spec.whole_tokens, spec.whole_sha))
                 if d is not None}
         if sha is None or not mine or mine.get(tokens) == sha:

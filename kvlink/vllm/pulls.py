@@ -117,9 +117,9 @@ class Pull:
     armed: bool = False  # lock-step: reported to vLLM before its outcome (lockstep.py)
     clock: ArmClock | None = None
     expect: frozenset | None = None  # lock-step: the (group, local block) positions it fills
-    # Sequential pairing: the block ids the params named (decode's client sent them), until the first lease
-    # proof also showed prefill published exactly those for the request (lease.py); None: nothing to check
-    check: tuple[tuple[int, ...], ...] | None = None
+    # Sequential pairing: what the params claimed (decode's client sent them: lease.RecordCheck), until the
+    # first lease proof also showed prefill's record backs it (lease.py); None: nothing to check
+    check: Any = None
 
     @property
     def rid(self) -> str:
@@ -178,8 +178,8 @@ class Renew:
     request_ids: tuple[str, ...]  # prefill's ids
     rids: tuple[str, ...]  # ours, in the same order
     lease_s: float
-    # (our id, the block ids its params named) of pulls not yet checked against prefill's published record
-    verify: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    # (our id, what its params claimed: lease.RecordCheck) of pulls not yet checked against prefill's record
+    verify: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -264,7 +264,7 @@ class PullTable:
 
     def resolved(self, rid: str, remote: Hashable, pairs: list[tuple[int, int, int]], lease: Lease,
                  held_until: float, renew_at: float, now: float, epoch: int = 0,
-                 check: tuple[tuple[int, ...], ...] | None = None) -> list[Post | Renew]:
+                 check: Any = None) -> list[Post | Renew]:
         """Paired and connected (the published record: the end of a stream); ``pairs`` are (group, local,
         remote) blocks; ``renew_at``: when its first renewal is due (``now``: at once); ``check``: the block
         ids the (sequential) params named, to be matched against prefill's record before the pull is trusted."""

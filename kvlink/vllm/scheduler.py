@@ -281,15 +281,14 @@ class KVLinkScheduler(Producer):
         t0 = tables[0]
         if self.cfg.stream_lockstep:  # (one group: lockstep.why_not_lockstep)
             self._lockstep.track(rid, request, t0.local_block_ids[t0.first_block:])
-        # Concurrent pairing: the record prefill publishes carries its digest; the worker compares this one
-        # (where the record covers as many tokens: vLLM may load fewer than prefill computed).
-        # (Sequential pairing: compared before admitting, _same_prompt.) Also the whole prompt's: prefill's pieces
-        # and record cover its whole prompt, and a prompt of another length is another prompt.
-        sha = whole = None
+        # The record prefill publishes carries its digest; the worker compares this one (where the record covers
+        # as many tokens: vLLM may load fewer than prefill computed), in both pairings: the params' own
+        # prompt fields (compared before admitting, _same_prompt) come from decode's client. Also the whole
+        # prompt's: prefill's pieces and record cover its whole prompt, and a prompt of another length is
+        # another prompt.
         n_whole = request.num_prompt_tokens
-        if src.prompt_sha is None:
-            sha = request_digest(request, tokens)
-            whole = sha if n_whole == tokens else request_digest(request, n_whole)
+        sha = request_digest(request, tokens)
+        whole = sha if n_whole == tokens else request_digest(request, n_whole)
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None,
                                         prompt_sha=sha, prompt_tokens=tokens, whole_sha=whole, whole_tokens=n_whole))

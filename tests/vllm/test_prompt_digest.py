@@ -113,6 +113,47 @@ def test_decode_with_a_shorter_other_prompt_by_transfer_id_does_not_use_its_kv(e
     # still within prefill's blocks
 
 
+def test_a_digest_added_to_concurrent_params_does_not_stand_in_for_the_records(engines):
+    """Concurrent params name only the transfer id; a client that adds its own prompt's digest and count
+    passes the scheduler's comparison, and must not turn off the worker's against the record."""
+    from kvlink.vllm.params import prompt_digest
+
+    a, b = two_prompts(seed=67)
+    params = by_transfer_id(engines, a, "digest-t4")
+    forged = dict(params, remote_prompt_sha=prompt_digest(b), remote_num_tokens=len(b))
+    before = engines.agents["dec"].recorded_now()
+    assert decode(engines, "dec", [b], [forged]) == want(engines, [b])
+    after = engines.agents["dec"].recorded_now()
+    assert after["prompt_mismatch"] - before["prompt_mismatch"] == 1 and after["pulls_ok"] == before["pulls_ok"]
+    assert released(engines)
+
+
+@pytest.mark.parametrize("dropped", [("remote_prompt_sha",), ("remote_prompt_sha", "remote_num_tokens")])
+def test_sequential_params_stripped_of_their_digest_are_checked_against_the_record(engines, monkeypatch, dropped):
+    """Sequential params come from decode's client (or a router that drops fields): without the digest the
+    scheduler has nothing to compare, so the record prefill published is the authority. Decode asked another
+    prompt of as many tokens with prompt A's stripped params answers its own prompt and pulls nothing usable.
+    Control: with the record check blind to prompts, decode trusts A's KV for prompt B and answers otherwise."""
+    from kvlink.vllm import lease
+
+    a = token_prompts([BLOCK * 5 + 3], seed=65)[0]
+    b = token_prompts([BLOCK * 5 + 3], seed=66)[0]
+    [kp] = prefill(engines, [a])
+    stripped = {k: v for k, v in kp.items() if k not in dropped}
+    before = engines.agents["dec"].recorded_now()
+    assert decode(engines, "dec", [b], [stripped]) == want(engines, [b])
+    assert engines.agents["dec"].recorded_now()["pulls_ok"] == before["pulls_ok"]
+    assert released(engines)
+    [kp] = prefill(engines, [a])  # the control
+    check = lease.RecordCheck.wrong
+    monkeypatch.setattr(lease.RecordCheck, "wrong", lambda self, rec, where: check(
+        lease.RecordCheck(self.blocks, (), self.num_tokens, self.launch), rec, where))
+    got = decode(engines, "dec", [b], [{k: v for k, v in kp.items() if k not in dropped}])
+    assert engines.agents["dec"].recorded_now()["pulls_ok"] == before["pulls_ok"] + 1
+    assert got != want(engines, [b])
+    assert released(engines)
+
+
 class _Answers:
     """A bootstrap client answering decode's long polls from a list (partial records, then the record)."""
 

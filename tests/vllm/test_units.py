@@ -129,30 +129,43 @@ def test_lease_call_reports_lost_leases_and_retries_unreachable():
     assert _renew(FakeBootstrapClient(error=ConnectionError("down"))) == [("retry", ("http://b", "e1"), ("a", "b"))]
 
 
-def test_a_sequential_pulls_first_proof_checks_its_block_ids_against_prefills_record():
+def test_a_sequential_pulls_first_proof_checks_its_params_against_prefills_record():
     """Sequential params come from decode's client: before a pull whose block ids they named is trusted, the
-    record prefill published for the request must name the same ones."""
+    record prefill published for the request must name the same ones, for decode's own prompt (its digest at
+    the record's token count), the exact count a Mamba state needs, from the launch decode reads through."""
     from kvlink.bootstrap import RequestRecord, RequestStatus
-    from kvlink.vllm.lease import LeaseCalls
+    from kvlink.vllm.lease import LeaseCalls, RecordCheck
     from kvlink.vllm.pulls import Renew
 
-    def rec(rid, blocks):
-        return RequestRecord(engine_id="e1", request_id=rid, block_ids=blocks, num_tokens=32, lease_remaining_s=3.0)
+    def rec(rid, blocks, sha="A32", num_tokens=32, launch=None):
+        return RequestRecord(engine_id="e1", request_id=rid, block_ids=blocks, num_tokens=num_tokens,
+                             lease_remaining_s=3.0, prompt_sha=sha, launch=launch)
 
+    mine = ((32, "A32"),)  # decode's own digest of its 32-token prompt
     cli = FakeBootstrapClient(records={"r1": rec("r1", [[1, 2]]), "r2": rec("r2", [[1, 3]]),
-                                       "r3": RequestStatus.RELEASED})
+                                       "r3": RequestStatus.RELEASED, "r5": rec("r5", [[1, 2]], sha="B32"),
+                                       "r6": rec("r6", [[1, 2]], sha="A30", num_tokens=30),
+                                       "r7": rec("r7", [[1, 2]], num_tokens=30), "r8": rec("r8", [[1, 2]], launch="L2")})
+    checks = {"a": RecordCheck(((1, 2),), mine), "b": RecordCheck(((1, 2),), mine), "c": RecordCheck(((4,),), mine),
+              "e": RecordCheck(((1, 2),), mine),  # another prompt of as many tokens
+              "f": RecordCheck(((1, 2),), mine),  # prefill computed 30 tokens: not decode's prompt
+              "g": RecordCheck(((1, 2),), (), num_tokens=32),  # a Mamba state after 30 tokens, loaded as after 32
+              "h": RecordCheck(((1, 2),), mine, launch="L1")}  # published by another launch than the ranks read
     table = RecordingPullTable()
+    rids = ("a", "b", "c", "d", "e", "f", "g", "h")
     LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f()).run(
-        Renew(("http://b", "e1"), ("r1", "r2", "r3", "r4"), ("a", "b", "c", "d"), 3.0,
-              (("a", ((1, 2),)), ("b", ((1, 2),)), ("c", ((4,),)))))
+        Renew(("http://b", "e1"), ("r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"), rids, 3.0,
+              tuple(checks.items())))
     lost = {e[2]: e[3] for e in table.events if e[0] == "lost"}
-    assert set(lost) == {"b", "c"} and "other block ids" in lost["b"] and "released" in lost["c"]
+    assert set(lost) == {"b", "c", "e", "f", "g", "h"} and "other block ids" in lost["b"] and "released" in lost["c"]
+    assert "another prompt" in lost["e"] and "another prompt" in lost["f"] and "Mamba" in lost["g"]
+    assert "another launch" in lost["h"]
     assert [e[2] for e in table.events if e[0] == "held"] == [("a", "d")]  # d: nothing to check (a record's)
     failing = FakeBootstrapClient()
     failing.lookup = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down"))
     table = RecordingPullTable()
     LeaseCalls(lambda url: failing, table.apply, spawn=lambda f: f()).run(
-        Renew(("http://b", "e1"), ("r1",), ("a",), 3.0, (("a", ((1, 2),)),)))
+        Renew(("http://b", "e1"), ("r1",), ("a",), 3.0, (("a", RecordCheck(((1, 2),))),)))
     assert table.events == [("retry", ("http://b", "e1"), ("a",))]  # nothing unchecked is trusted
 
 

@@ -9,9 +9,9 @@ than at ``pull_timeout_s``.
 from __future__ import annotations
 
 import contextlib
-
 import time
 
+import msgspec
 import pytest
 
 from kvlink.errors import PeerClosed
@@ -603,13 +603,17 @@ def test_a_record_older_than_the_ranks_decode_connects_to_is_renewed_before_any_
 
 
 @pytest.mark.parametrize("mode", ["sequential", "concurrent"])
-@pytest.mark.parametrize("fence", [True, False])
+@pytest.mark.parametrize("fence", [True, False, "record"])
 def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_kept(tcp, monkeypatch, mode, fence):
     """Real TCP transport. A rolling restart under one engine id: the new process (launch L2, another port)
     registers while the old one (L1) still serves, so decode's kept peers of L1 are not stale. The new
     process's request names its launch (the record's ``launch``, the params' ``remote_launch``): decode looks
-    the ranks up again and reads L2's blocks. Control (``fence`` off: the launch not passed on, as before):
-    the kept remote reads the old process's memory at the new block ids and reports ok, the wrong KV."""
+    the ranks up again and reads L2's blocks. Control (``fence`` off: the launch not passed on, as before,
+    and the sequential record check blind to launches): the kept remote reads the old process's memory at
+    the new block ids and reports ok, the wrong KV. ``record``: params that name no launch (a router that
+    drops the field) leave the kept remote in place, and the sequential pull's record check (the record was
+    published by L2, the ranks read are L1's) fails it, nothing trusted."""
+    from kvlink.vllm import lease
     from kvlink.bootstrap import BootstrapClient
     from kvlink.vllm.config import ConnectorConfig
     from kvlink.vllm.metadata import PullSpec
@@ -630,19 +634,26 @@ def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_k
     with BootstrapClient(tcp.url) as cli:
         cli.publish("pre", "p-r2", [[4]], num_tokens=BLOCK, lease_s=30.0, launch="L2",
                     transfer_id="t-r2" if mode == "concurrent" else None)
-    if not fence:
+    if fence is not True:
         real = dec._remote
         monkeypatch.setattr(dec, "_remote", lambda cli, url, engine_id, launch=None: real(cli, url, engine_id))
+    if fence is False:
+        check = lease.RecordCheck.wrong
+        monkeypatch.setattr(lease.RecordCheck, "wrong", lambda self, rec, where: check(
+            self, msgspec.structs.replace(rec, launch=self.launch), where))
     src = RemoteSource(bootstrap_url=tcp.url, engine_id="pre", request_id="p-r2", block_ids=((4,),),
                        launch="L2") if mode == "sequential" else \
         RemoteSource(bootstrap_url=tcp.url, engine_id="pre", transfer_id="t-r2")
     dec._submit(PullSpec(request_id="r2", local_block_ids=(3,), first_block=0, source=src))
+    if fence == "record" and mode == "sequential":
+        assert pull_outcome(dec, "r2") == "failed"  # (the READ ran beside the check: its bytes are not trusted)
+        return
     assert pull_outcome(dec, "r2") == "ok"
     layer = next(iter(dst.values()))
     new_block, old_block = (next(iter(w.kv_caches.values()))[4] for w in (new, old))
     assert not torch.equal(new_block, old_block)
-    assert torch.equal(layer[3], new_block if fence else old_block)
-    if fence and mode == "sequential":  # params of a launch no rank is registered by: refused, nothing read
+    assert torch.equal(layer[3], new_block if fence is True else old_block)
+    if fence is True and mode == "sequential":  # params of a launch no rank is registered by: refused, nothing read
         before = layer[5].clone()
         dec._submit(PullSpec(request_id="r3", local_block_ids=(5,), first_block=0, source=RemoteSource(
             bootstrap_url=tcp.url, engine_id="pre", request_id="p-r2", block_ids=((4,),), launch="L9")))
