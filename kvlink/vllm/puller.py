@@ -363,18 +363,23 @@ class Puller:
 
         ``launch``: the launch that published (or streams) what is about to be read (RequestRecord.launch).
         Its block ids name memory of that launch's processes only: a kept remote of another launch is
-        looked up again, and ranks registered by another launch are refused (``engine_changed``: a rolling
-        restart, the old process still serving while the new one is registered under the same id)."""
+        looked up again, and ranks registered by another launch, or by several (some ranks re-registered,
+        others not yet), are refused (``engine_changed``: a rolling restart, the old process still serving
+        while the new one is registered under the same id)."""
         key = (url, engine_id)
         with self._lock:
             kept = self._remotes.get(key)
-        if kept is not None and not self._stale(kept) and (launch is None or kept.launch in (None, launch)):
+        if kept is not None and not self._stale(kept) and (launch is None or kept.launch == launch):
             return kept
         regs = cli.engine_ranks(engine_id)
         looked_up = time.monotonic()  # (after the answer: a registration it names may be that recent)
         launches = {reg.launch for reg in regs}
-        registered = launches.pop() if len(launches) == 1 else None
-        if launch is not None and registered is not None and registered != launch:
+        if len(launches) > 1:  # some ranks re-registered, others not yet: not one process set to read from
+            raise PullFailed(f"prefill engine {engine_id}: its ranks are registered by several launches "
+                             f"({', '.join(sorted(str(x) for x in launches))}: replaced under the same engine id, "
+                             "the restart under way); nothing read", "engine_changed")
+        registered = launches.pop() if launches else None
+        if launch is not None and registered != launch:
             raise PullFailed(f"prefill engine {engine_id}: the request comes from launch {launch}, but the engine's "
                              f"ranks are registered by launch {registered} (replaced under the same engine id); "
                              "nothing read", "engine_changed")

@@ -661,6 +661,55 @@ def test_a_rolling_restart_is_read_from_the_new_process_not_the_old_one_decode_k
         assert dec.get_stats().data.get("compat_refused.engine_changed") == 1
 
 
+def _stage(tcp, pp: int, fill: float, launch: str):
+    """Stage ``pp`` of a two-stage prefill engine "pre" (one layer each) of ``launch``, registered."""
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    name = f"model.layers.{pp}.self_attn.attn"
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"),
+                       W.RankInfo("pre", 0, 1, 0, 1, "m", pp_rank=pp, pp_size=2, num_layers=2, launch=launch),
+                       "kv_producer")
+    tcp.made.append(w)
+    w.register_kv_caches({name: _cache(fill)[name]})
+    w._ensure_registered(tcp.url)
+    return w
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_a_rolling_restart_half_registered_is_not_read_nor_kept(tcp, mode):
+    """Real TCP, a two-stage prefill rolled under one engine id: decode looks the engine up when the new
+    process's first stage has registered and the old second stage has not yet been replaced. Those ranks
+    are no one process set: refused (nothing read), and nothing kept, so once every stage is the new
+    process's, its records are read from it, never the second stage's layers from the old process (a review:
+    such a lookup was kept as if unfenced, and the new launch's records read through it)."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    old = [_stage(tcp, 0, 1.0, "L1"), _stage(tcp, 1, 1.0, "L1")]
+    dst = _cache(0.0)
+    dec = tcp.decode(dst)
+    with BootstrapClient(tcp.url) as cli:
+        cli.publish("pre", "p-r1", [[2]], num_tokens=BLOCK, lease_s=30.0, launch="L1")
+    _stage(tcp, 0, 50.0, "L2")  # the new process's first stage: the launches are mixed now
+    dec._submit(PullSpec(request_id="r1", local_block_ids=(1,), first_block=0, source=RemoteSource(
+        bootstrap_url=tcp.url, engine_id="pre", request_id="p-r1", block_ids=((2,),), launch="L1")))
+    assert pull_outcome(dec, "r1") == "failed"
+    assert dec.get_stats().data.get("compat_refused.engine_changed") == 1 and not dec._remotes
+    new1 = _stage(tcp, 1, 50.0, "L2")  # every stage is L2's; the old process still serves
+    with BootstrapClient(tcp.url) as cli:
+        cli.publish("pre", "p-r2", [[4]], num_tokens=BLOCK, lease_s=30.0, launch="L2",
+                    transfer_id="t-r2" if mode == "concurrent" else None)
+    src = RemoteSource(bootstrap_url=tcp.url, engine_id="pre", request_id="p-r2", block_ids=((4,),), launch="L2") \
+        if mode == "sequential" else RemoteSource(bootstrap_url=tcp.url, engine_id="pre", transfer_id="t-r2")
+    dec._submit(PullSpec(request_id="r2", local_block_ids=(3,), first_block=0, source=src))
+    assert pull_outcome(dec, "r2") == "ok"
+    got = dst["model.layers.1.self_attn.attn"][3]
+    assert torch.equal(got, new1.kv_caches["model.layers.1.self_attn.attn"][4])
+    assert not torch.equal(got, old[1].kv_caches["model.layers.1.self_attn.attn"][4])
+
+
 def test_connections_a_middlebox_dropped_keep_the_remote_and_its_peers(tcp):
     """Real TCP through a relay (prefill advertises it). The relay drops every idle connection of a live
     prefill: decode's kept peers read stale, it asks for the ranks again, they name the same process, so
