@@ -177,3 +177,17 @@ class RawVLLMServer:
 
     def stop(self):
         self.sock.close()
+
+
+class ScriptedVLLMServer(FakeVLLMServer):
+    """A fake vLLM server whose completions answer comes from ``handler(server, request, body)``, an async
+    function the test writes (a backend that misbehaves in one particular way)."""
+
+    def __init__(self, name: str, handler, **kw):
+        self.handler = handler
+        super().__init__(name, **kw)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        return await self.handler(self, request, body)

@@ -28,8 +28,9 @@ server checks that (409 Conflict when something is published or streamed: prefil
 
 The calls run on threads of the releaser's own (the bootstrap client is blocking; asyncio's default pool
 also resolves the backends' host names, so a slow bootstrap server must not fill it) and never hold up the
-client's answer. At most ``MAX_PENDING`` wait at once: a report beyond that is dropped and counted (the
-lease frees the blocks anyway), so a flood of failing requests or a bootstrap outage cannot grow it.
+client's answer. At most ``MAX_PENDING`` reports, and as many abandons, wait at once: one beyond that is
+dropped and counted (the lease frees the blocks; decode's own wait ends), so a flood of failing requests or
+a bootstrap outage cannot grow them.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class Releaser:
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="kvlink-proxy-release")
         # abandon() answers a decode that is waiting: never queued behind reports that wait for records
         self._urgent = ThreadPoolExecutor(2, thread_name_prefix="kvlink-proxy-abandon")
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # reports
+        self._urgent_tasks: set[asyncio.Task] = set()  # abandons
         self.reported = 0  # requests reported abandoned (for /health)
         self.transfers_abandoned = 0  # transfer ids given up for a failed concurrent prefill (for /health)
-        self.dropped = 0  # reports not made: MAX_PENDING were waiting (for /health)
+        self.dropped = 0  # reports or abandons not made: MAX_PENDING of the kind were waiting (for /health)
 
     def request(self, bootstrap_url: str, engine_id: str, request_id: str) -> None:
         """Sequential pairing: prefill's ``remote_engine_id``/``remote_request_id`` at ``bootstrap_url``."""
@@ -102,10 +104,13 @@ class Releaser:
         logger.info("proxy: prefill failed; gave %s up at %s, so decode computes the prompt", what, url)
 
     def _spawn(self, url: str, call, what: str, done, threads: ThreadPoolExecutor | None = None) -> None:
-        if len(self._tasks) >= MAX_PENDING and threads is None:  # (abandons: one per failed prefill, never dropped)
+        # Each kind has its own bound: a flood of reports does not keep abandons out, nor the other way round.
+        # (An abandon dropped leaves decode to its own lookup_wait_s; a report dropped, prefill to its lease.)
+        tasks = self._tasks if threads is None else self._urgent_tasks
+        if len(tasks) >= MAX_PENDING:
             self.dropped += 1
-            logger.warning("proxy: %d reports to bootstrap servers pending; %s not reported (its lease frees it)",
-                           len(self._tasks), what)
+            logger.warning("proxy: %d calls to bootstrap servers pending; %s not made (%s)", len(tasks), what,
+                           "its lease frees it" if threads is None else "decode's own wait ends")
             return
 
         async def run() -> None:
@@ -125,13 +130,14 @@ class Releaser:
                 done(what, url)
 
         task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5.0)
-        for task in list(self._tasks):
+        pending = [*self._tasks, *self._urgent_tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+        for task in pending:
             task.cancel()
         self._threads.shutdown(wait=False, cancel_futures=True)
         self._urgent.shutdown(wait=False, cancel_futures=True)

@@ -9,8 +9,12 @@ critical path, and decode only needs its request before prefill's first layer is
 
 Every backend failure becomes a JSON error naming the stage, the backend and the reason
 (502 unreachable or bad answer, 504 timeout); the proxy never waits longer than its timeout for prefill's
-answer, nor for decode's next bytes (a stream lasts as long as its tokens keep coming). A client that goes
-away takes its backend requests with it; one that hangs up mid-stream is not counted as decode's failure.
+answer, for decode's headers (a decode that stopped reading the body included), nor for decode's next bytes
+(a stream lasts as long as its tokens keep coming), nor for a client to take the next bytes. A client that
+goes away takes its backend requests with it; one that hangs up mid-stream is not counted as decode's
+failure. Decode's answer streams through as it comes (an error answer, 5xx, is read up to 64 KiB to name
+it); a stream that stalls or breaks ends with an error event of its own, and counts as not delivered, so
+prefill's KV is reported not taken.
 Once decode has answered, a concurrent prefill still running (decode recomputed the prompt) does not hold
 the answer up: it is cancelled a second later. A concurrent prefill that fails by itself after decode was
 given the transfer id has the id abandoned at prefill's bootstrap server, so decode stops waiting for it.
@@ -102,6 +106,9 @@ PREFILL_DROPS = ("prompt_logprobs", "echo", "logprobs", "top_logprobs")
 # How long decode's request may wait for prefill's to be on the wire (a prefill that cannot even be
 # connected to must not hold decode's request up for the connect timeout).
 PREFILL_FIRST_S = 0.05
+# How long a concurrent prefill's own answer is waited for once decode answered an error, before it is
+# cancelled (and whatever it may have published reported abandoned).
+PREFILL_AFTER_ERROR_S = 0.2
 # How long a concurrent prefill may still run once decode has answered (then decode did not use it:
 # it recomputed the prompt) before the proxy cancels it, so prefill stops computing for nobody.
 PREFILL_AFTER_DECODE_S = 1.0
@@ -212,57 +219,76 @@ async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: s
         raise _failure(stage, url, cfg, e) from None
 
 
+# A decode error answer (5xx) is read up to this much, to name the failure; other answers stream through.
+MAX_ERROR_BODY = 64 << 10
+
+
 async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, path: str,
-                 body: dict) -> web.StreamResponse:
-    """Send the decode request and pass its answer (JSON or SSE stream) through to the client."""
+                 body: dict) -> tuple[web.StreamResponse, bool]:
+    """Send the decode request and pass its answer (JSON or SSE stream) through to the client, as it comes.
+    Returns the response and whether decode's whole answer went through as a success (not an error status,
+    not a stream that stalled or broke): where it did not, the caller reports prefill's KV not taken.
+    Decode must answer (its headers) within ``timeout_s``, body written or not (a decode that stopped
+    reading it); after that each silence is bounded by ``timeout_s``, and so is each write to a client that
+    stopped reading (then it counts as gone)."""
     try:
-        async with st.session.post(url + path, json=body, timeout=_silence(cfg),
-                                   trace_request_ctx=_Sending("decode")) as resp:
-            trace.event("proxy_decode_answer")
-            ctype = resp.headers.get("Content-Type", "application/json")
-            if resp.status != 200 or not ctype.startswith("text/event-stream"):
-                data = await resp.read()
+        async with asyncio.timeout(cfg.timeout_s) as answer_by:
+            async with st.session.post(url + path, json=body, timeout=_silence(cfg),
+                                       trace_request_ctx=_Sending("decode")) as resp:
+                answer_by.reschedule(None)
+                trace.event("proxy_decode_answer")
+                ctype = resp.headers.get("Content-Type", "application/json")
                 if resp.status >= 500:
+                    data = await _read_capped(resp, MAX_ERROR_BODY) or b"(a larger body)"
                     raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}")
+                sse = resp.status == 200 and ctype.startswith("text/event-stream")
+                headers = {"Content-Type": ctype, "Cache-Control": "no-cache"} if sse else {"Content-Type": ctype}
+                out = web.StreamResponse(status=resp.status, headers=headers)
+                if not sse and resp.content_length is not None:
+                    out.content_length = resp.content_length
+                try:
+                    await out.prepare(request)  # writes the headers: the client may be gone already
+                except ConnectionError as e:
+                    raise ClientGone(out, str(e) or type(e).__name__) from None
+                chunks = resp.content.iter_any()
+                whole_events = True  # the last bytes relayed ended an SSE event
+                while True:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+                        st.failed += 1
+                        if sse:  # headers are gone already: tell the client inside the stream, then end it
+                            reason = (f"nothing for {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
+                                      else f"stream broke: {type(e).__name__}: {e}")
+                            err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
+                                             "message": reason}}
+                            end = b"" if whole_events else b"\n\n"  # (never glued to a partial event)
+                            await _to_client(out, end + f"data: {json.dumps(err)}\n\n".encode(), cfg)
+                        await _to_client(out, None, cfg)  # (a JSON body cut short: the client sees it short)
+                        return out, False
+                    whole_events = chunk.endswith(b"\n\n")
+                    await _to_client(out, chunk, cfg)
+                await _to_client(out, None, cfg)
                 st.served += 1
                 # (No header names the backend: the client is not told the deployment's internal addresses.)
-                return web.Response(body=data, status=resp.status, content_type=ctype.split(";")[0])
-            out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-            try:
-                await out.prepare(request)  # writes the headers: the client may be gone already
-            except ConnectionError as e:
-                raise ClientGone(out, str(e) or type(e).__name__) from None
-            chunks = resp.content.iter_any()
-            while True:
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-                    # Headers are gone already: tell the client inside the stream, then end it.
-                    reason = (f"nothing for {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
-                              else f"stream broke: {type(e).__name__}: {e}")
-                    err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
-                                     "message": reason}}
-                    st.failed += 1
-                    await _to_client(out, f"data: {json.dumps(err)}\n\n".encode())
-                    await _to_client(out, None)
-                    return out
-                await _to_client(out, chunk)
-            await _to_client(out, None)
-            st.served += 1
-            return out
+                return out, resp.status < 400
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure("decode", url, cfg, e) from None
 
 
-async def _to_client(out: web.StreamResponse, chunk: bytes | None) -> None:
-    """Write ``chunk`` to the client (None: end the stream); a client that hung up is ClientGone, so
-    leaving the ``async with`` of decode's request closes it and decode aborts the request."""
+async def _to_client(out: web.StreamResponse, chunk: bytes | None, cfg: ProxyConfig) -> None:
+    """Write ``chunk`` to the client (None: end the stream); a client that hung up, or read nothing for
+    ``timeout_s`` (decode's stream would wait on it), is ClientGone, so leaving the ``async with`` of decode's
+    request closes it and decode aborts the request."""
     try:
-        await (out.write(chunk) if chunk is not None else out.write_eof())
+        async with asyncio.timeout(cfg.timeout_s):
+            await (out.write(chunk) if chunk is not None else out.write_eof())
     except ConnectionError as e:  # aiohttp's ClientConnectionResetError is one
         raise ClientGone(out, str(e) or type(e).__name__) from None
+    except TimeoutError:
+        raise ClientGone(out, f"the client read nothing for {cfg.timeout_s:g} s") from None
 
 
 async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
@@ -287,11 +313,11 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
     dec["kv_transfer_params"] = dec_params
     src = RemoteSource.from_params(dec_params) if kept else None
     try:
-        out = await _relay(request, st, cfg, decode, path, dec)
+        out, whole = await _relay(request, st, cfg, decode, path, dec)
     except (BackendError, asyncio.CancelledError):
-        _not_taken(st, src)  # decode's request ended without decode reading prefill's KV
+        _not_taken(st, src)  # decode's request ended without its answer (the server defers it while decode reads)
         raise
-    if out.status >= 400:
+    if not whole:
         _not_taken(st, src)
     return out
 
@@ -310,7 +336,7 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     sent = asyncio.Event()
     pre_task = asyncio.create_task(_post_json(
         st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params()), sent))
-    delivered = False
+    delivered = answered = False
     try:
         await _first_on_the_wire(sent, pre_task)
         dec = dict(body)
@@ -325,17 +351,22 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
                                   transfer_id=transfer_id)
             dec["kv_transfer_params"] = source.to_params()
             pre_task.add_done_callback(lambda task: _prefill_ended(st, cfg, i, transfer_id, task))
-        out = await _relay(request, st, cfg, decode, path, dec)
-        delivered = out.status < 400
+        out, delivered = await _relay(request, st, cfg, decode, path, dec)
+        answered = True
         return out
     finally:
         if not delivered:
             # The client went away or decode failed: prefill's work is for nobody. Cancelling it
             # closes its connection, so prefill aborts the request and keeps no blocks for it; one it
-            # had finished (published) is reported abandoned.
+            # had finished (published) is reported abandoned. Where decode answered an error (a request
+            # vLLM refuses), prefill's own refusal is likely under way: it is heard first, as then nothing
+            # was published and there is nothing to report.
+            if answered and not pre_task.done():
+                await asyncio.wait((pre_task,), timeout=PREFILL_AFTER_ERROR_S)
             pre_task.cancel()
             await _settle_prefill(pre_task, transfer_id, cfg.timeout_s)
-            st.releaser.transfer(cfg.bootstrap_for(i), transfer_id, cfg.engine_id_for(i))
+            if not _answered_error(pre_task):  # (one that answered an error published nothing)
+                st.releaser.transfer(cfg.bootstrap_for(i), transfer_id, cfg.engine_id_for(i))
         elif not pre_task.done():
             # Decode answered without waiting for it (it recomputed the prompt): the client does not wait
             # for prefill either; prefill gets a moment to end by itself, then is cancelled.
@@ -344,6 +375,13 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
             settle.add_done_callback(st.settling.discard)
         else:
             await _settle_prefill(pre_task, transfer_id, 0.0)
+
+
+def _answered_error(task: asyncio.Task) -> bool:
+    """Prefill's leg ended with an error answer (not 200): prefill is done with the request, unpublished."""
+    if not task.done() or task.cancelled() or (e := task.exception()) is None:
+        return False
+    return getattr(e, "answered", None) not in (None, 200)
 
 
 def _prefill_ended(st: _State, cfg: ProxyConfig, i: int, transfer_id: str, task: asyncio.Task) -> None:
@@ -419,6 +457,24 @@ def _batch_refusal(path: str, body: dict) -> web.Response | None:
                           "each prompt as a request of its own", param=field)
 
 
+# How deep a request body may nest: an OpenAI request nests a few levels (a JSON schema for structured
+# output some more); one that only just parsed fails again when it is encoded for the backends.
+MAX_NESTING = 256
+
+
+def _nesting(value: Any) -> int:
+    """How many levels of lists and objects ``value`` nests (iteratively: no recursion to run out of)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, depth)
+            todo.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
     try:
@@ -428,6 +484,9 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return error_response(400, "invalid_request", f"request body is not valid JSON: {why}")
     if not isinstance(body, dict):
         return error_response(400, "invalid_request", "request body must be a JSON object")
+    if (depth := _nesting(body)) > MAX_NESTING:  # (encoded again for the backends, deeper in the stack)
+        return error_response(400, "invalid_request", f"request body nests {depth} levels deep (at most "
+                              f"{MAX_NESTING})")
     if (refused := _batch_refusal(request.path, body)) is not None:
         return refused
     t0 = time.monotonic()
@@ -435,7 +494,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         if _decode_alone(request.path, body):
             dec = dict(body)
             dec.pop("kv_transfer_params", None)  # the client's own never reach decode
-            resp = await _relay(request, st, cfg, next(st.decode_rr), request.path, dec)
+            resp, _ = await _relay(request, st, cfg, next(st.decode_rr), request.path, dec)
         elif cfg.mode == "sequential":
             resp = await _sequential(request, st, cfg, request.path, body)
         else:

@@ -1,0 +1,220 @@
+"""kvlink proxy against backends and clients that misbehave in one way each (a review's findings): every
+request ends within the proxy's timeout, memory stays flat, the client hears an error that names the
+failure, and prefill's KV is reported not taken whenever decode's answer did not go through."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from kvlink.proxy.router import STATE_KEY
+from tests.bootstrap.conftest import TOKEN
+from tests.fakes_vllm_server import FakeVLLMServer, RawVLLMServer, ScriptedVLLMServer
+from tests.proxy.test_router import health, post, released, wait_for
+
+
+@pytest.fixture
+def scripted():
+    made = []
+
+    def make(name, handler, **kw):
+        made.append(ScriptedVLLMServer(name, handler, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def test_a_decode_that_never_reads_the_body_ends_within_the_timeout(proxy):
+    """Decode accepts the connection and reads nothing (a frozen server the kernel still accepts for): the
+    request body (16 MiB) cannot be written, so no read timeout ever starts; the headers' own bound ends it."""
+    p = RawVLLMServer("answer")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    accepted = []  # (kept: a connection closed would fail the write at once)
+    threading.Thread(target=lambda: accepted.append(hole.accept()), daemon=True).start()
+    try:
+        url = proxy(prefill=(p.url,), decode=(f"http://127.0.0.1:{hole.getsockname()[1]}",), timeout_s=1.0)
+        t0 = time.monotonic()
+        status, _, raw = post(url + "/v1/completions", {"prompt": "x" * (16 << 20)}, timeout=30)
+        assert status == 504 and b"no answer within 1 s" in raw and time.monotonic() - t0 < 10
+    finally:
+        hole.close()
+        p.stop()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "concurrent"])
+def test_a_decode_stream_that_stalls_reports_prefills_kv_not_taken(bootstrap, proxy, scripted, mode):
+    """Decode sends its stream's headers and then nothing: the client gets an error event naming decode, and
+    prefill's published request is reported abandoned (before: only a non-streamed 504 was)."""
+    async def stall(self, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(10)
+        return resp
+
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    d = scripted("d0", stall)
+    try:
+        url = proxy(prefill=(p.url,), decode=(d.url,), timeout_s=1.0, mode=mode, bootstrap_token=TOKEN,
+                    prefill_bootstrap=(bootstrap.url,), prefill_engine_ids=("p0",))
+        status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
+        assert status == 200 and b'"stage": "decode"' in raw and b"nothing for 1 s" in raw
+        assert wait_for(lambda: len(p.published) == 1)
+        assert wait_for(lambda: released(bootstrap, "p0", p.published[0]), 5)
+        assert health(url)["failed"] == 1
+    finally:
+        p.stop()
+
+
+def test_an_error_event_after_a_cut_event_is_an_event_of_its_own(backends, proxy, scripted):
+    async def cut(self, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"i": 0}\n\ndata: {"i": 1, "te')
+        await asyncio.sleep(0.1)
+        request.transport.close()
+        return resp
+
+    url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", cut).url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
+    events = raw.decode().split("\n\n")
+    assert status == 200 and any(e.startswith('data: {"error"') and '"stage": "decode"' in e for e in events)
+
+
+def test_a_large_decode_answer_streams_through_without_being_held(backends, proxy, scripted):
+    """A 300 MiB non-streamed answer (a garbage backend, or prompt logprobs of a long prompt) goes through as
+    it comes: the first bytes arrive before the last are sent, and the proxy (in this process) does not grow
+    by the answer's size."""
+    mib = 1 << 20
+
+    async def huge(self, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for _ in range(300):
+            await resp.write(b"x" * mib)
+        await resp.write_eof()
+        return resp
+
+    url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", huge).url,), timeout_s=30.0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    req = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                 headers={"Content-Type": "application/json"})
+    n = 0
+    with urllib.request.urlopen(req, timeout=60) as r:
+        while chunk := r.read(mib):
+            n += len(chunk)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert n == 300 * mib and grown_mib < 100, grown_mib
+
+
+def test_a_decode_content_type_aiohttp_cannot_build_is_passed_through(bootstrap, proxy, scripted):
+    """``application/json,charset=utf-8`` (a comma for the semicolon) made the proxy's own response raise: a
+    bare 500 counted as served, and prefill's KV not reported. It is passed through as decode gave it."""
+    async def odd(self, request, body):
+        return web.Response(body=b'{"error": "x"}', status=400, headers={"Content-Type": "application/json,charset=utf-8"})
+
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    try:
+        url = proxy(prefill=(p.url,), decode=(scripted("d0", odd).url,), bootstrap_token=TOKEN)
+        status, ctype, raw = post(url + "/v1/completions", {"prompt": "x"})
+        assert (status, ctype, raw) == (400, "application/json,charset=utf-8", b'{"error": "x"}')
+        assert wait_for(lambda: len(p.published) == 1)
+        assert wait_for(lambda: released(bootstrap, "p0", p.published[0]), 5)
+    finally:
+        p.stop()
+
+
+def test_a_client_that_stops_reading_lets_decode_go_within_the_timeout(backends, proxy, scripted):
+    state = {"done": None}
+
+    async def flood(self, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(2000):
+                await resp.write(b"data: " + b"y" * 65536 + b"\n\n")
+        except BaseException as e:
+            state["done"] = type(e).__name__
+            raise
+        state["done"] = "finished"
+        return resp
+
+    url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", flood).url,), timeout_s=1.0)
+    s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = b'{"prompt": "x", "stream": true}'
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        assert wait_for(lambda: state["done"] is not None, 10)  # decode's request ended (closed by the proxy)
+        assert state["done"] != "finished" and wait_for(lambda: health(url)["client_gone"] == 1)
+    finally:
+        s.close()
+
+
+def test_requests_both_backends_refuse_take_no_report(bootstrap, proxy, scripted, monkeypatch):
+    """Concurrent pairing, a request both vLLM servers refuse (400): prefill published nothing, so nothing is
+    reported (each report waits up to 2 s for a record on one of four threads: a flood of bad requests would
+    crowd out real reports)."""
+    from kvlink.proxy import release
+
+    monkeypatch.setattr(release, "MAX_PENDING", 4)  # (reports waiting beyond it are dropped and counted)
+
+    async def bad(self, request, body):
+        return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+
+    url = proxy(prefill=(scripted("p0", bad).url,), decode=(scripted("d0", bad).url,), mode="concurrent",
+                prefill_bootstrap=(bootstrap.url,), prefill_engine_ids=("p0",), bootstrap_token=TOKEN)
+    for _ in range(20):
+        assert post(url + "/v1/completions", {"prompt": "x"})[0] == 400
+    h = health(url)
+    assert h["prefill_abandoned"] == 0 and h["reports_dropped"] == 0
+
+
+def test_abandons_are_bounded_too(proxy, scripted, monkeypatch):
+    """A prefill that fails by itself has its transfer id given up at its bootstrap server; with that server
+    hung, those calls pile up: at most MAX_PENDING wait, the rest are dropped and counted."""
+    from kvlink.proxy import release
+
+    monkeypatch.setattr(release, "MAX_PENDING", 8)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(1024)  # accepts (in its backlog), never answers
+
+    async def fail(self, request, body):
+        await asyncio.sleep(0.05)
+        return web.json_response({"error": "boom"}, status=500)
+
+    async def ok(self, request, body):
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    try:
+        url = proxy(prefill=(scripted("p0", fail).url,), decode=(scripted("d0", ok).url,), mode="concurrent",
+                    prefill_bootstrap=(f"http://127.0.0.1:{hole.getsockname()[1]}",), prefill_engine_ids=("p0",),
+                    bootstrap_token=TOKEN, connect_timeout_s=2.0)
+        for _ in range(30):
+            assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+        assert wait_for(lambda: health(url)["reports_dropped"] > 0)
+    finally:
+        hole.close()
+
+
+def test_a_body_nested_deeper_than_the_backends_can_be_sent_is_a_400(backends, proxy):
+    url = proxy(prefill=(backends("p0").url,), decode=(backends("d0").url,))
+    for depth in (300, 980, 2000):
+        body = ('{"prompt": "x", "x": ' + "[" * depth + "]" * depth + "}").encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400 and b"nest" in e.value.read()
+    assert post(url + "/v1/completions", {"prompt": "x", "x": [[[[1]]]]})[0] == 200
