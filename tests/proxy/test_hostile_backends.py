@@ -14,7 +14,6 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from kvlink.proxy.router import STATE_KEY
 from tests.bootstrap.conftest import TOKEN
 from tests.fakes_vllm_server import FakeVLLMServer, RawVLLMServer, ScriptedVLLMServer
 from tests.proxy.test_router import health, post, released, wait_for
