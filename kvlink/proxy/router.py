@@ -244,38 +244,57 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                 sse = resp.status == 200 and ctype.startswith("text/event-stream")
                 headers = {"Content-Type": ctype, "Cache-Control": "no-cache"} if sse else {"Content-Type": ctype}
                 out = web.StreamResponse(status=resp.status, headers=headers)
-                if not sse and resp.content_length is not None:
-                    out.content_length = resp.content_length
+                if not sse and resp.content_length is not None and "Content-Encoding" not in resp.headers:
+                    out.content_length = resp.content_length  # (a compressed one: aiohttp hands it decoded)
                 try:
                     await out.prepare(request)  # writes the headers: the client may be gone already
                 except ConnectionError as e:
                     raise ClientGone(out, str(e) or type(e).__name__) from None
-                chunks = resp.content.iter_any()
-                whole_events = True  # the last bytes relayed ended an SSE event
-                while True:
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-                        st.failed += 1
-                        if sse:  # headers are gone already: tell the client inside the stream, then end it
-                            reason = (f"nothing for {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
-                                      else f"stream broke: {type(e).__name__}: {e}")
-                            err = {"error": {"type": "backend_error", "stage": "decode", "backend": url,
-                                             "message": reason}}
-                            end = b"" if whole_events else b"\n\n"  # (never glued to a partial event)
-                            await _to_client(out, end + f"data: {json.dumps(err)}\n\n".encode(), cfg)
-                        await _to_client(out, None, cfg)  # (a JSON body cut short: the client sees it short)
+                broke = await _pass_on(resp, out, sse, cfg)
+                if broke is not None:
+                    st.failed += 1
+                    if not sse:  # a JSON body cut short: close, so the client sees an incomplete answer
+                        if request.transport is not None:
+                            request.transport.close()
                         return out, False
-                    whole_events = chunk.endswith(b"\n\n")
-                    await _to_client(out, chunk, cfg)
+                    # headers are gone already: tell the client inside the stream, then end it
+                    err = {"error": {"type": "backend_error", "stage": "decode", "backend": url, "message": broke}}
+                    await _to_client(out, f"data: {json.dumps(err)}\n\n".encode(), cfg)
+                    await _to_client(out, None, cfg)
+                    return out, False
                 await _to_client(out, None, cfg)
                 st.served += 1
                 # (No header names the backend: the client is not told the deployment's internal addresses.)
                 return out, resp.status < 400
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         raise _failure("decode", url, cfg, e) from None
+
+
+# An SSE event is passed on once whole (a stream cut mid-event then ends on a whole one, before the error
+# event); one larger than this is passed on in parts.
+MAX_EVENT = 1 << 20
+
+
+async def _pass_on(resp: aiohttp.ClientResponse, out: web.StreamResponse, sse: bool, cfg: ProxyConfig) -> str | None:
+    """Copy decode's body to the client as it comes (SSE: whole events). None when it ended; else why it broke
+    (what was left of a cut event is dropped: a client's SSE parser would take it for a whole one)."""
+    chunks, held = resp.content.iter_any(), b""
+    while True:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            if held:
+                await _to_client(out, held, cfg)
+            return None
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            return (f"nothing for {cfg.timeout_s:g} s" if isinstance(e, asyncio.TimeoutError)
+                    else f"stream broke: {type(e).__name__}: {e}")
+        if sse:
+            data = held + chunk
+            end = data.rfind(b"\n\n") + 2 if len(data) <= MAX_EVENT else len(data)
+            chunk, held = data[:end], data[end:]
+        if chunk:
+            await _to_client(out, chunk, cfg)
 
 
 async def _to_client(out: web.StreamResponse, chunk: bytes | None, cfg: ProxyConfig) -> None:
@@ -356,25 +375,38 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
         return out
     finally:
         if not delivered:
-            # The client went away or decode failed: prefill's work is for nobody. Cancelling it
-            # closes its connection, so prefill aborts the request and keeps no blocks for it; one it
-            # had finished (published) is reported abandoned. Where decode answered an error (a request
-            # vLLM refuses), prefill's own refusal is likely under way: it is heard first, as then nothing
-            # was published and there is nothing to report.
-            if answered and not pre_task.done():
-                await asyncio.wait((pre_task,), timeout=PREFILL_AFTER_ERROR_S)
-            pre_task.cancel()
-            await _settle_prefill(pre_task, transfer_id, cfg.timeout_s)
-            if not _answered_error(pre_task):  # (one that answered an error published nothing)
-                st.releaser.transfer(cfg.bootstrap_for(i), transfer_id, cfg.engine_id_for(i))
+            # The client went away or decode failed: prefill's work is for nobody (_give_up_prefill), in the
+            # background (the handler, and the client's connection, are not held up by it).
+            _background(st, _give_up_prefill(st, cfg, i, pre_task, transfer_id, PREFILL_AFTER_ERROR_S if answered
+                                              else 0.0))
         elif not pre_task.done():
             # Decode answered without waiting for it (it recomputed the prompt): the client does not wait
             # for prefill either; prefill gets a moment to end by itself, then is cancelled.
-            settle = asyncio.create_task(_settle_prefill(pre_task, transfer_id, PREFILL_AFTER_DECODE_S))
-            st.settling.add(settle)
-            settle.add_done_callback(st.settling.discard)
+            _background(st, _settle_prefill(pre_task, transfer_id, PREFILL_AFTER_DECODE_S))
         else:
             await _settle_prefill(pre_task, transfer_id, 0.0)
+
+
+def _background(st: _State, work) -> None:
+    """Run ``work`` (a coroutine) beside the answer; the app's cleanup cancels what is left."""
+    task = asyncio.create_task(work)
+    st.settling.add(task)
+    task.add_done_callback(st.settling.discard)
+
+
+async def _give_up_prefill(st: _State, cfg: ProxyConfig, i: int, pre_task: asyncio.Task, transfer_id: str,
+                           wait_s: float) -> None:
+    """A concurrent request decode's answer did not go through for. Cancelling prefill's leg closes its
+    connection, so prefill aborts the request and keeps no blocks for it; one it had finished (published)
+    is reported abandoned. ``wait_s``: decode answered (an error, or a stream that broke): prefill's own
+    answer (a refusal of the same request) is likely under way and heard first, as then nothing was
+    published and there is nothing to report (each report waits for a record)."""
+    if wait_s and not pre_task.done():
+        await asyncio.wait((pre_task,), timeout=wait_s)
+    pre_task.cancel()
+    await _settle_prefill(pre_task, transfer_id, cfg.timeout_s)
+    if not _answered_error(pre_task):  # (one that answered an error published nothing)
+        st.releaser.transfer(cfg.bootstrap_for(i), transfer_id, cfg.engine_id_for(i))
 
 
 def _answered_error(task: asyncio.Task) -> bool:

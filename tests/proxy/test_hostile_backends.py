@@ -5,6 +5,8 @@ failure, and prefill's KV is reported not taken whenever decode's answer did not
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import resource
 import socket
 import threading
@@ -86,8 +88,11 @@ def test_an_error_event_after_a_cut_event_is_an_event_of_its_own(backends, proxy
 
     url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", cut).url,))
     status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
-    events = raw.decode().split("\n\n")
-    assert status == 200 and any(e.startswith('data: {"error"') and '"stage": "decode"' in e for e in events)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    # the cut event is dropped (an SSE parser would take it for a whole one and fail on its JSON); every
+    # event the client gets parses, the last one names decode's failure
+    assert status == 200 and [json.loads(e.removeprefix("data: ")).get("i") for e in events[:-1]] == [0]
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["stage"] == "decode"
 
 
 def test_a_large_decode_answer_streams_through_without_being_held(backends, proxy, scripted):
@@ -217,3 +222,88 @@ def test_a_body_nested_deeper_than_the_backends_can_be_sent_is_a_400(backends, p
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400 and b"nest" in e.value.read()
     assert post(url + "/v1/completions", {"prompt": "x", "x": [[[[1]]]]})[0] == 200
+
+
+def _raw_decode(reply: bytes):
+    """A decode that reads one request and sends ``reply`` (raw HTTP bytes), then closes."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    buf += conn.recv(65536)
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+                while len(buf) < n:
+                    buf += conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+def test_a_json_answer_cut_short_is_cut_short_for_the_client(backends, proxy):
+    """Decode promises 1,000 bytes and sends 20: the client's read ends incomplete at once (the headers are
+    sent as the answer starts; before, the client waited for the rest until its own timeout)."""
+    srv, durl = _raw_decode(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                            b'{"choices": [{"text"')
+    try:
+        url = proxy(prefill=(backends("p0").url,), decode=(durl,), timeout_s=1.0)
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=20)
+        conn.request("POST", "/v1/completions", body='{"prompt": "x"}', headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        t0 = time.monotonic()
+        with pytest.raises(http.client.IncompleteRead):
+            answer.read()
+        assert time.monotonic() - t0 < 10 and wait_for(lambda: health(url)["failed"] == 1)
+    finally:
+        srv.close()
+
+
+def test_a_compressed_decode_answer_arrives_whole(backends, proxy):
+    import gzip
+
+    body = json.dumps({"choices": [{"text": "hello " * 200}]}).encode()
+    z = gzip.compress(body)
+    srv, durl = _raw_decode(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(z), z))
+    try:
+        url = proxy(prefill=(backends("p0").url,), decode=(durl,))
+        assert post(url + "/v1/completions", {"prompt": "x"}) == (200, "application/json", body)
+    finally:
+        srv.close()
+
+
+def test_a_client_gone_after_a_refusal_still_has_prefill_stopped_and_is_not_held_up(proxy, scripted, monkeypatch):
+    """Concurrent pairing: decode refuses the request, prefill is still computing. The client reads its 400
+    and hangs up (or sends its next request on the same connection): prefill's leg is still cancelled at
+    once, in the background, and the next request is not held up by it."""
+    async def bad(self, request, body):
+        return web.json_response({"error": {"message": "too long"}}, status=400)
+
+    p = FakeVLLMServer("p0", "hang")
+    try:
+        url = proxy(prefill=(p.url,), decode=(scripted("d0", bad).url,), mode="concurrent", timeout_s=5.0,
+                    prefill_bootstrap=("http://127.0.0.1:1",))
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10)
+        times = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            conn.request("POST", "/v1/completions", body='{"prompt": "x"}', headers={"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            assert answer.status == 400
+            answer.read()
+            times.append(time.monotonic() - t0)
+        conn.close()
+        assert max(times) < 0.15, times  # (the 0.2 s wait for prefill's own answer runs beside them)
+        assert wait_for(lambda: p.cancelled == 3, 2.0)  # within the 0.2 s wait, not at the 5 s timeout
+    finally:
+        p.stop()
