@@ -56,8 +56,8 @@ def engine_kwargs(model: str, **kw) -> dict:
 
 
 def without_digest(params: dict) -> dict:
-    """Prefill's answer without its prompt digest (a router that drops it): the one way left to make decode
-    read another prompt's KV, for negative controls."""
+    """Prefill's answer without its prompt digest (a router that drops it): decode then checks prefill's
+    record (lease.RecordCheck) and reads nothing of another prompt's KV."""
     return {k: v for k, v in params.items() if k != "remote_prompt_sha"}
 
 

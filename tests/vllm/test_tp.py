@@ -38,15 +38,40 @@ def _shard(rank: int, fill: float) -> dict:
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
 
 
+def _switched(kv: dict) -> dict:
+    """``kv`` with the connector that corrupts every pulled block while its flag file exists (negative
+    controls on the same server: tests/fakes_connector.py), decode recomputing what it cannot pull."""
+    return dict(kv, kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
+                kv_load_failure_policy="recompute")
+
+
+def _corrupt_while(flag, check) -> None:
+    flag.touch()
+    try:
+        check()
+    finally:
+        flag.unlink()
+
+
+def _check_other(pre_url: str, dec_url: str, prompt: list[int], want: str, timeout: float = 60.0) -> None:
+    """Prompt pulled from ``pre_url`` into ``dec_url`` (its KV corrupted there) answers other than ``want``."""
+    from tests.vllm.helpers import complete, text
+
+    params = complete(pre_url, prompt, {"do_remote_decode": True}, max_tokens=1, timeout=timeout)["kv_transfer_params"]
+    assert text(complete(dec_url, prompt, params, timeout=timeout)) != want
+
+
 def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
     from tests.vllm.helpers import Server, complete, kv_config, text, token_prompts
 
     # engine_lease_s: gloo's busy-polling threads can starve the heartbeat thread for over 15 s on 2 cores
     # (docs/NOTES-connector.md item 13), and a lapsed registration expires every published request.
-    kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0)
+    kv = _switched(kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0))
+    flag = tmp_path / "corrupt"
     srv = Server(tiny_model, kv, cpu="0|1", log=tmp_path / "tp2.log",
                  extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
-                             "--no-enable-prefix-caching"])  # decode must pull, not hit its own cache
+                             "--no-enable-prefix-caching"],  # decode must pull, not hit its own cache
+                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
     try:
         srv.wait_ready()
         block_bytes = 2 * 1 * 32 * 64 * 2  # K and V x 1 KV head per rank x 32 tokens x head size 64 x bf16
@@ -69,13 +94,17 @@ def test_real_vllm_tp2_each_rank_pulls_its_own_shard(tiny_model, tmp_path):
         params_b = complete(srv.url, b, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
         assert text(complete(srv.url, a, params_b)) == want
         assert srv.metric("kvlink_prompt_mismatch_total") == mismatch + 1
-        # negative control: the same without the digest (a router that drops it) decodes A on B's KV: another
-        # answer, so decode's answer does come from the KV it pulls
+        # the same without the digest (a router that drops it): the record prefill published is checked too
+        # (its digest is B's), so decode reads nothing of B's KV for A and computes A itself
         params_b = complete(srv.url, b, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-        assert text(complete(srv.url, a, without_digest(params_b))) != want
+        assert text(complete(srv.url, a, without_digest(params_b))) == want
+        assert srv.metric("kvlink_pulls_failed_total") == failed + 2  # (each TP rank's pull)
+        # negative control: A's own KV, pulled and then corrupted in decode's blocks, gives another answer,
+        # so decode's answer does come from the KV it pulls
+        _corrupt_while(flag, lambda: _check_other(srv.url, srv.url, a, want))
         params_a = complete(srv.url, a, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
         assert text(complete(srv.url, a, params_a)) == want
-        assert srv.metric("kvlink_pulls_failed_total") == failed  # both pulled, neither recomputed
+        assert srv.metric("kvlink_pulls_failed_total") == failed + 2  # the others pulled, none recomputed
         deadline = time.monotonic() + 30
         while srv.metric("kvlink_held_blocks") != 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -190,9 +219,10 @@ def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
     # both cores and starve every other thread here for seconds at a time (docs/NOTES-connector.md item 13).
     pre_kv = dict(kv_config("kv_producer", transport_backend="tcp", bootstrap_port=bport, lease_s=300.0,
                             engine_lease_s=300.0), engine_id="prefill-tp1")
-    dec_kv = dict(kv_config("kv_consumer", transport_backend="tcp", engine_lease_s=300.0, lookup_wait_s=60.0,
-                            transfer_timeout_s=90.0, bootstrap_timeout_s=90.0, pull_timeout_s=240.0,
-                            connect_timeout_s=60.0, spread_threads=True), kv_load_failure_policy="recompute")
+    dec_kv = _switched(kv_config("kv_consumer", transport_backend="tcp", engine_lease_s=300.0, lookup_wait_s=60.0,
+                                 transfer_timeout_s=90.0, bootstrap_timeout_s=90.0, pull_timeout_s=240.0,
+                                 connect_timeout_s=60.0, spread_threads=True))
+    flag = tmp_path / "corrupt"
     common = ["--dtype", "float32", "--no-enable-prefix-caching"]
     pre = Server(tiny_model, pre_kv, cpu=0, log=tmp_path / "prefill.log", extra_args=common)
     try:  # prefill serves decode's bootstrap calls and READs: ahead of decode's busy threads
@@ -200,7 +230,8 @@ def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
     except OSError:
         pass
     dec = Server(tiny_model, dec_kv, cpu="0|1", log=tmp_path / "decode-tp2.log",
-                 extra_args=[*common, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+                 extra_args=[*common, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
+                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
     try:
         pre.wait_ready(300)
         dec.wait_ready(300)
@@ -215,12 +246,10 @@ def test_real_vllm_tp1_prefill_into_tp2_decode(tiny_model, tmp_path):
         assert dec.metric("kvlink_pulls_failed_total") == 0.0
         # both decode ranks pulled their own head of every block of both layers, once
         assert dec.metric("kvlink_bytes_pulled_total") == pulled * 2 * block_bytes * 2
-        # negative control: prompt A decoded on prompt B's KV (same length, B's digest dropped: with it decode
-        # computes A itself) gives another answer
-        a, b = token_prompts([300, 300], seed=98)
+        # negative control: A's KV pulled and then corrupted in decode's blocks gives another answer
+        a = token_prompts([300], seed=98)[0]
         want = text(complete(dec.url, a, timeout=300))
-        params_b = complete(pre.url, b, {"do_remote_decode": True}, max_tokens=1, timeout=300)["kv_transfer_params"]
-        assert text(complete(dec.url, a, without_digest(params_b), timeout=300)) != want
+        _corrupt_while(flag, lambda: _check_other(pre.url, dec.url, a, want, timeout=300))
         deadline = time.monotonic() + 30
         while pre.metric("kvlink_held_blocks") != 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
