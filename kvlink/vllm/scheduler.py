@@ -98,7 +98,9 @@ class KVLinkScheduler(Producer):
         self._parsed: dict[str, tuple[Any, RemoteSource]] = {}  # request id -> (its params, parsed): _source
         self._new_pulls: list[PullSpec] = []
         self._local_hit: dict[str, int] = {}  # request id -> prefix-cache tokens vLLM offered
-        self._prompt_ok: dict[str, bool] = {}  # sequential pairing: the prompt digest compared (until allocated)
+        # Sequential pairing, until allocated: whether the prompt digest compared, with the token count and
+        # decode's own digest (update_state_after_alloc hashes that many tokens again otherwise)
+        self._prompt_ok: dict[str, tuple[bool, int, str | None]] = {}
         self._new_cancels: list[str] = []
         # Lock-step (lockstep.py), the scheduler's thread only: armed requests and, with prefix caching,
         # the pulled blocks vLLM cached before their KV was confirmed.
@@ -238,9 +240,10 @@ class KVLinkScheduler(Producer):
         many prompt tokens must give the same (params.prompt_digest), or decode computes the prompt itself."""
         rid = request.request_id
         if rid in self._prompt_ok:
-            return self._prompt_ok[rid]
+            return self._prompt_ok[rid][0]
         mine = request_digest(request, src.num_tokens)
-        self._prompt_ok[rid] = ok = mine is None or mine == src.prompt_sha  # None: embeddings, no ids to compare
+        ok = mine is None or mine == src.prompt_sha  # None: embeddings, no ids to compare
+        self._prompt_ok[rid] = (ok, src.num_tokens, mine)
         if ok:
             return True
         self._count("prompt_mismatch")
@@ -258,7 +261,7 @@ class KVLinkScheduler(Producer):
             return
         rid = request.request_id
         self._processed.add(rid)
-        self._prompt_ok.pop(rid, None)
+        compared = self._prompt_ok.pop(rid, None)
         self._parsed.pop(rid, None)
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens <= 0:
@@ -287,8 +290,10 @@ class KVLinkScheduler(Producer):
         # prompt's: prefill's pieces and record cover its whole prompt, and a prompt of another length is
         # another prompt.
         n_whole = request.num_prompt_tokens
-        sha = request_digest(request, tokens)
-        whole = sha if n_whole == tokens else request_digest(request, n_whole)
+        known = {compared[1]: compared[2]} if compared is not None else {}
+        sha = known[tokens] if tokens in known else request_digest(request, tokens)
+        known[tokens] = sha
+        whole = known[n_whole] if n_whole in known else request_digest(request, n_whole)
         self._new_pulls.append(PullSpec(rid, t0.local_block_ids, t0.first_block, src, num_blocks=t0.num_blocks,
                                         others=tuple(tables[1:]), num_tokens=tokens if self.backoff else None,
                                         prompt_sha=sha, prompt_tokens=tokens, whole_sha=whole, whole_tokens=n_whole))

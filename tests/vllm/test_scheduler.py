@@ -811,6 +811,33 @@ def test_a_sequential_prompt_mismatch_is_decided_once_and_the_prompt_computed():
         sched.shutdown()
 
 
+def test_a_sequential_pull_hashes_each_token_count_of_its_prompt_once(monkeypatch):
+    """The digest compared before admitting (_same_prompt) is the one the pull's record check uses: decode's
+    scheduler thread hashes a long prompt once, not again at allocation."""
+    from kvlink.vllm import scheduler as sched_mod
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import prompt_digest, request_digest
+
+    hashed = []
+    monkeypatch.setattr(sched_mod, "request_digest", lambda r, n: hashed.append(n) or request_digest(r, n))
+    sched = sched_mod.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1", "remote_engine_id": "pre",
+              "remote_request_id": "p1", "remote_block_ids": [1, 2, 3, 4], "remote_num_tokens": 64,
+              "remote_prompt_sha": prompt_digest(range(10, 74))}
+    try:
+        for rid, n, want in (("d1", 64, [64]), ("d2", 80, [64, 80])):
+            hashed.clear()
+            req = _decode_request(rid, n, params | {"remote_request_id": f"p-{rid}"})
+            assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+            sched.update_state_after_alloc(req, _blocks(range(5, 5 + -(-n // 16))), 64)
+            spec = sched._new_pulls.pop()
+            assert hashed == want
+            assert (spec.prompt_tokens, spec.prompt_sha) == (64, prompt_digest(range(10, 74)))
+            assert (spec.whole_tokens, spec.whole_sha) == (n, prompt_digest(range(10, 10 + n)))
+    finally:
+        sched.shutdown()
+
+
 def test_the_request_digest_covers_the_lora_adapter_and_the_images_among_its_tokens():
     from types import SimpleNamespace
 
