@@ -16,6 +16,7 @@
 #include <time.h>
 
 #define KVL__MIN_STRIPE (512u * 1024u) /* smaller batches stay on one stream */
+#define KVL__MAX_BATCH_BYTES (1ull << 60)  /* far beyond any batch; sums stay clear of 64-bit wrap */
 
 static void timespec_at(struct timespec *ts, uint64_t ms_from_now) {
   clock_gettime(CLOCK_MONOTONIC, ts);
@@ -149,6 +150,11 @@ int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local,
       free(tmp);
       return KVL_EINVAL;
     }
+    if (len > KVL__MAX_BATCH_BYTES - total) { /* also keeps the stripe arithmetic below from wrapping */
+      snprintf(why, cap, "descriptor %zu: the batch's lengths add up to more than 2^60 bytes", i);
+      free(tmp);
+      return KVL_ETOOBIG;
+    }
     total += len;
     if (m > 0) {
       kvl__desc *p = &tmp[m - 1];
@@ -163,8 +169,8 @@ int kvl__batch_build(kvl_engine *e, int op, int nstreams, const uint64_t *local,
     tmp[m].length = len;
     m++;
   }
-  uint32_t want = total >= (uint64_t)KVL__MIN_STRIPE * 2 ? (uint32_t)(total / KVL__MIN_STRIPE) : 1;
-  if (want > (uint32_t)nstreams) want = (uint32_t)nstreams;
+  uint64_t stripes = total >= (uint64_t)KVL__MIN_STRIPE * 2 ? total / KVL__MIN_STRIPE : 1;
+  uint32_t want = stripes > (uint64_t)nstreams ? (uint32_t)nstreams : (uint32_t)stripes; /* >= 1 */
   uint64_t per = (total + want - 1) / want;
   size_t max_parts = want + m / KVL_MAX_DESC_PER_MSG + 2;
   kvl_batch *b = calloc(1, sizeof *b + max_parts * sizeof(kvl__part));

@@ -9,7 +9,7 @@ the table locally (Mooncake) calls :func:`check_remote_bounds`.
 
 Errors name the culprit: which argument or which descriptor, and which bound. Malformed arguments raise
 :class:`~kvlink.errors.InvalidArgument`, ranges outside a region :class:`~kvlink.errors.OutOfRange`; both
-are ``ValueError``.
+are ``ValueError``; a batch whose lengths add up to more than 2^60 bytes :class:`~kvlink.errors.TooBig`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from kvlink.errors import InvalidArgument, OutOfRange
+from kvlink.errors import InvalidArgument, OutOfRange, TooBig
 
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
+MAX_BATCH_BYTES = 1 << 60  # csrc/kvl_batch.c's KVL__MAX_BATCH_BYTES: far beyond any batch, clear of 64-bit wrap
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +82,14 @@ def check_descriptors(local_length: int, local_offsets: Any, remote_regions: Any
         i = _first(beyond)
         raise OutOfRange(f"descriptor {i}: local offset {int(loff[i])} + length {_at(lens, i)} ends beyond the "
                          f"local region of {local_length} bytes")
-    nbytes = int(lens.sum()) if len(lens) == n else int(lens[0]) * n
+    if len(lens) != n:
+        nbytes = int(lens[0]) * n
+    elif int(lens.max()) * n <= MAX_BATCH_BYTES:
+        nbytes = int(lens.sum())  # cannot wrap
+    else:
+        nbytes = sum(map(int, lens))  # numpy's uint64 sum would wrap
+    if nbytes > MAX_BATCH_BYTES:
+        raise TooBig(f"the batch's {n} lengths add up to {nbytes} bytes, more than 2^60")
     return Descriptors(loff, regs, roff, lens, nbytes)
 
 

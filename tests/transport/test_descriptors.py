@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvlink.errors import InvalidArgument, OutOfRange
+from kvlink.errors import InvalidArgument, OutOfRange, TooBig
 from kvlink.transport.descriptors import U64_MAX, check_descriptors, check_one, check_remote_bounds
 
 SIZE = 1 << 16
@@ -80,6 +80,16 @@ def test_remote_bounds_name_the_descriptor_region_and_size():
     d = check_descriptors(SIZE, [0], 3, [U64_MAX - 200], 100)  # no overflow in the check
     with pytest.raises(OutOfRange, match="descriptor 0"):
         check_remote_bounds(d, np.array([1 << 20]))
+
+
+def test_a_batch_beyond_2_to_the_60_bytes_is_too_big_also_where_numpy_would_wrap():
+    d = check_descriptors(U64_MAX, np.zeros(1 << 10, np.uint64), 1, np.zeros(1 << 10, np.uint64), 1 << 50)
+    assert d.nbytes == 1 << 60  # the limit itself passes
+    with pytest.raises(TooBig, match=f"1025 lengths add up to {1025 << 50} bytes"):
+        check_descriptors(U64_MAX, np.zeros(1025, np.uint64), 1, np.zeros(1025, np.uint64), 1 << 50)
+    lens = np.array([1 << 63, 1 << 63, 5], np.uint64)  # numpy's sum: 5
+    with pytest.raises(TooBig, match=f"add up to {(1 << 64) + 5} bytes"):
+        check_descriptors(U64_MAX, [0, 0, 0], 1, [0, 0, 0], lens)
 
 
 def test_the_configs_limits_are_the_c_engines():

@@ -79,6 +79,20 @@ def test_out_of_region_read_through_the_api(pair):
     still_serves(p)
 
 
+def test_a_batch_of_petabytes_is_striped_without_dividing_by_zero(pair):
+    """2^19 descriptors of 4 GiB (2^51 bytes; every one within the local region, which they all overlap):
+    the stripe count, truncated to 32 bits, was 0 and the requester's process died of SIGFPE building the
+    batch. Now the batch is cut as any other and the target refuses it; nothing lands."""
+    p = pair(streams=4)
+    big = np.zeros(4 << 30, dtype=np.uint8)  # calloc'd lazily: never touched
+    loc = p.init.register(big)
+    n = 1 << 19
+    with pytest.raises(OutOfRange, match="beyond region"):
+        p.init.write(p.peer, loc, np.zeros(n, np.uint64), p.rsrc.id, np.zeros(n, np.uint64), 4 << 30).wait()
+    loc.unregister()
+    still_serves(p)
+
+
 def _raw_request(p, offset: int, length: int) -> None:
     """Send a descriptor the Python API would refuse locally, straight on the wire."""
     with wire.connect(p.target.address) as s:
