@@ -9,6 +9,7 @@
  *   kvl_request.c                     one request on a requester stream
  *   kvl_batch.c kvl_region.c kvl_auth.c kvl_crc32c.c
  *   kvl_events.c kvl_notifs.c kvl_sock.c kvl_proto.c kvl_sha256.c kvl_err.c
+ *   kvl_owner.c
  *
  * Lock comments: "mu" names the lock of the struct the field is in; "set
  * before publication" means written once before another thread can see the
@@ -438,6 +439,9 @@ int kvl__local_serve_read(kvl_engine *e, int fd, const kvl__hdr *h, const uint8_
 /* nonzero: the connection is unusable; limit_ms as kvl__handshake_client's */
 int kvl__local_probe(kvl_engine *e, int fd, uint64_t limit_ms, kvl__local_peer *lp);
 int kvl__local_read(kvl__stream *s, kvl__part *pt, char *why, size_t cap);
+/* 1 if process pid holds the other end of TCP connection fd, by the kernel's
+ * tables; else 0 and why (kvl_owner.c) */
+int kvl__holds_peer_end(int pid, int fd, char *why, size_t cap);
 /* send an ERROR-class frame (status body) (kvl_auth.c) */
 int kvl__send_status(int fd, uint8_t type, uint32_t seq, const kvl__status *st, uint64_t deadline, const int *closing);
 

@@ -9,8 +9,10 @@
  *   requester -> LDONE
  *   responder -> LDONE_ACK  status (ok only if the pins were held throughout)
  *
- * Whether the path works is probed at connect (LPROBE): same boot id, and a
- * 32-byte random cookie in the responder's memory read back intact. Where
+ * Whether the path works is probed at connect (LPROBE): same boot id, a
+ * 32-byte random cookie in the responder's memory read back intact, and the
+ * kernel's word that the pid named holds this connection's other end
+ * (kvl_owner.c: a peer could relay another engine's answer). Where
  * the kernel or container forbids it (ptrace rules, pid namespaces, another
  * host), the probe says why and the peer stays on TCP. Raw addresses stay
  * inside the C engine. */
@@ -150,6 +152,11 @@ int kvl__local_probe(kvl_engine *e, int fd, uint64_t limit_ms, kvl__local_peer *
   }
   if (memcmp(got, cookie, sizeof got) != 0) {
     snprintf(lp->why, sizeof lp->why, "pid %d is not the peer (another pid namespace?)", (int)pid);
+    return 0;
+  }
+  char held_why[KVL_MAX_EVENT_MSG / 2];
+  if (!kvl__holds_peer_end((int)pid, fd, held_why, sizeof held_why)) { /* a relayed probe names another engine */
+    snprintf(lp->why, sizeof lp->why, "not copying from pid %d: %s", (int)pid, held_why);
     return 0;
   }
   lp->pid = pid;

@@ -14,6 +14,7 @@ VERSION = 1
 HDR = struct.Struct("<IBBHII")  # magic, version, type, flags, seq, body_len
 HELLO, CHALLENGE, AUTH, WELCOME, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP, NOTIFY, NOTIFY_ACK, ERROR = (
     1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15)
+LPROBE, LPROBE_RESP = 16, 17  # the same-host probe
 F_CRC = 1
 LABEL_SERVER = b"kvlink-v1 server proof"
 LABEL_CLIENT = b"kvlink-v1 client proof"

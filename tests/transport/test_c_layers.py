@@ -14,7 +14,7 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 
 LAYERS = [  # lowest first
-    {"kvl_err", "kvl_sha256", "kvl_sock", "kvl_proto", "kvl_events", "kvl_notifs"},
+    {"kvl_err", "kvl_sha256", "kvl_sock", "kvl_proto", "kvl_events", "kvl_notifs", "kvl_owner"},
     {"kvl_crc32c", "kvl_region", "kvl_auth", "kvl_batch"},
     {"kvl_request"},
     {"kvl_local"},

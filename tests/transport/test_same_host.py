@@ -97,6 +97,61 @@ def test_same_host_across_processes(make_engine, remote_target, caplog):
     assert init.stats()["bytes_local"] == 2 << 20
 
 
+def test_a_peer_naming_another_engines_pid_is_read_over_tcp(make_engine, remote_target):
+    """A hostile peer M (it holds the token) asks another engine V on the host for its probe answer and hands it
+    on as its own: V's pid, and a cookie that reads back intact in V's memory. The requester would then copy
+    from V's memory at whatever addresses M names, outside anything V registered, unseen by V's bounds and
+    unregister. The kernel's tables show that V does not hold the other end of the requester's connection, so
+    the peer stays on TCP ("require": refused, naming why)."""
+    import socket
+    import struct
+    import threading
+
+    from tests import wire
+
+    v = remote_target()
+    with wire.connect(v["address"]) as s:  # M asks V
+        wire.client_handshake(s, TOKEN, "M")
+        s.sendall(wire.frame(wire.LPROBE, seq=1))
+        _, probe = wire.recv_frame(s)
+    assert struct.unpack_from("<I", probe, 4)[0] == v["proc"].pid  # V's own answer
+    lst = socket.create_server(("127.0.0.1", 0))
+    served = []
+
+    def answer(c):
+        with c:
+            try:
+                wire.server_handshake(c, TOKEN, "M")
+                (_, _, t, _, seq, _), _ = wire.recv_frame(c)
+                if t == wire.LPROBE:
+                    c.sendall(wire.frame(wire.LPROBE_RESP, probe, seq=seq))
+                    served.append(seq)
+                c.settimeout(5.0)
+                c.recv(1)  # until the requester closes
+            except (OSError, ConnectionError):
+                pass
+
+    def hostile_m():
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(c,), daemon=True).start()
+
+    threading.Thread(target=hostile_m, daemon=True).start()
+    try:
+        address = "127.0.0.1:%d" % lst.getsockname()[1]
+        strict = make_engine(name="strict", listen=None, same_host="require")
+        with pytest.raises(SameHostUnavailable, match=f"pid {v['proc'].pid} does not hold the other end"):
+            strict.connect(address)
+        init = make_engine(name="init", listen=None, same_host="auto", streams=1)
+        assert not init.connect(address).same_host
+        assert len(served) == 2  # both probes were answered with V's pid: the check refused them
+    finally:
+        lst.close()
+
+
 REQUESTER = """
 import json, logging, sys, numpy as np
 from kvlink.errors import SameHostUnavailable
