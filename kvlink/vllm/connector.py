@@ -135,12 +135,17 @@ def _state_layers(kv_cache_config: Any) -> set[str]:
 
 def groups_desc(kv_cache_config: Any) -> str:
     """The KV cache groups' specs as the compatibility check compares them: kind, tokens per block, window
-    (not the per-rank head count: TP is mapped)."""
+    (not the per-rank head count: TP is mapped). A Mamba group's block holds one request's whole state
+    (mamba_cache_mode "none", _check_groups); vLLM sizes it by --max-model-len, which may differ between
+    prefill and decode, so it is left out (the state's layout is compared per part, worker.py)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     out = []
     for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
         spec = g.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
-        out.append(f"{type(spec).__name__}:{spec.block_size}" + (f":w{window}" if window else ""))
+        size = "state" if isinstance(spec, MambaSpec) else spec.block_size
+        out.append(f"{type(spec).__name__}:{size}" + (f":w{window}" if window else ""))
     return "|".join(out)
 
 

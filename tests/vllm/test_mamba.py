@@ -32,6 +32,10 @@ def engines(mamba_model):
     e.make("dec_bad", corrupting_kv_config(), **OFF)
     for g in (0, 1):  # one KV cache group corrupted at a time: 0 the Mamba state, 1 attention
         e.make(f"dec_bad_g{g}", dict(corrupting_kv_config(), kv_connector=f"CorruptGroup{g}Connector"), **OFF)
+    # --max-model-len sizes vLLM's Mamba block (one whole state per request): decode may allow longer prompts
+    e.make("dec_long", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"),
+           max_model_len=4096, **OFF)
+    e.make("dec_long_bad", corrupting_kv_config(), max_model_len=4096, **OFF)
     yield e
     e.close()
 
@@ -63,6 +67,24 @@ def test_outputs_equal_a_single_engine_with_every_state_and_block_pulled(engines
             problems.append(f"{len(p)} tokens: output {'ok' if got == w else got} (want {w}), pulls ok {ok}, "
                             f"failed {failed}")
     assert not problems, "\n".join(problems)
+
+
+def test_a_decode_with_another_max_model_len_pulls_the_state_and_kv(engines):
+    """vLLM sizes a Mamba group's block by --max-model-len (2048 on prefill, 4096 here): the state and the
+    attention KV are laid out alike, so decode pulls them (they were refused as another ``groups`` before)."""
+    cfg = engines.llms["dec_long"].llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    pre = engines.llms["pre"].llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    assert cfg.kv_cache_groups[0].kv_cache_spec.block_size != pre.kv_cache_groups[0].kv_cache_spec.block_size
+    prompts = token_prompts([65, 700], seed=47)
+    want = outputs(engines, "base", prompts)
+    agent = engines.agents["dec_long"]
+    before = agent.recorded_now()
+    got = decode(engines, "dec_long", prompts, prefill(engines, [list(p) for p in prompts]))
+    after = agent.recorded_now()
+    assert (after["pulls_ok"] - before["pulls_ok"], after["pulls_failed"] - before["pulls_failed"]) == (2, 0)
+    assert got == want
+    # control: the same decode with what it pulled corrupted answers otherwise
+    assert decode(engines, "dec_long_bad", prompts[1:], prefill(engines, [list(p) for p in prompts[1:]])) != want[1:]
 
 
 def test_corrupted_state_and_kv_change_the_output(engines):
