@@ -17,15 +17,17 @@ the step may wait). Where even the last layer takes longer than that, the pull i
 without lock-step. ``ArmClock`` decides; it is pure, like the pull table that holds one per pull.
 
 What vLLM does with an armed request, and why each refusal in ``why_not_lockstep`` exists:
-- a failed armed pull is a failed "sync load" of a running request (vLLM's ``_handle_invalid_blocks``).
-  With ``recompute`` and async scheduling the next step, already in flight, appends a token sampled
-  from the failed one: only ``fail``, or ``recompute`` without async scheduling, are exact;
+- no async scheduling: vLLM would schedule the next step while the armed one still waits for its READs,
+  and could preempt the armed request and give its blocks to another while they land (its load errors
+  are charged to running requests only); with ``recompute`` the next step, already in flight, would also
+  append a token sampled from the failed one;
+- a failed armed pull is a failed "sync load" of a running request (vLLM's ``_handle_invalid_blocks``):
+  ``fail`` or ``recompute``;
 - the blocks of a reported request enter the prefix cache when vLLM takes it, before their KV is
   confirmed, and a request of that same step may match them: the step that takes it evicts them and waits
   for the pull as the request's own would (``LockstepBook.shared``), reporting them as load errors
   if it failed. With "recompute" vLLM may free a request that matched them as its local hit while its own
-  READs still land; with async scheduling a matching request could run before the failure is processed:
-  prefix caching is refused with either;
+  READs still land: prefix caching needs ``fail``;
 - one KV cache group: vLLM refuses block-level load errors with several;
 - one rank (TP = PP = 1): each rank would confirm its own READs, nothing aggregates that yet;
 - no host staging on decode: the landing copy is not layer by layer;
@@ -47,17 +49,16 @@ SCHEDULE_S = 0.003  # report -> vLLM schedules the request (the nudge, the colle
 def why_not_lockstep(policy: str, async_scheduling: bool, prefix_caching: bool, tp: int, pp: int,
                      groups: int, staged: bool, sync_cancel: bool, granularity: str) -> str | None:
     """Why decode cannot run its first step in lock-step with prefill (None: it can)."""
-    if policy != "fail" and not (policy == "recompute" and not async_scheduling):
-        return (f"kv_load_failure_policy {policy!r} with async scheduling (vLLM appends the next step's token "
-                "of a request whose load failed): use kv_load_failure_policy \"fail\"")
+    if async_scheduling:
+        return ("async scheduling (vLLM schedules the next step while the armed one still waits for its READs, "
+                "and may preempt the armed request and hand its blocks on while they land): start decode with "
+                "--no-async-scheduling")
+    if policy not in ("fail", "recompute"):
+        return f"kv_load_failure_policy {policy!r}: use \"fail\" or \"recompute\""
     if prefix_caching and policy != "fail":
         return ("prefix caching with kv_load_failure_policy \"recompute\" (vLLM may free the blocks of a request "
                 "that matched an armed request's while its own READs still land): use \"fail\", or start decode "
                 "with --no-enable-prefix-caching")
-    if prefix_caching and async_scheduling:
-        return ("prefix caching with async scheduling (a request matching an armed request's blocks in the "
-                "cache may be scheduled before the step that fails them is processed): start decode with "
-                "--no-enable-prefix-caching or --no-async-scheduling")
     if tp != 1 or pp != 1:
         return f"decode runs TP={tp}, PP={pp} (lock-step confirms one rank's READs only)"
     if groups != 1:

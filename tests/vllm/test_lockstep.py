@@ -183,8 +183,10 @@ def test_a_restarted_request_is_paced_from_its_restart_not_from_the_epoch_before
 
 
 @pytest.mark.parametrize("args, part", [
-    (("recompute", True, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy"),
-    (("fail", True, True, 1, 1, 1, False, True, "layer"), "prefix caching with async scheduling"),
+    (("recompute", True, False, 1, 1, 1, False, True, "layer"), "async scheduling"),
+    (("fail", True, False, 1, 1, 1, False, True, "layer"), "may preempt the armed request"),
+    (("fail", True, True, 1, 1, 1, False, True, "layer"), "async scheduling"),
+    (("skip", False, False, 1, 1, 1, False, True, "layer"), "kv_load_failure_policy 'skip'"),
     (("recompute", False, True, 1, 1, 1, False, True, "layer"), "prefix caching with kv_load_failure_policy"),
     (("fail", False, False, 2, 1, 1, False, True, "layer"), "TP=2"),
     (("fail", False, False, 1, 2, 1, False, True, "layer"), "PP=2"),
@@ -198,7 +200,7 @@ def test_lockstep_is_refused_where_it_could_not_be_exact(args, part):
 
 
 def test_lockstep_is_allowed_with_fail_or_with_recompute_without_async_scheduling():
-    assert why_not_lockstep("fail", True, False, 1, 1, 1, False, True, "layer") is None
+    assert why_not_lockstep("fail", False, False, 1, 1, 1, False, True, "layer") is None
     assert why_not_lockstep("recompute", False, False, 1, 1, 1, False, True, "layer") is None
     assert why_not_lockstep("fail", False, True, 1, 1, 1, False, True, "layer") is None  # prefix caching
 
