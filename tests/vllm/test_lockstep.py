@@ -296,17 +296,19 @@ def test_the_connector_refuses_lockstep_at_start_up_naming_the_setting():
     from kvlink.vllm.config import ConnectorConfig, ConnectorConfigError
     from kvlink.vllm.connector import _check_lockstep
 
-    def vllm(role="kv_consumer", policy="fail", prefix=False, tp=1):
+    def vllm(role="kv_consumer", policy="fail", prefix=False, tp=1, async_scheduling=False):
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role=role, kv_load_failure_policy=policy),
                                parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-                               scheduler_config=SimpleNamespace(async_scheduling=True),
+                               scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                                cache_config=SimpleNamespace(enable_prefix_caching=prefix),
                                device_config=SimpleNamespace(device_type="cpu"))
 
     on = ConnectorConfig(stream_lockstep=True)
     _check_lockstep(on, vllm(), None)  # allowed
     _check_lockstep(ConnectorConfig(), vllm(prefix=True), None)  # off: nothing to check
-    for bad, part in ((vllm(prefix=True), "--no-async-scheduling"), (vllm(policy="recompute"), "fail"),
+    _check_lockstep(on, vllm(prefix=True), None)  # allowed with "fail"
+    for bad, part in ((vllm(async_scheduling=True), "--no-async-scheduling"),
+                      (vllm(prefix=True, policy="recompute"), "fail"),
                       (vllm(tp=2), "TP=2"), (vllm(role="kv_producer"), "decode's")):
         with pytest.raises(ConnectorConfigError, match=part):
             _check_lockstep(on, bad, None)
