@@ -161,11 +161,13 @@ class StreamBook:
         stream = self._live.get(transfer_id)
         return (stream.engine_id, stream.request_id) if stream is not None else None
 
-    def end_engine(self, engine_id: str, now: float) -> None:
+    def end_engine(self, engine_id: str, now: float) -> list[str]:
         """The engine's process is gone (a rank re-registered elsewhere, or it expired): what it streamed
-        names blocks of a process that no longer holds them."""
-        for tid in [t for t, st in self._live.items() if st.engine_id == engine_id]:
+        names blocks of a process that no longer holds them. Returns the transfer ids ended."""
+        tids = [t for t, st in self._live.items() if st.engine_id == engine_id]
+        for tid in tids:
             self.end(tid, now)
+        return tids
 
     def end(self, transfer_id: str, now: float) -> None:
         """The stream is over (published whole, abandoned): later pieces are dropped."""

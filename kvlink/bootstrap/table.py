@@ -702,11 +702,18 @@ class PairingTable:
                 self.stats.outcomes_dropped += 1
 
     def _drop_requests(self, engine: _Engine, now: float) -> None:
-        self.streams.end_engine(engine.engine_id, now)
+        streamed = self.streams.end_engine(engine.engine_id, now)
         requests, engine.requests = engine.requests, {}
         for request in requests.values():
             self._end(engine, request, RequestStatus.EXPIRED, None, now)
         self.stats.expired += len(requests)
+        # Streams the gone process never published: no process will (a new one refuses the id, 410), so
+        # decode waiting for the record hears "expired" now, not at its long poll's end.
+        for tid in streamed:
+            if tid not in self._transfers and tid not in self._transfer_tombstones:
+                self._bury(self._transfer_tombstones, tid, RequestStatus.EXPIRED, now)
+                if self.on_transfer_end is not None:
+                    self.on_transfer_end(tid)
 
     def _drop_engine(self, engine: _Engine, now: float) -> None:
         self._drop_requests(engine, now)

@@ -169,6 +169,31 @@ def test_long_poll_answered_by_a_publish_from_another_thread(client, server, eng
     assert (record.request_id, record.block_ids) == ("r1", [[9]])
 
 
+def test_a_long_poll_for_a_stream_whose_prefill_restarted_hears_expired_at_once(server, client, make_registration):
+    """Decode waits for the next progress (or the record) of a stream; prefill's process is replaced (another
+    instance registers the engine): the poll answers 410 expired at once, not after its 20 s."""
+    client.register_engine(make_registration("P", instance="a-0"), lease_s=60.0)
+    client.stream_pieces("P", 0, 1, [StreamPiece(transfer_id="s1", request_id="r1", index=1, num_tokens=16,
+                                                 block_ids=[[3]])])
+    seen = client.lookup_transfer("s1", after=0)
+    got: list = []
+
+    def poll() -> None:
+        t0 = time.monotonic()
+        try:
+            client.lookup_transfer("s1", after=seen.version, wait_s=20.0)
+        except RequestExpired as e:
+            got.append((e, time.monotonic() - t0))
+
+    with BootstrapClient(server.url, token=TOKEN, timeout_s=5.0) as other:
+        thread = threading.Thread(target=poll)
+        thread.start()
+        time.sleep(0.3)
+        other.register_engine(make_registration("P", instance="a-1"), lease_s=60.0)
+        thread.join(15.0)
+    assert len(got) == 1 and got[0][1] < 10.0, got
+
+
 def _body(engine: str, rid: str, blocks=((9,),), transfer_id: str | None = None) -> PublishBody:
     return checked(PublishBody, engine_id=engine, request_id=rid, block_ids=[list(b) for b in blocks], num_tokens=16,
                    lease_s=30.0, transfer_id=transfer_id, epoch=0)

@@ -166,6 +166,37 @@ def test_a_replaced_process_can_no_longer_publish_stream_or_keep_the_new_ones_le
     assert table.lookup_transfer("t3", after=0).launch == "B"
 
 
+@pytest.mark.parametrize("gone", ["restart", "lapse", "unregister"])
+def test_a_stream_whose_process_is_gone_ends_for_its_waiters_at_once(table, clock, make_registration, gone):
+    """A prefill streamed request t1 and never published it, then its process went away: restarted (another
+    instance registers), its registration lapsed, or it unregistered. No process will publish t1 (a new one
+    is refused, 410), so decode's long poll for it is woken and hears "expired", instead of waiting its
+    whole poll for nothing. A stream of another engine goes on."""
+    from kvlink.bootstrap.schema import StreamPiece
+
+    ended = []
+    table.on_transfer_end = ended.append
+    table.register_engine(make_registration("E", instance="a-0"), 15.0)
+    table.register_engine(make_registration("F"), 60.0)
+    piece = StreamPiece(transfer_id="t1", request_id="r1", index=1, num_tokens=16, block_ids=[[9]])
+    other = StreamPiece(transfer_id="u1", request_id="q1", index=1, num_tokens=16, block_ids=[[4]])
+    assert table.stream_pieces("E", 0, 1, [piece]) == [] and table.stream_pieces("F", 0, 1, [other]) == []
+    assert table.lookup_transfer("t1", after=0).partial
+    if gone == "restart":
+        table.register_engine(make_registration("E", instance="a-1"), 15.0)
+    elif gone == "lapse":
+        clock.advance(16)
+        table.expire()
+    else:
+        table.unregister_engine("E")
+    assert ended == ["t1"]
+    assert table.lookup_transfer("t1", after=0) is RequestStatus.EXPIRED
+    if gone == "restart":
+        with pytest.raises(RequestExpired):
+            table.publish("E", "r1", [[9]], 16, transfer_id="t1")
+    assert table.lookup_transfer("u1", after=0).block_ids == [[4]]
+
+
 def test_a_request_cannot_publish_under_a_transfer_id_another_request_streams(table, engine):
     from kvlink.bootstrap.schema import StreamPiece
 
