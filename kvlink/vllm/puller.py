@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlink import trace
-from kvlink.bootstrap.errors import BootstrapUnavailable, TooManyWaiters
+from kvlink.bootstrap.errors import BootstrapUnavailable, LookupTimeout, TooManyWaiters
 from kvlink.errors import Canceled, NotSettled, PeerChanged
 from kvlink.vllm.contact import LocalKV, PullFailed, expected_name, legs_for
 from kvlink.vllm.lease import RecordCheck
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # A bootstrap server answering too_many_waiters (429: as many long polls as it takes) is asked again after
 # these pauses (each jittered to 50-100%), while the pull's deadline allows; then the pull fails.
 BUSY_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
+# Concurrent pairing: a pull waiting for prefill's record holds a resolver thread through its long polls. A
+# poll lasts at most this long, so a pull that ended meanwhile (abort, timeout) frees its thread this soon.
+POLL_SLICE_S = 5.0
 
 
 @dataclass(eq=False)
@@ -320,15 +323,22 @@ class Puller:
         rid, src = spec.request_id, spec.source
         after = 0 if spec.num_tokens is None else None  # a Mamba state exists only at the end: no pieces
         layers = self._layer_ids is not None
+        heard = time.monotonic()  # prefill is waited for up to lookup_wait_s without news
         while True:
             with self._lock:
                 pull = self._table.get(rid)
                 asked = time.monotonic()
-                wait = max(0.0, min(self.cfg.lookup_wait_s, pull.deadline - asked)) if pull else 0.0
+                wait = max(0.0, min(heard + self.cfg.lookup_wait_s, pull.deadline) - asked) if pull else 0.0
             if pull is None:
                 return None
-            rec = cli.lookup_transfer(src.transfer_id, wait_s=wait, engine_id=engine_id, after=after,
-                                      layers=layers)
+            try:
+                rec = cli.lookup_transfer(src.transfer_id, wait_s=min(wait, POLL_SLICE_S), engine_id=engine_id,
+                                          after=after, layers=layers)
+            except LookupTimeout:
+                if wait <= POLL_SLICE_S:
+                    raise
+                continue  # a slice ended: the pull is looked at again (ended meanwhile: its thread is free)
+            heard = time.monotonic()
             trace.event("answer", rid=rid, transfer_id=src.transfer_id, partial=rec.partial, layers=rec.layers,
                         version=rec.version, asked=round(asked, 6))
             if rec.partial:  # every piece carries the whole prompt's digest: refused before anything is read

@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 # The compat field ``layout`` goes into every registered layer (KVLayerSpec.layout, at most 128 characters).
 MAX_LAYOUT_DESC = 128
+RESOLVERS = 256  # threads resolving pulls (contact, long polls for records and pieces): waiting pulls at once
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,10 @@ class KVLinkWorker(Puller):
         self._mismatch_logged: set[tuple[str, str]] = set()
         self._frees: set[str] = set()
         self._closed = False
-        # Concurrent pairing holds a resolver for the whole of prefill's compute (long polls, streamed pieces).
-        self._resolver = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvlink-resolve",
+        # Concurrent pairing holds a resolver for the whole of prefill's compute (long polls, streamed pieces):
+        # one per waiting pull, so pulls whose prefill is slow or gone do not queue the others' first contact
+        # (idle threads in a socket wait; made as needed). A pull that ended frees its own within a poll slice.
+        self._resolver = ThreadPoolExecutor(max_workers=RESOLVERS, thread_name_prefix="kvlink-resolve",
                                             initializer=self._place_thread)
         self._waiter = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvlink-wait",
                                           initializer=self._place_thread)

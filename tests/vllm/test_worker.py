@@ -101,6 +101,52 @@ def _cancel(dec, rid):
     dec.start_load_kv(KVLinkMetadata(cancels=[rid]))
 
 
+def _finished(dec, rid: str, within_s: float) -> tuple[str, float] | None:
+    """("ok" or "failed", seconds) once decode's worker reports pull ``rid``; None if not within ``within_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        _, recv, failed = dec.transfer_results()
+        if rid in recv:
+            return ("failed" if rid in failed else "ok"), time.monotonic() - t0
+        time.sleep(0.02)
+    return None
+
+
+def test_pulls_waiting_for_prefill_neither_queue_a_published_one_nor_keep_their_thread_once_ended(monkeypatch):
+    """Concurrent pairing: each pull waiting for prefill's record holds a resolver thread through its long
+    polls. With every resolver taken by pulls whose prefill never publishes (slow, stalled, gone), a pull
+    whose record is already there waited for one of them to give up (up to lookup_wait_s, 30 s); ending
+    those pulls did not free their threads. Now a waiting pull polls in slices and frees its thread within
+    one once it ended; a pull waiting across many slices still gets its record."""
+    from kvlink.bootstrap import BootstrapClient
+    from kvlink.vllm import puller
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    monkeypatch.setattr(W, "RESOLVERS", 2)
+    monkeypatch.setattr(puller, "POLL_SLICE_S", 0.3)
+    with _workers(_cache(0.0)) as (pre, dec, url):
+        def spec(rid: str) -> PullSpec:
+            return PullSpec(request_id=rid, local_block_ids=(1,), first_block=0,
+                            source=RemoteSource(bootstrap_url=url, transfer_id=f"T-{rid}"))
+
+        for rid in ("slow0", "slow1"):  # every resolver waits for a prefill that never publishes
+            dec._submit(spec(rid))
+        time.sleep(0.5)
+        for rid in ("slow0", "slow1"):
+            _cancel(dec, rid)
+        with BootstrapClient(url) as cli:
+            cli.publish("pre", "p-fast", [[3]], num_tokens=BLOCK, lease_s=30.0, transfer_id="T-fast")
+            dec._submit(spec("fast"))
+            got = _finished(dec, "fast", 10.0)
+            assert got is not None and got[0] == "ok", got  # not after lookup_wait_s (30 s)
+            dec._submit(spec("late"))  # published after several slices: still waited for
+            time.sleep(1.2)
+            cli.publish("pre", "p-late", [[4]], num_tokens=BLOCK, lease_s=30.0, transfer_id="T-late")
+            assert _finished(dec, "late", 10.0)[0] == "ok"
+
+
 def test_pull_copies_the_blocks_and_times_the_request(pair):
     pre, dec, url = pair
     _pull(dec, url, "r1", [(1, 3), (2, 4)])
