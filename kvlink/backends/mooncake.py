@@ -39,10 +39,14 @@ What Mooncake cannot do, and how it shows:
   but cannot see a peer's one-sided accesses in flight.
 - Mooncake gives up waiting on a batch after ``transfer_timeout_s``
   (its ``MC_TRANSFER_TIMEOUT``, default 30 s) and frees it while slices may
-  still be queued; such a batch is reported as :class:`NotSettled` too.
+  still be queued; such a batch is reported as :class:`NotSettled` too, and
+  it keeps counting on its local region: ``unregister`` raises TimeoutError_
+  (keep the memory) until ``close()`` destroys the Mooncake engine.
 - Mooncake answers a batch's status at its first failed slice, while the
   chunk's other slices go on, and nothing reports their end: a failed chunk
-  is reported (failed, settled) only ``settle_s`` after Mooncake's answer.
+  is reported (failed, settled) only ``settle_s`` plus its bytes at
+  ``SETTLE_FLOOR_BPS`` after Mooncake's answer (chunks are also cut at
+  ``MAX_CHUNK_BYTES``, so that wait stays bounded).
   A batch is reported by poll/wait only once settled (or NotSettled).
 - One peer per address, as with the native engine: ``connect`` again returns
   the live peer; one whose side channel closed (its process ended or
@@ -83,6 +87,10 @@ from kvlink.transport.region import Access, memory_for
 logger = logging.getLogger(__name__)
 
 MAX_NOTIFY = 4096  # the native engine's limit, kept the same for callers
+# A failed chunk's other slices may move on unseen: it is settled only after settle_s plus its bytes at this
+# rate (a floor well under any link Mooncake runs on), and chunks carry at most MAX_CHUNK_BYTES.
+SETTLE_FLOOR_BPS = 100e6
+MAX_CHUNK_BYTES = 256 << 20
 MAX_NOTES, MAX_NOTE_BYTES = 65536, 16 << 20  # received and not drained, at most (as the native engine)
 
 
@@ -177,7 +185,8 @@ class MooncakeBatch:
                 self._state, self._error = state, error
             self._settled, self._unsafe = True, unsafe
             self._cond.notify_all()
-        self._backend._batch_done(self._region)
+        if not unsafe:  # one Mooncake gave up on may still write: its region stays counted (unregister waits)
+            self._backend._batch_done(self._region)
 
     def _should_stop(self) -> bool:
         with self._cond:
@@ -322,7 +331,8 @@ class MooncakeBackend:
                 stuck |= p._worker.is_alive()
             p._client.close()
         with self._cond:  # failed chunks whose other slices may still land
-            stuck |= not self._cond.wait_for(lambda: self._late == 0, timeout=self.mooncake.settle_s + 1.0)
+            stuck |= not self._cond.wait_for(lambda: self._late == 0,
+                                             timeout=self.mooncake.settle_s + MAX_CHUNK_BYTES / SETTLE_FLOOR_BPS + 1.0)
         if stuck:  # destroying the engine under a thread still inside it would crash the process
             logger.warning("kvlink mooncake backend: transfers still in flight at close; engine leaked")
             return
@@ -353,7 +363,8 @@ class MooncakeBackend:
             self._regions.pop(region.id, None)  # out of the table at once
             if not self._cond.wait_for(lambda: region.inflight == 0, timeout=timeout_s):
                 self._regions[region.id] = region
-                raise TimeoutError_(f"region 0x{region.id:x}: batches still in flight after {timeout_s} s")
+                raise TimeoutError_(f"region 0x{region.id:x}: batches still in flight after {timeout_s} s (or given "
+                                    "up by Mooncake with transfers possibly queued: keep the memory until close)")
             region._live = False
         if self._engine is not None:
             self._engine.unregister_memory(region.addr)
@@ -476,8 +487,8 @@ class MooncakeBackend:
             base[sel], rlen[sel] = addr, length
         check_remote_bounds(d, rlen)
         laddr, raddr = d.local_offsets + np.uint64(local.addr), d.remote_offsets + base
-        c = self._chunk
-        chunks = [(laddr[k:k + c].tolist(), raddr[k:k + c].tolist(), lens[k:k + c].tolist()) for k in range(0, n, c)]
+        chunks = [(laddr[a:b].tolist(), raddr[a:b].tolist(), lens[a:b].tolist())
+                  for a, b in chunk_bounds(lens, self._chunk, MAX_CHUNK_BYTES)]
         batch = MooncakeBatch(self, local, op, chunks, d.nbytes, t)
         with self._cond:  # one lock with unregister and with a retire's end-of-queue mark
             self._check_open()
@@ -513,7 +524,7 @@ class MooncakeBackend:
             if batch is None:
                 break
             submit = eng.batch_transfer_async_read if batch.op == "read" else eng.batch_transfer_async_write
-            error, state, unsafe, late = None, MooncakeBatch.DONE, False, False
+            error, state, unsafe, late, late_bytes = None, MooncakeBatch.DONE, False, False, 0
             for local_addrs, remote_addrs, lens in batch._chunks:
                 if batch._should_stop() or self._closed:
                     error, state = Canceled("mooncake batch canceled"), MooncakeBatch.CANCELED
@@ -538,6 +549,7 @@ class MooncakeBackend:
                     # It answers at the first failed slice and frees the batch; the chunk's other slices go on
                     # and say nothing when they end: the batch is told failed (and settled) settle_s later.
                     late = not unsafe
+                    late_bytes = sum(lens)
                     break
             with self._cond:
                 if state == MooncakeBatch.FAILED:
@@ -545,7 +557,7 @@ class MooncakeBackend:
                 elif state == MooncakeBatch.CANCELED:
                     self._stats["canceled"] += 1
             if late:
-                self._settle_later(batch, state, error)
+                self._settle_later(batch, state, error, late_bytes)
             else:
                 batch._finish(state, error, unsafe)
         while True:  # closing: whatever is still queued was never submitted
@@ -556,9 +568,10 @@ class MooncakeBackend:
             if batch is not None:
                 batch._finish(MooncakeBatch.CANCELED, Closed("mooncake backend closed"))
 
-    def _settle_later(self, batch: MooncakeBatch, state: int, error: KVLinkError | None) -> None:
-        """Finish ``batch`` settle_s from now (its chunk's other slices may land until then), on a timer:
-        the peer's thread goes on with the next batches. close() waits for these."""
+    def _settle_later(self, batch: MooncakeBatch, state: int, error: KVLinkError | None, nbytes: int) -> None:
+        """Finish ``batch`` once its failed chunk's other slices (``nbytes`` in all) may have landed: settle_s
+        plus those bytes at SETTLE_FLOOR_BPS from now, on a timer; the peer's thread goes on with the next
+        batches. close() waits for these."""
         def finish():
             batch._finish(state, error)
             with self._cond:
@@ -567,7 +580,7 @@ class MooncakeBackend:
 
         with self._cond:
             self._late += 1
-        timer = threading.Timer(self.mooncake.settle_s, finish)
+        timer = threading.Timer(self.mooncake.settle_s + nbytes / SETTLE_FLOOR_BPS, finish)
         timer.daemon = True
         timer.start()
 
@@ -609,3 +622,16 @@ class MooncakeBackend:
         with self._cond:
             return dict(self._stats, peers=len(self._peers), regions=len(self._regions))
 
+
+def chunk_bounds(lens: Any, max_count: int, max_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive chunks of ``lens``: at most ``max_count`` descriptors and, unless one
+    descriptor alone is larger, ``max_bytes`` each."""
+    ends = np.cumsum(np.asarray(lens, dtype=np.uint64), dtype=np.uint64)  # (sums < 2^60: check_descriptors)
+    out, a, n = [], 0, len(ends)
+    while a < n:
+        before = int(ends[a - 1]) if a else 0
+        b = min(a + max_count, int(np.searchsorted(ends, np.uint64(before + max_bytes), side="right")))
+        b = max(b, a + 1)
+        out.append((a, b))
+        a = b
+    return out

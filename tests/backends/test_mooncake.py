@@ -415,6 +415,66 @@ def test_a_chunk_failing_at_one_descriptor_is_reported_only_once_its_other_descr
     assert np.array_equal(snap, dst)
 
 
+def test_a_failed_chunk_with_many_bytes_still_moving_is_settled_only_once_they_may_have_landed(make_backend):
+    """As above with a short settle_s (50 ms) and 255 MiB behind the failed descriptor: settle_s alone passed
+    while most of them still moved, and wait() reported the batch failed (its memory free to reuse) with
+    ~180 MB landing afterwards. The wait now counts the chunk's bytes too (at SETTLE_FLOOR_BPS)."""
+    from kvlink.backends.mooncake import MAX_CHUNK_BYTES, chunk_bounds
+
+    assert chunk_bounds([60, 60, 60, 200, 10], 10, 100) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert chunk_bounds([1] * 10, 4, 100) == [(0, 4), (4, 8), (8, 10)]
+    options = MooncakeConfig(settle_s=0.05)
+    target = make_backend("mooncake", options=options, name="target")
+    init = make_backend("mooncake", options=options, name="initiator", listen=None)
+    n, size = 255, 1 << 20
+    assert (n + 1) * size <= MAX_CHUNK_BYTES  # one chunk
+    a = np.random.default_rng(1).integers(1, 256, (n + 1) * size, dtype=np.uint8)
+    ra, rb = target.register(a), target.register(np.full(1 << 20, 7, np.uint8))
+    dst = np.zeros((n + 1) * size, dtype=np.uint8)
+    rd = init.register(dst)
+    peer = init.connect(target.address)
+    init.read(peer, rd, [0], ra.id, [0], 4096).wait()
+    dst[:] = 0
+    rb.unregister()  # the initiator's cached table still names it
+    offs = np.arange(1, n + 1, dtype=np.uint64) * size
+    b = init.read(peer, rd, np.concatenate(([0], offs)).astype(np.uint64),
+                  np.array([rb.id] + [ra.id] * n, np.uint32), np.concatenate(([0], offs)).astype(np.uint64),
+                  np.array([4096] + [size] * n, np.uint64))
+    with pytest.raises(KVLinkError):
+        b.wait(60)
+    assert b.settled
+    landed = int(np.count_nonzero(dst))
+    time.sleep(1.0)
+    assert int(np.count_nonzero(dst)) == landed
+
+
+def test_a_batch_mooncake_gave_up_on_keeps_its_region_from_being_unregistered(make_backend, mc_target):
+    """Mooncake gives up on a batch to a stalled peer after transfer_timeout_s while its slices stay queued
+    (NotSettled). unregister() returned at once all the same, and the slices landed in the memory after
+    the peer went on. The region now stays counted: unregister raises TimeoutError_ and it stays
+    registered (the caller keeps the memory; close() destroys the engine, which stops them)."""
+    from kvlink.backends.mooncake import NotSettled
+
+    t = mc_target()
+    init = make_backend("mooncake", options=MooncakeConfig(transfer_timeout_s=5, settle_s=1.0), name="i",
+                        listen=None, op_timeout_s=120.0)
+    dst = np.zeros(64 << 20, dtype=np.uint8)
+    rdst = init.register(dst)
+    peer = init.connect(t.address)
+    init.read(peer, rdst, [0], t.region, [0], 4096).wait()
+    offs = np.arange(512, dtype=np.uint64) * 65536
+    t.stop()
+    try:
+        b = init.read(peer, rdst, offs, t.region, offs, 65536)
+        with pytest.raises(NotSettled, match="gave up"):
+            b.wait(45)
+        with pytest.raises(TimeoutError_):
+            rdst.unregister(timeout_s=1.0)
+        assert rdst.registered and not b.settled
+    finally:
+        t.cont()
+
+
 def test_unregister_between_a_submits_checks_and_its_count_refuses_the_batch(make_pair, monkeypatch):
     """A batch checked against a live region that is unregistered before it is counted on it: refused, and
     nothing lands in the unregistered memory (Mooncake's own path does not check that local memory is
