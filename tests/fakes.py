@@ -44,7 +44,8 @@ class FakeBootstrapClient:
     """A bootstrap client with scripted answers, for what decode asks a bootstrap server: lease renewals and
     the prefill engine's registration.
 
-    ``renew`` records each call in ``renewals`` as (engine_id, request_ids, lease_s), then, in this order:
+    ``renew`` records each call in ``renewals`` as (engine_id, request_ids, lease_s) and the reader it named in
+    ``readers``, then, in this order:
     blocks until ``hang_until`` is set and fails as a client that gave up on a hung server would
     (ConnectionError); sleeps ``delay_s`` (a slow server); raises ``error`` (an unreachable one); hands the
     call to ``then`` (a real client behind the slow server); else answers the leases in ``lost``
@@ -63,9 +64,11 @@ class FakeBootstrapClient:
         self.granted_s = granted_s
         self.then, self.engine = then, engine
         self.renewals: list[tuple[str, list[str], float]] = []
+        self.readers: list[str | None] = []
 
-    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> dict:
+    def renew(self, engine_id: str, request_ids: list[str], lease_s: float, reader: str | None = None) -> dict:
         self.renewals.append((engine_id, list(request_ids), lease_s))
+        self.readers.append(reader)
         if self.hang_until is not None:
             self.hang_until.wait(30)
             raise ConnectionError("the bootstrap server never answered")
@@ -74,7 +77,7 @@ class FakeBootstrapClient:
         if self.error is not None:
             raise self.error
         if self.then is not None:
-            return self.then.renew(engine_id, request_ids, lease_s)
+            return self.then.renew(engine_id, request_ids, lease_s, reader=reader)
         granted = lease_s if self.granted_s is None else min(lease_s, self.granted_s)
         return {rid: status for rid, status in self.lost.items() if rid in request_ids}, granted
 

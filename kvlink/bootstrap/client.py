@@ -174,6 +174,7 @@ class BootstrapClient:
         self._no_progress = False
         self._no_layers = False
         self._no_peek = False  # a server of before the router's deferred release: it knows no "peek"
+        self._no_reader = False  # a server of before readers were told apart (PairingTable.release)
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -243,13 +244,15 @@ class BootstrapClient:
         return out
 
     def lookup_transfer(self, transfer_id: str, wait_s: float = 0.0, engine_id: str | None = None,
-                        after: int | None = None, layers: bool = False, peek: bool = False) -> RequestRecord:
+                        after: int | None = None, layers: bool = False, peek: bool = False,
+                        reader: str | None = None) -> RequestRecord:
         """The request published under a router-chosen transfer id, waiting up to ``wait_s`` for it. With
         ``after`` (streamed KV) prefill's progress also answers, as a record with ``partial`` set, once its
         ``version`` is above ``after``; with ``layers`` too, that progress is layer-wise (``step_block_ids``,
         ``layers``: streams.py). ``peek``: the caller looks without reading (the router before it releases,
         decode before it reports): the record is not handed to a reader, and one the router released while a
-        reader's lease runs is still answered (PairingTable.release).
+        reader's lease runs is still answered (PairingTable.release). ``reader``: the decode engine reading
+        (its id and start: PairingTable.release).
 
         Raises LookupTimeout (an UnknownRequest and a TimeoutError) when the wait ends first, UnknownRequest
         when not waiting, RequestExpired / RequestReleased when it can no longer be pulled, and, given
@@ -261,10 +264,13 @@ class BootstrapClient:
             body = s.checked(s.LookupTransferBody, transfer_id=transfer_id, wait_s=remaining, engine_id=engine_id,
                              after=None if self._no_progress else after,
                              layers=layers and after is not None and not (self._no_progress or self._no_layers),
-                             peek=peek and not self._no_peek)
+                             peek=peek and not self._no_peek, reader=None if self._no_reader else reader)
             try:
                 return self._call("/v1/request/lookup_transfer", body, RequestRecord, wait_s=remaining)
             except InvalidField as e:
+                if body.reader is not None and e.field == "reader":
+                    self._old_reader()
+                    continue
                 if body.peek and e.field == "peek":
                     self._old_server("peek")
                     continue
@@ -285,31 +291,56 @@ class BootstrapClient:
                 if deadline - time.monotonic() <= 0.01:
                     raise
 
-    def renew(self, engine_id: str, request_ids: list[str], lease_s: float) -> tuple[dict[str, RequestStatus], float]:
+    def renew(self, engine_id: str, request_ids: list[str], lease_s: float,
+              reader: str | None = None) -> tuple[dict[str, RequestStatus], float]:
         """Extend leases of requests decode is still pulling. Returns (the ids that could not be renewed, the
-        lease the others got: ``lease_s``, or less where prefill published a request with a shorter one)."""
-        body = s.checked(s.RenewBody, engine_id=engine_id, request_ids=request_ids, lease_s=lease_s)
-        answer = self._call("/v1/request/renew", body, s.RenewAnswer)
+        lease the others got: ``lease_s``, or less where prefill published a request with a shorter one).
+        ``reader``: the decode engine renewing (PairingTable.release)."""
+        while True:
+            body = s.checked(s.RenewBody, engine_id=engine_id, request_ids=request_ids, lease_s=lease_s,
+                             reader=None if self._no_reader else reader)
+            try:
+                answer = self._call("/v1/request/renew", body, s.RenewAnswer)
+                break
+            except InvalidField as e:
+                if body.reader is None or e.field != "reader":
+                    raise
+                self._old_reader()
         failed: dict[str, RequestStatus] = {rid: RequestStatus.EXPIRED for rid in answer.expired}
         failed.update((rid, RequestStatus.RELEASED) for rid in answer.released)
         failed.update((rid, RequestStatus.UNKNOWN) for rid in answer.unknown)
         return failed, min(lease_s, answer.lease_s) if answer.lease_s is not None else lease_s
 
-    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False) -> bool:
+    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False,
+                reader: str | None = None) -> bool:
         """Report a request ``Outcome.PULLED`` or ``Outcome.ABANDONED``. Idempotent (returns True if it already
         was; the first outcome wins). RequestExpired if its lease ran out first: blocks read after that may be
         garbage. ``router``: the caller is the router, not the reader: once a reader was handed the request,
-        prefill frees it only when the lease the reader was given runs out (PairingTable.release)."""
+        prefill frees it only when the lease the reader was given runs out (PairingTable.release). ``reader``:
+        the decode engine releasing: while another was handed the request, prefill frees it only once that one
+        released it too, or at its lease's end."""
         if not isinstance(outcome, Outcome):
             # Strings are the wire's business (the server decodes them into Outcome); in Python it is the enum.
             raise InvalidField(f"outcome must be an Outcome, got {outcome!r}", field="outcome")
-        body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome, router=router)
-        try:
-            return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
-        except InvalidField as e:
-            if router and e.field == "router":  # it would free the blocks under a decode still reading them
-                self._old_server("router")
-            raise
+        while True:
+            body = s.checked(s.ReleaseBody, engine_id=engine_id, request_id=request_id, outcome=outcome,
+                             router=router, reader=None if self._no_reader else reader)
+            try:
+                return self._call("/v1/request/release", body, s.ReleaseAnswer).already_released
+            except InvalidField as e:
+                if body.reader is not None and e.field == "reader":
+                    self._old_reader()
+                    continue
+                if router and e.field == "router":  # it would free the blocks under a decode still reading them
+                    self._old_server("router")
+                raise
+
+    def _old_reader(self) -> None:
+        """A server of before readers were told apart refused ``reader``: calls go without it from now on."""
+        if not self._no_reader:
+            log.warning("kvlink: bootstrap server %s does not tell decode engines apart ('reader'): one engine's "
+                        "release frees a request another may still read (upgrade the server)", self.url)
+        self._no_reader = True
 
     def _old_server(self, field: str) -> None:
         """A server of before the router's deferred release refused ``peek`` or ``router``. Its lookups need no

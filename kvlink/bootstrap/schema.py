@@ -34,6 +34,8 @@ EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 Instance = Annotated[str, Meta(min_length=1, max_length=64)]
+# A decode engine reading a request: its engine id and start (table.py, ``release``)
+Reader = Annotated[str, Meta(min_length=1, max_length=320)]
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 Size = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 LeaseS = Annotated[float, Meta(gt=0.0, le=MAX_LEASE_S)]
@@ -286,12 +288,14 @@ class LookupTransferBody(_Strict, kw_only=True, omit_defaults=True):  # no "afte
     # Looking without reading (the router before it releases, decode before it reports): nothing is handed
     # to a reader (table.py, ``release``)
     peek: bool = False
+    reader: Reader | None = None  # the decode engine handed the record (table.py, ``release``)
 
 
-class RenewBody(_Strict, kw_only=True):
+class RenewBody(_Strict, kw_only=True, omit_defaults=True):  # no "reader" sent unless set (older servers)
     engine_id: EngineId
     request_ids: RequestIds
     lease_s: LeaseS
+    reader: Reader | None = None  # the decode engine renewing (table.py, ``release``)
 
 
 class ReleaseBody(_Strict, kw_only=True, omit_defaults=True):  # no "router" sent unless set (older servers)
@@ -301,6 +305,7 @@ class ReleaseBody(_Strict, kw_only=True, omit_defaults=True):  # no "router" sen
     # The router (the proxy) gives the request up, not the reader: deferred while a reader may read
     # (table.py, ``release``)
     router: bool = False
+    reader: Reader | None = None  # the decode engine releasing: deferred while another may read
 
     def __post_init__(self) -> None:
         if self.outcome not in RELEASE_OUTCOMES:

@@ -92,7 +92,7 @@ class BootstrapApp:
         self._post("/v1/request/lookup_transfer", s.LookupTransferBody, self._lookup_transfer)
         self._post("/v1/request/renew", s.RenewBody, self._renew)
         self._post("/v1/request/release", s.ReleaseBody, lambda b: s.ReleaseAnswer(
-            already_released=t.release(b.engine_id, b.request_id, b.outcome, b.router)))
+            already_released=t.release(b.engine_id, b.request_id, b.outcome, b.router, b.reader)))
         self._post("/v1/transfer/abandon", s.AbandonTransferBody, lambda b: s.ReleaseAnswer(
             already_released=t.abandon_transfer(b.engine_id, b.transfer_id, b.request_id)))
         self._post("/v1/stream/pieces", s.StreamPiecesBody, lambda b: s.StreamPiecesAnswer(
@@ -200,7 +200,7 @@ class BootstrapApp:
 
     def _renew(self, body: s.RenewBody) -> s.RenewAnswer:
         self._check_ids(body.request_ids)
-        return self.table.renew(body.engine_id, body.request_ids, body.lease_s)
+        return self.table.renew(body.engine_id, body.request_ids, body.lease_s, body.reader)
 
     async def _lookup(self, body: s.LookupBody) -> s.LookupAnswer:
         self._check_ids(body.request_ids)
@@ -218,11 +218,11 @@ class BootstrapApp:
     async def _lookup_transfer(self, body: s.LookupTransferBody) -> s.RequestRecord:
         if body.engine_id is not None and not self.table.has_engine(body.engine_id):
             raise UnknownEngine(f"engine {body.engine_id!r} is not registered", field="engine_id")
-        found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek)
+        found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek, body.reader)
         if found is s.RequestStatus.UNKNOWN and body.wait_s > 0:
             deadline = time.monotonic() + min(body.wait_s, self.config.max_wait_s)
             while found is s.RequestStatus.UNKNOWN and await self._wait([("t", body.transfer_id)], deadline):
-                found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek)
+                found = self.table.lookup_transfer(body.transfer_id, body.after, body.layers, body.peek, body.reader)
             if found is s.RequestStatus.UNKNOWN:
                 raise LookupTimeout(f"transfer id {body.transfer_id!r} was not published in time", field="transfer_id")
         if isinstance(found, s.RequestRecord):

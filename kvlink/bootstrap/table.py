@@ -69,6 +69,9 @@ class _Rank:
     expires_at: float
 
 
+MAX_READERS = 8  # decode engines named as readers of one request
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Request:
     engine_id: str
@@ -85,6 +88,10 @@ class _Request:
     handed: bool = False  # a reader (decode) looked it up or renewed it: it may be reading the blocks
     doomed: bool = False  # the router released it while a reader may read: readers hear "released", the
     # outcome waits for the lease the reader was given (release)
+    # The readers it was handed to (None: one that names none), until each releases it; beyond MAX_READERS
+    # only None is added (any named reader's release then waits)
+    readers: set[str | None] = dataclasses.field(default_factory=set)
+    released: Outcome | None = None  # a reader released it while another may still read: the outcome waits
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -360,20 +367,22 @@ class PairingTable:
         return LookupAnswer(ready=ready, expired=expired, released=released, unknown=unknown)
 
     def lookup_transfer(self, transfer_id: str, after: int | None = None,
-                        layers: bool = False, peek: bool = False) -> RequestRecord | RequestStatus:
+                        layers: bool = False, peek: bool = False, reader: str | None = None) -> RequestRecord | RequestStatus:
         """The published record; else, with ``after`` (streamed KV), prefill's progress once its version
         is above ``after`` (a partial record, no lease; with ``layers``, layer-wise progress too, else
         whole blocks only, versioned by them); else what is known of the id. ``peek``: the caller looks
         without reading (the router before it releases, decode before it reports it done): the record is not
         handed to a reader, and one a router released while a reader's lease runs (``release``) is still
-        answered, so decode can report it and prefill free it at once."""
+        answered, so decode can report it and prefill free it at once. ``reader``: the decode engine handed
+        the record (``release``)."""
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
         if request is not None and request.doomed and not peek:
             return RequestStatus.RELEASED
         if request is not None:
-            request.handed = request.handed or not peek
+            if not peek:
+                _hand(request, reader)
             return self._record(request, now)
         tomb = self._transfer_tombstones.get(transfer_id)
         if tomb is not None:
@@ -434,7 +443,8 @@ class PairingTable:
         self._sweep()
         return engine_id in self._engines
 
-    def renew(self, engine_id: str, request_ids: Iterable[str], lease_s: float) -> RenewAnswer:
+    def renew(self, engine_id: str, request_ids: Iterable[str], lease_s: float,
+              reader: str | None = None) -> RenewAnswer:
         """Extend the leases of live requests (decode is still pulling); reports the ids it could not renew.
 
         A request is renewed by ``lease_s`` but never by more than prefill published it with: prefill keeps
@@ -443,7 +453,8 @@ class PairingTable:
         honours when it cannot reach this server (``_hold_cap``): a request past that is reported expired
         (decode trusts no READ on it from then on). ``lease_s`` in the answer, only where some request got
         less than asked: the least any got (decode trusts that much from when it asked). A request the
-        router released while a reader may read (``release``) is reported released."""
+        router released while a reader may read (``release``) is reported released. ``reader``: the decode
+        engine renewing (``release``)."""
         now = self._sweep()
         engine = self._engine(engine_id)
         lease_s = self._lease(lease_s)
@@ -465,7 +476,7 @@ class PairingTable:
                     expired.append(request_id)
                     continue
                 request.expires_at = max(request.expires_at, now + granted)
-                request.handed = True
+                _hand(request, reader)
                 renewed.append(request_id)
                 least = granted if least is None else min(least, granted)
                 continue
@@ -474,7 +485,8 @@ class PairingTable:
         return RenewAnswer(renewed=renewed, expired=expired, released=released, unknown=unknown,
                            lease_s=least if least is not None and least < lease_s else None)
 
-    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False) -> bool:
+    def release(self, engine_id: str, request_id: str, outcome: Outcome, router: bool = False,
+                reader: str | None = None) -> bool:
         """Decode is done with a request. Returns True if it was already released (idempotent; the first
         outcome wins). RequestExpired if its lease ran out first: the blocks may have been reused.
 
@@ -484,21 +496,43 @@ class PairingTable:
         once a reader was handed the request, a router's release is deferred: readers hear "released" from now
         on (no transfer lookup or renewal trusts it again), and prefill gets the outcome (and frees the blocks)
         when the lease given out runs out, or at once when the reader releases it itself; until then grouped
-        lookups, prefill's reconcile among them, see it held."""
+        lookups, prefill's reconcile among them, see it held.
+
+        ``reader``: the decode engine releasing (its id and start). Several engines may read one request (a
+        request's samples spread over decode's data-parallel engines, a decode leg retried on another replica);
+        one's release must not free the blocks under another's READ, trusted on a lease this server gave it.
+        So while another reader was handed it and a lease given out runs, the release waits (the request stays
+        live; the others renew as before): prefill gets the first outcome when the last reader handed it
+        releases it, or when the lease runs out. A release naming no reader (an older decode) counts as one
+        reader: it frees at once unless a reader that named itself was handed it."""
         now = self._sweep()
         if not isinstance(outcome, Outcome) or outcome not in RELEASE_OUTCOMES:  # "pulled" == PULLED: check the type
             raise InvalidField(f"outcome must be pulled or abandoned, not {outcome!r}", field="outcome")
         engine = self._engine(engine_id)
         live = engine.requests.get(request_id)
-        if live is not None and live.doomed:
-            if not router:  # the reader is done with it: prefill may free it now (the router's outcome stands)
-                del engine.requests[request_id]
-                self._end(engine, live, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+        if live is not None and (live.doomed or live.released is not None):
+            if not router:  # a reader is done with it: the last frees it (the first outcome stands)
+                others = _other_readers(live, reader)
+                live.readers.discard(reader)
+                if not others:
+                    del engine.requests[request_id]
+                    self._end(engine, live, RequestStatus.RELEASED, live.released or Outcome.ABANDONED, now)
+            elif live.released is not None and live.handed:  # the router gives up the readers still reading
+                live.doomed = True
             return True
         if live is not None and router and live.handed and live.expires_at > now:
             live.doomed = True
             self.stats.released_abandoned += 1
             self.stats.releases_deferred += 1
+            return False
+        if live is not None and not router and live.expires_at > now and _other_readers(live, reader):
+            live.released = outcome
+            live.readers.discard(reader)
+            self.stats.releases_deferred += 1
+            if outcome is Outcome.PULLED:
+                self.stats.released_pulled += 1
+            else:
+                self.stats.released_abandoned += 1
             return False
         request = engine.requests.pop(request_id, None)
         if request is None:
@@ -675,8 +709,8 @@ class PairingTable:
                 heapq.heappush(heap, (request.expires_at, next(self._tie), request))
                 continue
             del engine.requests[request.request_id]
-            if request.doomed:  # a router's release, deferred until now (release)
-                self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+            if request.doomed or request.released is not None:  # a release deferred until now (release)
+                self._end(engine, request, RequestStatus.RELEASED, request.released or Outcome.ABANDONED, now)
                 continue
             self._end(engine, request, RequestStatus.EXPIRED, Outcome.EXPIRED, now)
             self.stats.expired += 1
@@ -732,6 +766,17 @@ class PairingTable:
             if at > horizon:
                 break
             del tombs[key]
+
+
+def _hand(request: _Request, reader: str | None) -> None:
+    """``reader`` may be reading the request's blocks from now on (release)."""
+    request.handed = True
+    request.readers.add(reader if reader in request.readers or len(request.readers) < MAX_READERS else None)
+
+
+def _other_readers(request: _Request, reader: str | None) -> bool:
+    """Whether a reader other than ``reader`` was handed the request and has not released it."""
+    return any(r != reader for r in request.readers)
 
 
 def _check_blocks(engine: _Engine, block_ids: list[list[int]], field: str) -> None:

@@ -64,8 +64,16 @@ class RecordCheck:
         return None
 
 
+def reader_of(engine_id: str, launch: str | None) -> str:
+    """How a decode engine names itself to bootstrap servers as a reader of prefill's requests (its lookups,
+    renewals and releases: PairingTable.release): its id and start, which its scheduler and workers share.
+    Another engine's release then does not free blocks this one still reads."""
+    return engine_id if launch is None else f"{engine_id}@{launch}"
+
+
 class LeaseCalls:
     """Runs ``Renew`` actions: ``clients(url)`` gives a BootstrapClient, ``apply(event)`` feeds the table.
+    ``reader``: this decode engine (reader_of).
 
     ``spawn`` runs one call (tests pass ``lambda f: f()`` to run it inline).
     """
@@ -73,8 +81,8 @@ class LeaseCalls:
     MAX_THREADS = 32  # groups renewed at once
 
     def __init__(self, clients: Callable[[str], Any], apply: Apply,
-                 spawn: Callable[[Callable[[], None]], Any] | None = None):
-        self._clients, self._apply = clients, apply
+                 spawn: Callable[[Callable[[], None]], Any] | None = None, reader: str | None = None):
+        self._clients, self._apply, self._reader = clients, apply, reader
         self._warned: set[str] = set()
         self._pool = self._checks = None
         if spawn is None:
@@ -132,7 +140,7 @@ class LeaseCalls:
             except RuntimeError:  # shut down: stopping
                 return
         try:
-            failed, granted = self._clients(url).renew(engine_id, list(a.request_ids), a.lease_s)
+            failed, granted = self._clients(url).renew(engine_id, list(a.request_ids), a.lease_s, reader=self._reader)
         except Exception as e:  # noqa: BLE001 - try again soon; the pull's own deadline bounds it
             if url not in self._warned:
                 self._warned.add(url)

@@ -333,7 +333,7 @@ class Puller:
                 return None
             try:
                 rec = cli.lookup_transfer(src.transfer_id, wait_s=min(wait, POLL_SLICE_S), engine_id=engine_id,
-                                          after=after, layers=layers)
+                                          after=after, layers=layers, reader=self._reader)
             except LookupTimeout:
                 if wait <= POLL_SLICE_S:
                     raise

@@ -25,6 +25,7 @@ from kvlink.bootstrap.schema import Outcome
 from kvlink.vllm import params as kvparams
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.held import COUNTER_OF, HeldTable
+from kvlink.vllm.lease import reader_of
 from kvlink.vllm.lockstep import LockstepBook
 from kvlink.vllm.metadata import GroupTable, KVLinkMetadata, PullSpec
 from kvlink.vllm.nudge import NudgeListener
@@ -351,7 +352,7 @@ class KVLinkScheduler(Producer):
                     rec = cli.lookup_transfer(src.transfer_id, wait_s=self.cfg.lookup_wait_s if waits else 0.0,
                                               peek=True)
                     engine_id, request_id = rec.engine_id, rec.request_id
-                cli.release(engine_id, request_id, outcome)
+                cli.release(engine_id, request_id, outcome, reader=reader_of(self.engine_id, self.launch))
             except Exception as e:  # noqa: BLE001 - prefill's lease frees the blocks anyway
                 logger.info("kvlink: could not report %s for %s: %s", outcome.value, src.key, e)
 

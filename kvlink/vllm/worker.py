@@ -53,7 +53,7 @@ from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.contact import engine_name
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
                                 tokens_per_block)
-from kvlink.vllm.lease import LeaseCalls
+from kvlink.vllm.lease import LeaseCalls, reader_of
 from kvlink.vllm.metadata import KVLinkMetadata
 from kvlink.vllm.nudge import Nudger
 from kvlink.vllm.plan import layer_indices
@@ -126,6 +126,7 @@ class KVLinkWorker(Puller):
                  layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None,
                  num_groups: int | None = None, num_blocks: int | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        self._reader = reader_of(rank.engine_id, rank.launch)  # decode: how bootstrap servers know this engine
         # vLLM's KV cache groups (all of them, also those without a layer on this PP stage) and blocks per group
         self._num_groups = num_groups or len(set((layer_groups or {}).values())) or 1
         self._num_blocks = num_blocks
@@ -322,7 +323,7 @@ class KVLinkWorker(Puller):
                 self._landing = SlotPool(self._stager.slots)
             else:
                 self._register_destination(kv_caches)
-            self._leases = LeaseCalls(self._clients_for, self._apply)
+            self._leases = LeaseCalls(self._clients_for, self._apply, reader=self._reader)
             if self.cfg.stream_lockstep:
                 self._start_lockstep()
             self._thread = threading.Thread(target=self._run, name="kvlink-pulls", daemon=True)

@@ -509,7 +509,7 @@ def test_a_server_from_before_streamed_kv_is_asked_without_after(config, clock, 
     OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None)], bases=(s._Strict,), kw_only=True,
-        namespace={"after": None, "layers": False, "peek": False})  # not fields: what today's handler reads, an older one never did
+        namespace={"after": None, "layers": False, "peek": False, "reader": None})  # not fields: what today's handler reads, an older one never did
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -542,7 +542,7 @@ def test_a_server_from_before_layer_wise_progress_is_asked_for_whole_blocks(conf
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None),
                                   ("after", s.Annotated[int, s.Meta(ge=0)] | None, None)],
-        bases=(s._Strict,), kw_only=True, namespace={"layers": False, "peek": False})
+        bases=(s._Strict,), kw_only=True, namespace={"layers": False, "peek": False, "reader": None})
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -675,10 +675,10 @@ def test_a_server_from_before_router_releases_is_looked_up_without_it_and_not_re
         "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
                                   ("engine_id", s.EngineId | None, None),
                                   ("after", s.Annotated[int, s.Meta(ge=0)] | None, None), ("layers", bool, False)],
-        bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"peek": False})
+        bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"peek": False, "reader": None})
     OldReleaseBody = msgspec.defstruct(  # noqa: N806
         "OldReleaseBody", [("engine_id", s.EngineId), ("request_id", s.RequestId), ("outcome", s.Outcome)],
-        bases=(s._Strict,), kw_only=True, namespace={"router": False})
+        bases=(s._Strict,), kw_only=True, namespace={"router": False, "reader": None})
 
     with monkeypatch.context() as m:
         m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
@@ -696,5 +696,45 @@ def test_a_server_from_before_router_releases_is_looked_up_without_it_and_not_re
             assert err.value.field == "router"
             assert cli.lookup("P", ["r1"])["r1"].request_id == "r1"  # still held
             assert cli.release("P", "r1", Outcome.PULLED) is False  # decode's own release works as ever
+    finally:
+        old.stop()
+
+
+def test_a_server_from_before_readers_is_asked_without_naming_one(config, clock, make_registration, monkeypatch):
+    """A bootstrap server that knows no ``reader`` refuses the field: lookups, renewals and releases go again
+    without it (one engine's release then frees at once, as such a server always did)."""
+    from kvlink.bootstrap import schema as s
+
+    OldLookupTransferBody = msgspec.defstruct(  # noqa: N806
+        "OldLookupTransferBody", [("transfer_id", s.RequestId), ("wait_s", s.WaitS, 0.0),
+                                  ("engine_id", s.EngineId | None, None),
+                                  ("after", s.Annotated[int, s.Meta(ge=0)] | None, None), ("layers", bool, False),
+                                  ("peek", bool, False)],
+        bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"reader": None})
+    OldRenewBody = msgspec.defstruct(  # noqa: N806
+        "OldRenewBody", [("engine_id", s.EngineId), ("request_ids", s.RequestIds), ("lease_s", s.LeaseS)],
+        bases=(s._Strict,), kw_only=True, namespace={"reader": None})
+    OldReleaseBody = msgspec.defstruct(  # noqa: N806
+        "OldReleaseBody", [("engine_id", s.EngineId), ("request_id", s.RequestId), ("outcome", s.Outcome),
+                           ("router", bool, False)],
+        bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"reader": None})
+
+    with monkeypatch.context() as m:
+        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
+        m.setattr(s, "RenewBody", OldRenewBody)
+        m.setattr(s, "ReleaseBody", OldReleaseBody)
+        old = BootstrapServer(config, clock=clock).start()
+    try:
+        from tests.bootstrap.conftest import TOKEN
+
+        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P"), lease_s=600.0)
+            cli.publish("P", "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+            assert cli.lookup_transfer("t1", reader="d@1").request_id == "r1" and cli._no_reader
+            cli._no_reader = False
+            assert cli.renew("P", ["r1"], 30.0, reader="d@1") == ({}, 30.0) and cli._no_reader
+            cli._no_reader = False
+            assert cli.release("P", "r1", Outcome.PULLED, reader="d@1") is False and cli._no_reader
+            assert cli.lookup("P", ["r1"])["r1"] is RequestStatus.RELEASED
     finally:
         old.stop()

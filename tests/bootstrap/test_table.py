@@ -761,6 +761,72 @@ def test_the_reader_releasing_a_request_the_router_gave_up_frees_it_at_once(tabl
     assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.ABANDONED)]
 
 
+@pytest.mark.parametrize("second_by", ["renew", "lookup_transfer"])
+def test_one_readers_release_waits_for_another_reader_still_reading(table, clock, engine, second_by):
+    """Two decode engines read one request (its samples on two data-parallel engines, or a decode leg retried
+    on another replica). The first to finish released it and prefill freed the blocks while the other's
+    READ, trusted on the lease this table gave it, still ran: that one decoded another request's KV. Now the
+    first release waits: the other renews as before, and prefill gets the first outcome once the other
+    released too, or when its lease runs out."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
+    table.poll_released(engine)
+    assert table.renew(engine, ["a"], lease_s=30.0, reader="d0@1").renewed == ["a"]
+    if second_by == "renew":
+        assert table.renew(engine, ["a"], lease_s=30.0, reader="d1@1").renewed == ["a"]
+    else:
+        assert isinstance(table.lookup_transfer("t-a", reader="d1@1"), RequestRecord)
+    clock.advance(2)
+    assert table.release(engine, "a", Outcome.PULLED, reader="d0@1") is False
+    assert table.poll_released(engine).released == []  # prefill keeps the blocks for d1
+    assert table.lookup(engine, ["a"]).ready
+    assert table.renew(engine, ["a"], lease_s=30.0, reader="d1@1").renewed == ["a"]  # d1 reads on
+    assert table.release(engine, "a", Outcome.PULLED, reader="d0@1") is True  # (d0 again: nothing changes)
+    assert table.poll_released(engine).released == []
+    assert table.release(engine, "a", Outcome.ABANDONED, reader="d1@1") is True
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.PULLED)]
+    assert table.stats.releases_deferred == 1
+
+
+def test_a_reader_that_never_releases_holds_another_readers_release_only_until_its_lease_ends(table, clock,
+                                                                                               engine):
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
+    table.poll_released(engine)
+    table.renew(engine, ["a"], lease_s=30.0, reader="d0@1")
+    table.renew(engine, ["a"], lease_s=30.0, reader="d1@1")  # then d1's engine dies
+    clock.advance(1)
+    table.release(engine, "a", Outcome.PULLED, reader="d0@1")
+    clock.advance(28.5)
+    assert table.poll_released(engine).released == []
+    clock.advance(1)
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.PULLED)]
+
+
+def test_the_only_readers_release_frees_at_once_named_or_not(table, clock, engine):
+    """One reader, named (d0) or naming none (an older decode): its release frees the blocks now. A named
+    reader's release waits for one that named none; one that named none, for a named one."""
+    for rid, handed, releasing, waits in (("a", ["d0@1"], "d0@1", False), ("b", [None], None, False),
+                                          ("c", ["d0@1", None], "d0@1", True), ("d", ["d0@1", None], None, True),
+                                          ("e", [], "d0@1", False)):
+        table.publish(engine, rid, [[1]], 16, lease_s=30.0)
+        for r in handed:
+            table.renew(engine, [rid], lease_s=30.0, reader=r)
+        table.release(engine, rid, Outcome.PULLED, reader=releasing)
+        assert bool(table.lookup(engine, [rid]).ready) is waits, rid
+
+
+def test_the_readers_of_a_request_are_bounded(table, clock, engine):
+    from kvlink.bootstrap.table import MAX_READERS
+
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    for i in range(MAX_READERS * 4):
+        table.renew(engine, ["a"], lease_s=30.0, reader=f"d{i}@1")
+    request = table._engines[engine].requests["a"]
+    assert len(request.readers) == MAX_READERS + 1 and None in request.readers
+    for i in range(MAX_READERS * 4):
+        table.release(engine, "a", Outcome.PULLED, reader=f"d{i}@1")
+    assert table.lookup(engine, ["a"]).ready  # an unnamed one may still read: its lease decides
+
+
 def test_a_renewal_never_promises_more_than_a_prefill_out_of_touch_holds(table, clock, engine):
     """Prefill frees a request it hears nothing about once 1.5 leases have passed since it published it and
     the server has been silent for a lease (kvlink.vllm.held). A prefill cut off from the server while decode

@@ -937,7 +937,7 @@ def test_the_samples_grace_periods_do_not_hold_up_other_releases(monkeypatch):
     done = threading.Event()
 
     class Client:
-        def release(self, engine_id, request_id, outcome):
+        def release(self, engine_id, request_id, outcome, reader=None):
             sent[request_id] = time.monotonic()
             if request_id == "plain":
                 done.set()
@@ -1004,11 +1004,13 @@ def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(
     calls = []
 
     class Client:
-        def release(self, engine_id, request_id, outcome):
+        def release(self, engine_id, request_id, outcome, reader=None):
             calls.append((request_id, outcome.value))
+            readers.append(reader)
             return False
 
-    sched = S.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    readers = []
+    sched = S.KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16, launch="1234")
     try:
         sched.clients = type("Pool", (), {"get": lambda self, url: Client(), "close": lambda self: None})()
         params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://b:1", "remote_engine_id": "pre",
@@ -1022,6 +1024,7 @@ def test_a_late_sample_told_gone_computes_the_prompt_and_releases_nothing_again(
         while not calls and time.monotonic() < deadline:
             time.sleep(0.05)
         assert calls == [("p1", "pulled")]
+        assert readers == ["dec@1234"]  # the engine and start its workers name in their renewals (lease.reader_of)
         late = _decode_request("1_r", 40, dict(params))
         assert sched.get_num_new_matched_tokens(late, 0) == (0, False)
         sched.update_state_after_alloc(late, _blocks([7, 8]), 0)

@@ -95,7 +95,7 @@ def _renew(cli, rids=("a", "b"), request_ids=("r1", "r2")):
     from kvlink.vllm.pulls import Renew
 
     table = RecordingPullTable()
-    LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f()).run(
+    LeaseCalls(lambda url: cli, table.apply, spawn=lambda f: f(), reader="dec@1234").run(
         Renew(("http://b", "e1"), tuple(request_ids), tuple(rids), 3.0))
     return table.events
 
@@ -104,7 +104,7 @@ def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
     cli = FakeBootstrapClient()
     before = time.monotonic()
     (ev,) = _renew(cli)
-    assert cli.renewals == [("e1", ["r1", "r2"], 3.0)]
+    assert cli.renewals == [("e1", ["r1", "r2"], 3.0)] and cli.readers == ["dec@1234"]
     kind, group, rids, held_until = ev
     assert (kind, group, rids) == ("held", ("http://b", "e1"), ("a", "b"))
     # the proof handed out: held for a lease from when the call was sent, no longer

@@ -147,6 +147,33 @@ def test_pulls_waiting_for_prefill_neither_queue_a_published_one_nor_keep_their_
             assert _finished(dec, "late", 10.0)[0] == "ok"
 
 
+def test_two_decode_engines_reading_one_request_keep_it_held_until_both_released(pair):
+    """Two decode engines pull one prefill request (its samples on two data-parallel engines, or a decode leg
+    retried on another replica), each renewing under its own name (lease.reader_of). The first engine's
+    release, as its scheduler sends it, does not free the blocks the second may still read; the second's
+    does. Before, the first release freed them at once."""
+    from kvlink.bootstrap import BootstrapClient, Outcome
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.lease import reader_of
+
+    pre, dec0, url = pair
+    dec1 = W.KVLinkWorker(dec0.cfg, W.RankInfo("dec1", 0, 1, 0, 1, "m", launch="77"), "kv_consumer")
+    try:
+        dec1.register_kv_caches(_cache(0.0))
+        _publish(url, "x", [(1, 2)], lease_s=30.0)
+        for dec in (dec0, dec1):
+            submit_pull(dec, url, "x", [(1, 2)])
+            assert _finished(dec, "x", 10.0)[0] == "ok"
+        with BootstrapClient(url) as cli:
+            cli.poll_released("pre")
+            assert cli.release("pre", "p-x", Outcome.PULLED, reader=reader_of("dec", None)) is False
+            assert cli.poll_released("pre") == []  # dec1 may still be reading
+            assert cli.release("pre", "p-x", Outcome.PULLED, reader=reader_of("dec1", "77")) is True
+            assert cli.poll_released("pre") == [("p-x", Outcome.PULLED)]
+    finally:
+        dec1.shutdown()
+
+
 def test_pull_copies_the_blocks_and_times_the_request(pair):
     pre, dec, url = pair
     _pull(dec, url, "r1", [(1, 3), (2, 4)])
