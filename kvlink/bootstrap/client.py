@@ -25,8 +25,10 @@ from kvlink.bootstrap import schema as s
 from kvlink.bootstrap.errors import (
     BootstrapError,
     BootstrapUnavailable,
+    Conflict,
     InvalidField,
     LookupTimeout,
+    RequestExpired,
     UnknownEngine,
     UnreadableAnswer,
     error_from_body,
@@ -442,8 +444,11 @@ class BootstrapClient:
                 error = _error(response.status, data)
                 if response.status < 500:
                     # (a call the server applied and answers again answers alike; one that forgot the engine
-                    # meanwhile, a restart, may have handed the first attempt's effect out before it did)
-                    error.maybe_applied = unanswered and isinstance(error, UnknownEngine)
+                    # meanwhile, a restart, or dropped its requests, a lapse or another launch registered
+                    # under it, may have handed the first attempt's effect out before it did)
+                    error.maybe_applied = unanswered and (
+                        isinstance(error, (UnknownEngine, RequestExpired))
+                        or isinstance(error, Conflict) and error.field == "launch")
                     raise error
                 failure = error
             attempt += 1

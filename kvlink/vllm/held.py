@@ -86,6 +86,14 @@ class HeldTable:
                                        num_blocks)
         self._released_seen.discard(request_id)
 
+    def stamp(self, request_id: str) -> None:
+        """Its publish call returned (or gave up): the server applied it by now, if at all (except a publish
+        it takes after this client gave up), so the local deadline counts from here. It counted from before
+        the call: a publish the server applied more than the slack later had decode renewed past it."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.deadline = max(held.deadline, self.clock() + self.lease_s * DEADLINE_FACTOR + DEADLINE_SLACK_S)
+
     def withdraw(self, request_id: str) -> bool:
         """Its publish was refused: vLLM frees the blocks itself. True when it was still held (now forgotten);
         False when something freed it meanwhile (that free is on its way: vLLM must wait for it)."""

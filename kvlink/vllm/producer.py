@@ -198,12 +198,15 @@ class Producer:
             self._publishing.add(rid)
         try:
             self._publish(rid, [list(g) for g in groups], num_tokens, transfer_id, epoch, sha)
-        except (RequestReleased, RequestExpired) as e:
-            # An earlier try of this publish was applied and decode is done with it already (a retry after a
-            # lost answer): nothing to keep, nothing to give up.
-            logger.info("kvlink: request %s: the bootstrap server says it ended already (%s); freeing it", rid, e)
-            return self._withdraw(rid), None
         except Exception as e:  # noqa: BLE001 - decode recomputes
+            if isinstance(e, (RequestReleased, RequestExpired)) and not _maybe_applied(e):
+                # An earlier try of this publish was applied and decode is done with it already (a retry after
+                # a lost answer): nothing to keep, nothing to give up. (Maybe applied, below: an earlier try
+                # went out unanswered and the server dropped the engine's requests since, a lapse or another
+                # process registered under it; a decode handed that try may still read on its lease.)
+                logger.info("kvlink: request %s: the bootstrap server says it ended already (%s); freeing it", rid,
+                            e)
+                return self._withdraw(rid), None
             self._count("publish_failures")
             if not _maybe_applied(e):  # the server answered no: nobody can find these blocks
                 logger.warning("kvlink: publishing request %s to %s failed: %s; not keeping its KV", rid,
@@ -218,10 +221,12 @@ class Producer:
                            "server says what it holds", rid, self.bootstrap_url, e)
             with self._held_lock:
                 self._publishing.discard(rid)
+                self._held.stamp(rid)
                 self._held.unreachable()
             return True, kvparams.refusal(f"publish failed: {e}")
         with self._held_lock:
             self._publishing.discard(rid)
+            self._held.stamp(rid)
         self._count("published")
         trace.event("publish", rid=rid, transfer_id=transfer_id)
         return True, RemoteSource(bootstrap_url=self.bootstrap_url, engine_id=self.engine_id, request_id=rid,
@@ -298,6 +303,7 @@ class Producer:
             with self._held_lock:
                 self._publishing.discard(rid)
                 if applied:
+                    self._held.stamp(rid)
                     self._held.unreachable()  # look the held requests up at the next poll
                 elif self._held.withdraw(rid) and self._planner.release(rid):
                     # The server answered no (the id ended, a conflict, full): nobody can find these slots.
@@ -308,6 +314,7 @@ class Producer:
             return
         with self._held_lock:
             self._publishing.discard(rid)
+            self._held.stamp(rid)
         self._count("published")
 
     def _abandon_transfer(self, rid: str, transfer_id: str) -> None:

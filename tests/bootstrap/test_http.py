@@ -620,32 +620,41 @@ def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client
     assert err.value.field == "registration.instance"
 
 
-@pytest.mark.parametrize("retry", ["refused", "conflict"])
-def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_unless_the_server_refuses_it(retry):
+@pytest.mark.parametrize("retry, applied", [
+    ("refused", True),
+    ((409, b'{"error": "other blocks", "code": "conflict", "field": "block_ids"}'), False),
+    ((409, b'{"error": "launch replaced", "code": "conflict", "field": "launch"}'), True),
+    ((410, b'{"error": "ended", "code": "expired", "field": "request_id"}'), True),
+    ((410, b'{"error": "ended", "code": "released", "field": "request_id"}'), False),
+])
+def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_unless_the_server_refuses_it(retry, applied):
     """The first attempt reached a server that (maybe) applied it and went away before answering. If the
     retry finds the port closed, the caller must not conclude "not applied" (prefill would free blocks a
-    decode, handed the record by the first attempt, may be reading). If the live server refuses the retry
-    (409), it was not applied: a publish applied once answers its retry 200. A call refused at connect from
-    the first attempt was never applied."""
+    decode, handed the record by the first attempt, may be reading). If the live server refuses the retry's
+    content (409), it was not applied: a publish applied once answers its retry 200. But a retry refused
+    because another launch registered the engine since (409 launch), or because the engine's requests were
+    dropped since (410 expired), may follow a first attempt the server applied and handed out before: maybe
+    applied. 410 released: decode is done with it. A call refused at connect from the first attempt was never
+    applied."""
     import socket as _socket
 
-    from kvlink.bootstrap import BootstrapClient, BootstrapError, BootstrapUnavailable, Conflict
+    from kvlink.bootstrap import BootstrapClient, BootstrapError, BootstrapUnavailable, Conflict, RequestGone
     from kvlink.vllm.producer import _maybe_applied
 
     lsock = _socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(2)
     port = lsock.getsockname()[1]
-    body = b'{"error": "launch replaced", "code": "conflict", "field": "launch"}'
 
     def serve():
         conn, _ = lsock.accept()
         conn.recv(65536)  # the publish went out ...
         conn.close()  # ... and got no answer
-        if retry == "conflict":
+        if retry != "refused":
+            status, body = retry
             conn, _ = lsock.accept()
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: "
+            conn.sendall(b"HTTP/1.1 %d Refused\r\nContent-Type: application/json\r\nContent-Length: " % status
                          + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
             conn.close()
         lsock.close()  # (refused: the retry finds the port closed)
@@ -656,8 +665,9 @@ def test_a_call_whose_first_try_went_unanswered_may_have_been_applied_unless_the
         with pytest.raises(BootstrapError) as err:
             cli.publish("P", "r1", [[1]], 16, lease_s=30.0)
     t.join(5)
-    assert isinstance(err.value, Conflict if retry == "conflict" else BootstrapUnavailable)
-    assert err.value.maybe_applied == _maybe_applied(err.value) == (retry == "refused")
+    want = {"refused": BootstrapUnavailable, 409: Conflict, 410: RequestGone}[retry if retry == "refused" else retry[0]]
+    assert isinstance(err.value, want)
+    assert err.value.maybe_applied == _maybe_applied(err.value) == applied
     with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=1.0, retries=1, backoff_s=0.05) as cli:
         with pytest.raises(BootstrapUnavailable) as err:  # refused from the first attempt: never applied
             cli.publish("P", "r1", [[1]], 16, lease_s=30.0)

@@ -121,6 +121,22 @@ def test_local_deadline_frees_only_while_the_server_cannot_be_reached(table, clo
     assert table.tick() == [] and table.num_blocks == 0
 
 
+def test_the_local_deadline_counts_from_when_the_publish_returned(table, clock):
+    """Held before its publish call, then the server applied it late (a slow server, a retry): the server
+    renews decode for 1.5 leases from when it applied it. The local deadline, stamped when the call
+    returned, is no earlier; one stamped before the call was up to the call's time earlier."""
+    table.published("r", 4)
+    clock.advance(12)  # the publish call returns
+    table.stamp("r")
+    table.unreachable()
+    clock.advance(DEADLINE - 0.5)  # past the first stamp's deadline by 11.5 s, silent for more than a lease
+    assert table.tick() == []
+    clock.advance(1)
+    assert table.tick() == [Freed("r", Outcome.EXPIRED, by_deadline=True)]
+    table.stamp("r")  # (no longer held: nothing)
+    assert "r" not in table
+
+
 def test_silence_counts_from_the_first_failed_call_not_the_last_answer(table, clock):
     """The server answered prefill's poll, then took a decode renewal (decode trusts a lease from then), then
     died: prefill's next poll fails a poll interval later. A lease after the last answer is too early; a

@@ -920,6 +920,39 @@ def test_decode_releasing_before_prefills_publish_call_returns_frees_the_request
         assert sched.get_kv_connector_stats().data.get("released_pulled") == 1
 
 
+@pytest.mark.parametrize("answer", ["expired", "launch", "released"])
+def test_a_publish_retried_after_no_answer_keeps_its_blocks_unless_decode_released_it(answer):
+    """The first try of a publish went out unanswered (the server may have applied it and handed the record
+    to a decode), then the retry was refused because the engine's requests were dropped since (410 expired)
+    or another launch registered it (409 launch): a decode may still read the first try's record on its
+    lease, so the blocks stay held until the server's word (they were freed at once). 410 released: decode
+    is done with it, freed now."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from kvlink.bootstrap import Conflict, RequestExpired, RequestReleased
+    from kvlink.vllm.params import PrefillRequest
+
+    with _prefill_at_server(lease_s=4.0) as (sched, cli):
+        def refused(*args, **kwargs):
+            err = {"expired": RequestExpired("ended", field="request_id"),
+                   "launch": Conflict("replaced", field="launch"),
+                   "released": RequestReleased("ended", field="request_id")}[answer]
+            err.maybe_applied = answer != "released"  # (client.py: an earlier attempt went out unanswered)
+            raise err
+
+        sched._publish = refused
+        req = SimpleNamespace(request_id="r1", kv_transfer_params=PrefillRequest("t-1").to_params(),
+                              status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=64,
+                              prompt_token_ids=list(range(64)))
+        keep, _ = sched.request_finished(req, [3, 4])
+        if answer == "released":
+            assert not keep and "r1" not in sched._held
+        else:
+            assert keep and "r1" in sched._held
+
+
 def test_the_samples_grace_periods_do_not_hold_up_other_releases(monkeypatch):
     """Eight n > 1 prompts end at once, each keeping prefill's copy a grace period longer for late samples;
     a plain request's release right after goes out at once, not after the graces (which once slept on the
