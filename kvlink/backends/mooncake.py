@@ -416,6 +416,7 @@ class MooncakeBackend:
                     del self._peers[p.id]  # gone: it takes no new batch (_submit checks under this lock)
                     self._retired.append(p)
                     p._queue.put(None)  # its thread ends after the batches queued before
+                    p._client.close()  # (its side channel holds one of the other side's max_conns slots)
                 self._peers[peer.id] = peer
                 peer._worker.start()
         if live is not None:  # another connect got there first

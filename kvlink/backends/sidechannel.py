@@ -33,9 +33,11 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from kvlink.errors import AuthError, ConnectError, PeerClosed, ProtocolError, TimeoutError_
+from kvlink.transport.config import check_name
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +89,16 @@ def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; by ``deadline`` (time.monotonic) if given, else by the socket's timeout per recv. A peer
+    that trickles bytes is cut off at the deadline (socket.timeout), not after one timeout per byte."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("side channel: deadline passed")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise PeerClosed("side channel: peer closed the connection")
@@ -97,11 +106,22 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack(">I", recv_exact(sock, 4))
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
+    (n,) = struct.unpack(">I", recv_exact(sock, 4, deadline))
     if not 1 <= n <= MAX_FRAME:
         raise ProtocolError(f"side channel: frame length {n} out of range")
-    return recv_exact(sock, n)
+    return recv_exact(sock, n, deadline)
+
+
+def peer_name_of(raw: bytes) -> str:
+    """A peer's name from its handshake: an engine name (printable ASCII, at most MAX_NAME), as the native
+    engine's handshake allows; ProtocolError otherwise."""
+    try:
+        name = raw.decode("ascii")
+        check_name(name, "the peer's name")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"side channel: malformed peer name: {e}") from None
+    return name
 
 
 def encode_table(session: str, regions: list[tuple[int, int, int, int]]) -> bytes:
@@ -119,8 +139,8 @@ def decode_table(data: bytes) -> tuple[str, dict[int, tuple[int, int, int]]]:
                     or addr + length > 1 << 64:
                 raise ValueError(f"bad region entry {rid, addr, length, access}")
             table[rid] = (addr, length, access)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProtocolError(f"side channel: malformed region table: {e}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ProtocolError(f"side channel: malformed region table: {type(e).__name__}: {e}") from None
     if not isinstance(session, str) or ":" not in session:
         raise ProtocolError(f"side channel: malformed Mooncake session id {session!r}")
     return session, table
@@ -138,6 +158,8 @@ class SideServer:
         self.port = self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()  # guarded by _lock
+        # ... of those, the ones still in their handshake, oldest first (make_room); guarded by _lock
+        self._handshaking: dict[socket.socket, None] = {}
         self._threads: list[threading.Thread] = []  # guarded by _lock
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, name="kvlink-mc-side", daemon=True)
@@ -168,31 +190,54 @@ class SideServer:
             except OSError:
                 return
             with self._lock:
-                if self._closed or len(self._conns) >= self._max_conns:
+                if self._closed or not self._make_room():
                     conn.close()
                     continue
                 self._conns.add(conn)
+                self._handshaking[conn] = None
                 keep_alive(conn)
                 t = threading.Thread(target=self._serve, args=(conn,), name="kvlink-mc-side-conn", daemon=True)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
 
+    def _make_room(self) -> bool:
+        """Under _lock, for a new connection: at most a quarter of max_conns may be in their handshake, and
+        all together max_conns. Beyond either, the connection that has waited longest in its handshake is
+        closed for the new one, so sockets that connect and say nothing (or trickle) cannot keep
+        authenticated peers out; with none in their handshake, the new one is refused."""
+        cap = max(1, self._max_conns // 4)
+        while len(self._handshaking) >= cap or len(self._conns) >= self._max_conns:
+            if not self._handshaking:
+                return False
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)  # its thread ends and drops it from _conns
+            except OSError:
+                pass
+            self._conns.discard(oldest)
+        return True
+
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._hs_timeout)
+            deadline = time.monotonic() + self._hs_timeout  # the whole handshake, however the bytes trickle
             nonce_s = os.urandom(32)
+            conn.settimeout(self._hs_timeout)
             send_frame(conn, b"H" + MAGIC + nonce_s)
-            f = recv_frame(conn)
+            f = recv_frame(conn, deadline)
             if f[:1] != b"A" or len(f) < 65:
                 raise ProtocolError("side channel: expected AUTH")
             nonce_c, mac_c, peer_name = f[1:33], f[33:65], f[65:]
             if not hmac.compare_digest(mac_c, _mac(self._key, b"kvlmc1 client", nonce_s, nonce_c, peer_name)):
                 send_frame(conn, b"Eauthentication failed")
                 raise AuthError("side channel: a peer failed authentication (wrong token)")
+            sender = peer_name_of(peer_name)
+            with self._lock:  # welcomed: never closed as still in its handshake from here on
+                if self._handshaking.pop(conn, False) is False:
+                    return  # closed for a newer connection meanwhile
             name = self._name.encode()
             send_frame(conn, b"O" + _mac(self._key, b"kvlmc1 server", nonce_c, nonce_s, name) + name)
             tag = Tagger(_mac(self._key, b"kvlmc1 session", nonce_s, nonce_c))
-            sender = peer_name.decode("ascii", "replace")
             conn.settimeout(None)
             while True:
                 body = tag.open(recv_frame(conn))
@@ -209,6 +254,7 @@ class SideServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._handshaking.pop(conn, None)
             conn.close()
 
 
@@ -225,14 +271,14 @@ class SideClient:
         keep_alive(self._sock)
         self._lock = threading.Lock()
         try:
-            self._sock.settimeout(handshake_timeout_s)
-            f = recv_frame(self._sock)
+            deadline = time.monotonic() + handshake_timeout_s  # the whole handshake, however the bytes trickle
+            f = recv_frame(self._sock, deadline)
             if f[:1] != b"H" or f[1:7] != MAGIC or len(f) != 39:
                 raise ProtocolError("side channel: the peer is not a kvlink Mooncake backend (bad HELLO)")
             nonce_s, nonce_c = f[7:39], os.urandom(32)
             me = name.encode()
             send_frame(self._sock, b"A" + nonce_c + _mac(key, b"kvlmc1 client", nonce_s, nonce_c, me) + me)
-            f = recv_frame(self._sock)
+            f = recv_frame(self._sock, deadline)
             if f[:1] == b"E":
                 raise AuthError(f"side channel: peer refused us: {f[1:].decode('ascii', 'replace')}")
             if f[:1] != b"O" or len(f) < 33:
@@ -240,7 +286,7 @@ class SideClient:
             mac_s, peer_name = f[1:33], f[33:]
             if not hmac.compare_digest(mac_s, _mac(key, b"kvlmc1 server", nonce_c, nonce_s, peer_name)):
                 raise AuthError("side channel: the peer does not hold our token")
-            self.peer_name = peer_name.decode("ascii", "replace")
+            self.peer_name = peer_name_of(peer_name)
             self._tag = Tagger(_mac(key, b"kvlmc1 session", nonce_s, nonce_c))
         except socket.timeout:
             self._sock.close()
@@ -252,9 +298,10 @@ class SideClient:
     def request(self, body: bytes, timeout_s: float) -> bytes:
         with self._lock:
             try:
+                deadline = time.monotonic() + timeout_s
                 self._sock.settimeout(timeout_s)
                 send_frame(self._sock, self._tag.seal(body))
-                return self._tag.open(recv_frame(self._sock))
+                return self._tag.open(recv_frame(self._sock, deadline))
             except socket.timeout:
                 self._sock.close()  # a late reply would desynchronize the tags: this connection is done
                 raise TimeoutError_("side channel: request timed out") from None

@@ -261,9 +261,85 @@ def test_side_channel_frames_are_tagged():
     session, table = decode_table(encode_table("127.0.0.1:1234", [(7, 4096, 100, 1)]))
     assert session == "127.0.0.1:1234" and table == {7: (4096, 100, 1)}
     for bad in (b"{", b'{"session": "x", "regions": []}', b'{"session": "h:1", "regions": [[1, 2, 0, 1]]}',
-                b'{"session": "h:1", "regions": [[1, -2, 5, 1]]}', b'{"session": "h:1", "regions": [[1, 2, 3]]}'):
+                b'{"session": "h:1", "regions": [[1, -2, 5, 1]]}', b'{"session": "h:1", "regions": [[1, 2, 3]]}',
+                b"[" * 100000):  # (nested beyond the parser's recursion: a ProtocolError too)
         with pytest.raises(ProtocolError):
             decode_table(bad)
+
+
+def test_peer_names_on_the_side_channel_are_engine_names():
+    from kvlink.backends.sidechannel import peer_name_of
+
+    assert peer_name_of(b"decode-0") == "decode-0"
+    for bad in (b"caf\xc3\xa9", b"a\nb", b"x" * 65, b"\xff\xfe"):
+        with pytest.raises(ProtocolError, match="peer name"):
+            peer_name_of(bad)
+
+
+def test_sockets_trickling_their_handshake_do_not_keep_peers_out(make_backend):
+    """Four unauthenticated sockets (max_conns 4) announce a 1 MiB AUTH frame and send it a byte every 0.5 s,
+    under handshake_timeout_s (1 s) per byte: they held every slot for good and a peer holding the token was
+    refused. Now a handshake ends at its deadline, at most a quarter of the slots wait in one, and the
+    oldest is closed for a new connection."""
+    import struct
+
+    target = make_backend("mooncake", name="target", max_conns=4, handshake_timeout_s=1.0)
+    host, port = target.address.rsplit(":", 1)
+    socks, stop = [], threading.Event()
+    for _ in range(4):
+        c = socket.create_connection((host, int(port)))
+        c.recv(4096)  # HELLO
+        c.sendall(struct.pack(">I", 1 << 20))
+        socks.append(c)
+
+    def trickle():
+        while not stop.is_set():
+            for c in socks:
+                try:
+                    c.send(b"x")
+                except OSError:
+                    pass
+            time.sleep(0.5)
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.5)
+        peer = make_backend("mooncake", name="init", listen=None).connect(target.address)
+        assert peer.name == "target"
+    finally:
+        stop.set()
+        t.join()
+        for c in socks:
+            c.close()
+
+
+def test_a_listener_trickling_its_hello_is_cut_off_at_the_handshake_timeout(make_backend):
+    import struct
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        c, _ = srv.accept()
+        c.sendall(struct.pack(">I", 39))
+        while not stop.is_set():
+            try:
+                c.send(b"H")
+            except OSError:
+                return
+            time.sleep(0.3)
+
+    threading.Thread(target=serve, daemon=True).start()
+    init = make_backend("mooncake", name="i", listen=None, handshake_timeout_s=1.0, connect_timeout_s=1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError_):
+            init.connect(f"127.0.0.1:{srv.getsockname()[1]}")
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        stop.set()
+        srv.close()
 
 
 # -- timeouts and cancel -----------------------------------------------------------------------
