@@ -403,7 +403,9 @@ class BootstrapServer:
         try:
             return fut.result(timeout_s)
         except concurrent.futures.TimeoutError:
-            fut.cancel()
+            if fut.cancel():  # it never ran, and never will: not applied (the caller may free what it held)
+                raise BootstrapUnavailable(f"the embedded bootstrap server did not get to it in {timeout_s:g} s; "
+                                           "not applied") from ConnectionRefusedError()
             raise BootstrapUnavailable(f"the embedded bootstrap server did not answer in {timeout_s:g} s") from None
 
     def __enter__(self) -> BootstrapServer:
