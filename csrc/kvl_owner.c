@@ -80,10 +80,15 @@ static int same_endpoint(const endpoint *a, const endpoint *b) {
   return a->port == b->port && memcmp(a->addr, b->addr, 16) == 0;
 }
 
+#define TABLE_BUF (1u << 20) /* read in one go: a table read in pieces may skip entries while sockets churn */
+#define ATTEMPTS 3           /* and looked at again before the answer is "not held" */
+
 /* The inode of the socket in table `path` whose ends are (local, remote); 0 if none. */
 static unsigned long find_inode(const char *path, const endpoint *local, const endpoint *remote) {
   FILE *f = fopen(path, "r");
   if (!f) return 0;
+  char *buf = malloc(TABLE_BUF);
+  if (buf) setvbuf(f, buf, _IOFBF, TABLE_BUF);
   char line[512], l[80], r[80];
   unsigned long inode = 0, found = 0;
   if (!fgets(line, sizeof line, f)) line[0] = 0; /* the header */
@@ -95,37 +100,17 @@ static unsigned long find_inode(const char *path, const endpoint *local, const e
     if (inode && same_endpoint(&el, local) && same_endpoint(&er, remote)) found = inode;
   }
   fclose(f);
+  free(buf);
   return found;
 }
 
-int kvl__holds_peer_end(int pid, int fd, char *why, size_t cap) {
-  struct sockaddr_storage me, them;
-  socklen_t lme = sizeof me, lthem = sizeof them;
-  endpoint ours, theirs;
-  if (getsockname(fd, (struct sockaddr *)&me, &lme) != 0 || getpeername(fd, (struct sockaddr *)&them, &lthem) != 0 ||
-      endpoint_of(&me, &ours) != 0 || endpoint_of(&them, &theirs) != 0) {
-    snprintf(why, cap, "this connection's addresses are unknown (%s)", strerror(errno));
-    return 0;
-  }
-  char path[64];
-  unsigned long inode = 0;
-  static const char *const tables[] = {"tcp", "tcp6"};
-  for (int t = 0; t < 2 && !inode; t++) {
-    snprintf(path, sizeof path, "/proc/%d/net/%s", pid, tables[t]);
-    inode = find_inode(path, &theirs, &ours);
-  }
-  if (!inode) {
-    snprintf(why, cap, "pid %d's network namespace has no end of this connection (another pid, or NAT)", pid);
-    return 0;
-  }
-  char want[48];
+/* Whether one of pid's descriptors is socket `inode`; -1 if they cannot be listed (errno set). */
+static int holds_inode(int pid, unsigned long inode) {
+  char path[64], want[48];
   snprintf(want, sizeof want, "socket:[%lu]", inode);
   snprintf(path, sizeof path, "/proc/%d/fd", pid);
   DIR *d = opendir(path);
-  if (!d) {
-    snprintf(why, cap, "cannot list pid %d's descriptors: %s", pid, strerror(errno));
-    return 0;
-  }
+  if (!d) return -1;
   int held = 0;
   struct dirent *de;
   while (!held && (de = readdir(d)) != NULL) {
@@ -138,6 +123,37 @@ int kvl__holds_peer_end(int pid, int fd, char *why, size_t cap) {
     held = strcmp(got, want) == 0;
   }
   closedir(d);
-  if (!held) snprintf(why, cap, "pid %d does not hold the other end of this connection", pid);
   return held;
+}
+
+int kvl__holds_peer_end(int pid, int fd, char *why, size_t cap) {
+  struct sockaddr_storage me, them;
+  socklen_t lme = sizeof me, lthem = sizeof them;
+  endpoint ours, theirs;
+  if (getsockname(fd, (struct sockaddr *)&me, &lme) != 0 || getpeername(fd, (struct sockaddr *)&them, &lthem) != 0 ||
+      endpoint_of(&me, &ours) != 0 || endpoint_of(&them, &theirs) != 0) {
+    snprintf(why, cap, "this connection's addresses are unknown (%s)", strerror(errno));
+    return 0;
+  }
+  for (int attempt = 0; attempt < ATTEMPTS; attempt++) {
+    char path[64];
+    unsigned long inode = 0;
+    static const char *const tables[] = {"tcp", "tcp6"};
+    for (int t = 0; t < 2 && !inode; t++) {
+      snprintf(path, sizeof path, "/proc/%d/net/%s", pid, tables[t]);
+      inode = find_inode(path, &theirs, &ours);
+    }
+    if (!inode) {
+      snprintf(why, cap, "pid %d's network namespace has no end of this connection (another pid, or NAT)", pid);
+      continue;
+    }
+    int held = holds_inode(pid, inode);
+    if (held < 0) {
+      snprintf(why, cap, "cannot list pid %d's descriptors: %s", pid, strerror(errno));
+      return 0;
+    }
+    if (held) return 1;
+    snprintf(why, cap, "pid %d does not hold the other end of this connection", pid);
+  }
+  return 0;
 }

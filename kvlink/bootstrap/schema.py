@@ -35,7 +35,8 @@ RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 Instance = Annotated[str, Meta(min_length=1, max_length=64)]
 # A decode engine reading a request: its engine id and start (table.py, ``release``)
-Reader = Annotated[str, Meta(min_length=1, max_length=320)]
+MAX_READER = 320
+Reader = Annotated[str, Meta(min_length=1, max_length=MAX_READER)]
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 Size = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 LeaseS = Annotated[float, Meta(gt=0.0, le=MAX_LEASE_S)]

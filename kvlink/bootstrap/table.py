@@ -92,6 +92,7 @@ class _Request:
     # only None is added (any named reader's release then waits)
     readers: set[str | None] = dataclasses.field(default_factory=set)
     released: Outcome | None = None  # a reader released it while another may still read: the outcome waits
+    done: set[str] = dataclasses.field(default_factory=set)  # named readers that released it (not handed again)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -378,8 +379,8 @@ class PairingTable:
         now = self._sweep()
         self.stats.looked_up += 1
         request = self._transfers.get(transfer_id)
-        if request is not None and request.doomed and not peek:
-            return RequestStatus.RELEASED
+        if request is not None and not peek and (request.doomed or reader is not None and reader in request.done):
+            return RequestStatus.RELEASED  # (the router gave it up, or this reader released it already)
         if request is not None:
             if not peek:
                 _hand(request, reader)
@@ -466,8 +467,8 @@ class PairingTable:
         by_status = {RequestStatus.EXPIRED: expired, RequestStatus.RELEASED: released}
         for request_id in dict.fromkeys(request_ids):
             request = engine.requests.get(request_id)
-            if request is not None and request.doomed:
-                released.append(request_id)
+            if request is not None and (request.doomed or reader is not None and reader in request.done):
+                released.append(request_id)  # (the router gave it up, or this reader released it already)
                 continue
             if request is not None:
                 granted = min(lease_s, request.lease_s, self._hold_cap(engine, request) - now)
@@ -513,7 +514,7 @@ class PairingTable:
         if live is not None and (live.doomed or live.released is not None):
             if not router:  # a reader is done with it: the last frees it (the first outcome stands)
                 others = _other_readers(live, reader)
-                live.readers.discard(reader)
+                _done(live, reader)
                 if not others:
                     del engine.requests[request_id]
                     self._end(engine, live, RequestStatus.RELEASED, live.released or Outcome.ABANDONED, now)
@@ -526,8 +527,10 @@ class PairingTable:
             self.stats.releases_deferred += 1
             return False
         if live is not None and not router and live.expires_at > now and _other_readers(live, reader):
+            if reader is not None and reader not in live.readers and None not in live.readers:
+                return False  # never handed it (aborted first, a local hit): the readers' releases decide
             live.released = outcome
-            live.readers.discard(reader)
+            _done(live, reader)
             self.stats.releases_deferred += 1
             if outcome is Outcome.PULLED:
                 self.stats.released_pulled += 1
@@ -769,9 +772,18 @@ class PairingTable:
 
 
 def _hand(request: _Request, reader: str | None) -> None:
-    """``reader`` may be reading the request's blocks from now on (release)."""
+    """``reader`` may be reading the request's blocks from now on (release); not one that released it."""
+    if reader is not None and reader in request.done:
+        return
     request.handed = True
     request.readers.add(reader if reader in request.readers or len(request.readers) < MAX_READERS else None)
+
+
+def _done(request: _Request, reader: str | None) -> None:
+    """``reader`` released the request: no longer counted, and not handed it again."""
+    request.readers.discard(reader)
+    if reader is not None and len(request.done) < MAX_READERS:
+        request.done.add(reader)
 
 
 def _other_readers(request: _Request, reader: str | None) -> bool:

@@ -21,6 +21,7 @@ that engine, or drop or forge the params' prompt fields: another prompt's KV, re
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvlink.bootstrap.schema import MAX_READER
 from kvlink.vllm.pulls import PullTable, Renew
 
 logger = logging.getLogger(__name__)
@@ -67,8 +69,12 @@ class RecordCheck:
 def reader_of(engine_id: str, launch: str | None) -> str:
     """How a decode engine names itself to bootstrap servers as a reader of prefill's requests (its lookups,
     renewals and releases: PairingTable.release): its id and start, which its scheduler and workers share.
-    Another engine's release then does not free blocks this one still reads."""
-    return engine_id if launch is None else f"{engine_id}@{launch}"
+    Another engine's release then does not free blocks this one still reads. One longer than the wire
+    allows (schema.Reader) goes as its digest."""
+    reader = engine_id if launch is None else f"{engine_id}@{launch}"
+    if len(reader) <= MAX_READER:
+        return reader
+    return "sha256:" + hashlib.sha256(reader.encode()).hexdigest()[:40]
 
 
 class LeaseCalls:

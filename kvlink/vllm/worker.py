@@ -69,7 +69,9 @@ logger = logging.getLogger(__name__)
 
 # The compat field ``layout`` goes into every registered layer (KVLayerSpec.layout, at most 128 characters).
 MAX_LAYOUT_DESC = 128
-RESOLVERS = 256  # threads resolving pulls (contact, long polls for records and pieces): waiting pulls at once
+# Threads resolving pulls (contact, long polls for records and pieces): waiting pulls at once, per rank. Each
+# holds a long poll at prefill's bootstrap server (3/4 of its max_connections, 4,096 by default, for all).
+RESOLVERS = 64
 
 
 @dataclass(frozen=True)

@@ -814,6 +814,33 @@ def test_the_only_readers_release_frees_at_once_named_or_not(table, clock, engin
         assert bool(table.lookup(engine, [rid]).ready) is waits, rid
 
 
+def test_a_reader_that_released_is_not_handed_the_request_again(table, clock, engine):
+    """d0 released (deferred for d1); a late renewal of d0's (a retry after a lost answer) is answered
+    released and does not count d0 again, so d1's release frees the request at once."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0, transfer_id="t-a")
+    table.poll_released(engine)
+    table.renew(engine, ["a"], lease_s=30.0, reader="d0@1")
+    table.renew(engine, ["a"], lease_s=30.0, reader="d1@1")
+    table.release(engine, "a", Outcome.PULLED, reader="d0@1")
+    assert table.renew(engine, ["a"], lease_s=30.0, reader="d0@1").released == ["a"]
+    assert table.lookup_transfer("t-a", reader="d0@1") is RequestStatus.RELEASED  # (nor trusted on a lookup)
+    assert isinstance(table.lookup_transfer("t-a", reader="d0@1", peek=True), RequestRecord)
+    table.release(engine, "a", Outcome.PULLED, reader="d1@1")
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.PULLED)]
+
+
+def test_a_release_from_an_engine_never_handed_the_request_changes_nothing(table, clock, engine):
+    """d2 gave its request up before reading (an abort, a local prefix hit) and reports abandoned while d1
+    reads: the request stays as it was, and d1's outcome is prefill's."""
+    table.publish(engine, "a", [[1]], 16, lease_s=30.0)
+    table.poll_released(engine)
+    table.renew(engine, ["a"], lease_s=30.0, reader="d1@1")
+    assert table.release(engine, "a", Outcome.ABANDONED, reader="d2@1") is False
+    assert table.stats.releases_deferred == 0 and table.lookup(engine, ["a"]).ready
+    table.release(engine, "a", Outcome.PULLED, reader="d1@1")
+    assert [(r.request_id, r.outcome) for r in table.poll_released(engine).released] == [("a", Outcome.PULLED)]
+
+
 def test_the_readers_of_a_request_are_bounded(table, clock, engine):
     from kvlink.bootstrap.table import MAX_READERS
 

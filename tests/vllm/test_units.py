@@ -100,6 +100,17 @@ def _renew(cli, rids=("a", "b"), request_ids=("r1", "r2")):
     return table.events
 
 
+def test_a_decode_engine_names_itself_as_a_reader_within_what_the_wire_allows():
+    from kvlink.bootstrap.schema import MAX_READER, RenewBody, checked
+    from kvlink.vllm.lease import reader_of
+
+    assert reader_of("dec", None) == "dec" and reader_of("dec_dp1", "1732700000123456789") == "dec_dp1@1732700000123456789"
+    for launch in ("1" * 63, "1" * 64, "9" * 400):
+        r = reader_of("e" * 256, launch)
+        assert len(r) <= MAX_READER and r != reader_of("e" * 256, launch + "0")
+        checked(RenewBody, engine_id="p", request_ids=["r"], lease_s=30.0, reader=r)  # accepted on the wire
+
+
 def test_lease_call_renews_a_group_in_one_call_and_hands_back_the_proof():
     cli = FakeBootstrapClient()
     before = time.monotonic()
