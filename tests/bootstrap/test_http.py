@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import threading
 import time
@@ -693,24 +694,14 @@ def test_a_server_from_before_router_releases_is_looked_up_without_it_and_not_re
         "OldReleaseBody", [("engine_id", s.EngineId), ("request_id", s.RequestId), ("outcome", s.Outcome)],
         bases=(s._Strict,), kw_only=True, namespace={"router": False, "reader": None})
 
-    with monkeypatch.context() as m:
-        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
-        m.setattr(s, "ReleaseBody", OldReleaseBody)
-        old = BootstrapServer(config, clock=clock).start()
-    try:
-        from tests.bootstrap.conftest import TOKEN
-
-        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
-            cli.register_engine(make_registration("P"), lease_s=600.0)
-            cli.publish("P", "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
-            assert cli.lookup_transfer("t1", peek=True).request_id == "r1" and cli._no_peek
-            with pytest.raises(InvalidField) as err:
-                cli.release("P", "r1", Outcome.ABANDONED, router=True)
-            assert err.value.field == "router"
-            assert cli.lookup("P", ["r1"])["r1"].request_id == "r1"  # still held
-            assert cli.release("P", "r1", Outcome.PULLED) is False  # decode's own release works as ever
-    finally:
-        old.stop()
+    with _older_server(config, clock, make_registration, monkeypatch, LookupTransferBody=OldLookupTransferBody,
+                       ReleaseBody=OldReleaseBody) as cli:
+        assert cli.lookup_transfer("t1", peek=True).request_id == "r1" and cli._no_peek
+        with pytest.raises(InvalidField) as err:
+            cli.release("P", "r1", Outcome.ABANDONED, router=True)
+        assert err.value.field == "router"
+        assert cli.lookup("P", ["r1"])["r1"].request_id == "r1"  # still held
+        assert cli.release("P", "r1", Outcome.PULLED) is False  # decode's own release works as ever
 
 
 def test_a_server_from_before_readers_is_asked_without_naming_one(config, clock, make_registration, monkeypatch):
@@ -732,22 +723,31 @@ def test_a_server_from_before_readers_is_asked_without_naming_one(config, clock,
                            ("router", bool, False)],
         bases=(s._Strict,), kw_only=True, omit_defaults=True, namespace={"reader": None})
 
+    with _older_server(config, clock, make_registration, monkeypatch, LookupTransferBody=OldLookupTransferBody,
+                       RenewBody=OldRenewBody, ReleaseBody=OldReleaseBody) as cli:
+        assert cli.lookup_transfer("t1", reader="d@1").request_id == "r1" and cli._no_reader
+        cli._no_reader = False
+        assert cli.renew("P", ["r1"], 30.0, reader="d@1") == ({}, 30.0) and cli._no_reader
+        cli._no_reader = False
+        assert cli.release("P", "r1", Outcome.PULLED, reader="d@1") is False and cli._no_reader
+        assert cli.lookup("P", ["r1"])["r1"] is RequestStatus.RELEASED
+
+
+@contextlib.contextmanager
+def _older_server(config, clock, make_registration, monkeypatch, **bodies):
+    """A server whose request bodies are ``bodies`` (schema name -> an older struct), engine "P" registered
+    and its request "r1" published under transfer id "t1"; yields a client of it."""
+    from kvlink.bootstrap import schema as s
+    from tests.bootstrap.conftest import TOKEN
+
     with monkeypatch.context() as m:
-        m.setattr(s, "LookupTransferBody", OldLookupTransferBody)
-        m.setattr(s, "RenewBody", OldRenewBody)
-        m.setattr(s, "ReleaseBody", OldReleaseBody)
+        for name, body in bodies.items():
+            m.setattr(s, name, body)
         old = BootstrapServer(config, clock=clock).start()
     try:
-        from tests.bootstrap.conftest import TOKEN
-
         with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
             cli.register_engine(make_registration("P"), lease_s=600.0)
             cli.publish("P", "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
-            assert cli.lookup_transfer("t1", reader="d@1").request_id == "r1" and cli._no_reader
-            cli._no_reader = False
-            assert cli.renew("P", ["r1"], 30.0, reader="d@1") == ({}, 30.0) and cli._no_reader
-            cli._no_reader = False
-            assert cli.release("P", "r1", Outcome.PULLED, reader="d@1") is False and cli._no_reader
-            assert cli.lookup("P", ["r1"])["r1"] is RequestStatus.RELEASED
+            yield cli
     finally:
         old.stop()
