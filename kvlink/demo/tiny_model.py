@@ -44,6 +44,7 @@ class Preset:
     mla: bool = False  # a DeepSeek-V2 (multi-head latent attention): one 512 + 64 latent per token and layer
     hybrid: bool = False  # with sliding_window: layers alternate sliding-window and full attention (Gemma 3 style)
     mamba: bool = False  # a NemotronH: Mamba2 and attention layers alternate (a MambaSpec KV cache group)
+    pattern: str | None = None  # with mamba: NemotronH's layer kinds ("M" Mamba2, "*" attention), else "M*M*..."
     moe: bool = False  # with mla: layer 0 dense, the rest Mixture-of-Experts (grouped routing, as vLLM CPU needs)
     init_std: float = 0.05  # weights ~ N(0, std): larger than HF's default, so greedy outputs depend on the KV
 
@@ -71,6 +72,10 @@ PRESETS = {
     # caching on (mamba_cache_mode "align"): run it with enable_prefix_caching=False.
     "mamba": Preset("mamba", num_layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                     mamba=True, init_std=0.2),
+    # Mamba under pipeline parallelism: "M***" puts a Mamba2 and an attention layer on stage 0 of two and
+    # attention only on stage 1, so the stages hold different kinds of KV cache layer.
+    "mamba_pp": Preset("mamba_pp", num_layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                       mamba=True, pattern="M***", init_std=0.2),
     # MLA: vLLM builds an MLAAttentionSpec group, one latent tensor per layer and no K/V split. vLLM CPU's
     # MLA backend needs the 512 + 64 latent width (smaller ones fail); every layer dense (no MoE router).
     # At std 0.05 its greedy outputs change with how vLLM chunks a prompt (its MLA prefill and decode paths
@@ -145,7 +150,7 @@ def _build_weights(preset: Preset, out: Path) -> None:
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
         config_cls, model_cls = NemotronHConfig, NemotronHForCausalLM
-        extra = {"hybrid_override_pattern": "M*" * (preset.num_layers // 2), "mamba_num_heads": 8,
+        extra = {"hybrid_override_pattern": preset.pattern or "M*" * (preset.num_layers // 2), "mamba_num_heads": 8,
                  "mamba_head_dim": 32, "n_groups": 1, "ssm_state_size": 16, "conv_kernel": 4, "expand": 1,
                  "chunk_size": 32}
     if preset.sliding_window is not None:
@@ -182,7 +187,7 @@ def ensure_model(preset: str = "tiny", out: str | os.PathLike | None = None) -> 
     marker.write_text(json.dumps({"preset": p.name, "seed": SEED, "init_std": p.init_std,
                                   "kv_bytes_per_token": p.kv_bytes_per_token,
                                   "sliding_window": p.sliding_window, "hybrid": p.hybrid,
-                                  "mamba": p.mamba, "moe": p.moe}) + "\n")
+                                  "mamba": p.mamba, "pattern": p.pattern, "moe": p.moe}) + "\n")
     return path
 
 

@@ -149,13 +149,29 @@ def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
     return s if len(s) <= 200 else "sha256:" + hashlib.sha256(s.encode()).hexdigest()[:24]
 
 
+MAX_LAYOUT_DESC = 128  # what a registered layer's ``layout`` carries (KVLayerSpec.layout) at most
+
+
+def layer_layout(desc: str) -> str:
+    """One layer's layout as a registration carries it (KVLayerSpec.layout) and decode compares it with its own
+    layer's (contact.py): the layout's ``desc``, or its digest past 128 characters (a Mamba state of many
+    parts)."""
+    if len(desc) <= MAX_LAYOUT_DESC:
+        return desc
+    return "sha256:" + hashlib.sha256(desc.encode()).hexdigest()[:32]
+
+
 def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: int, num_layers: int,
                   kv_heads: int, groups: str = "", kv_format: str = "", rope: str = "", attn: str = "",
                   weights: str = "") -> dict:
     """Everything that must agree for a block's bytes to mean the same on both sides, and nothing that may
     differ: TP and PP sizes are mapped (shard.py), so the heads are the model's total and the layout is
     per head (layout.py); ``groups`` describes the KV cache groups' specs; draft (speculative decoding)
-    layers are checked by name at first contact (decode's layers must all be registered by prefill)."""
+    layers are checked by name at first contact (decode's layers must all be registered by prefill).
+    ``layout`` is the attention blocks' layout, which every rank has: the hash is the same on every rank of
+    an engine (the bootstrap server refuses ranks of one engine id that differ), also where pipeline stages
+    hold different kinds of layer (a hybrid model's stage without a Mamba layer); a state layer's layout is
+    compared per layer (``layer_layout``)."""
     if len(model) > 256:  # a registration carries values of at most 512 characters
         model = f"{model[:200]}...{hashlib.sha256(model.encode()).hexdigest()[:16]}"
     out = {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,

@@ -137,7 +137,9 @@ def groups_desc(kv_cache_config: Any) -> str:
     """The KV cache groups' specs as the compatibility check compares them: kind, tokens per block, window
     (not the per-rank head count: TP is mapped). A Mamba group's block holds one request's whole state
     (mamba_cache_mode "none", _check_groups); vLLM sizes it by --max-model-len, which may differ between
-    prefill and decode, so it is left out (the state's layout is compared per part, worker.py)."""
+    prefill and decode, so it is left out; each state's shape and dtype go in (vLLM CPU hands kvlink the
+    page as bytes: a conv state stored transposed or an SSM state in float16 against bfloat16 fill a page
+    of the same size)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     out = []
@@ -145,6 +147,9 @@ def groups_desc(kv_cache_config: Any) -> str:
         spec = g.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
         size = "state" if isinstance(spec, MambaSpec) else spec.block_size
+        if isinstance(spec, MambaSpec):  # each state's shape (per rank) and dtype: a page's bytes say only its size
+            size += ":" + ",".join(f"{'x'.join(map(str, sh))}/{str(dt).replace('torch.', '')}"
+                                   for sh, dt in zip(spec.shapes, spec.dtypes))
         out.append(f"{type(spec).__name__}:{size}" + (f":w{window}" if window else ""))
     return "|".join(out)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlink.transport.config import MAX_NAME, check_name
-from kvlink.vllm.compat import PROTOCOL_VERSION, compat_diff
+from kvlink.vllm.compat import PROTOCOL_VERSION, compat_diff, layer_layout
 from kvlink.vllm.layout import BlockLayout, Geometry, LayoutError, head_geometry
 from kvlink.vllm.plan import LayerMap
 from kvlink.vllm.shard import Leg, MappingError, RankView, heads_of, plan_legs
@@ -137,6 +137,10 @@ def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[Laye
             raise PullFailed(f"prefill engine {engine_id} has layer {n} in KV cache group {spec.group}, this "
                              f"engine in group {local.groups.get(n, 0)}: their block ids mean other blocks",
                              "groups")
+        if spec.layout != layer_layout(lay.desc):  # (the compat hash has the attention layout only: PP stages)
+            raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} lays layer {n} out as "
+                             f"{spec.layout}, this engine as {layer_layout(lay.desc)}: its bytes would mean other "
+                             "values here", "layout")
         if spec.block_bytes != want:
             raise PullFailed(f"prefill engine {engine_id} tp{leg.remote_tp} pp{leg.remote_pp} has "
                              f"{spec.block_bytes} B blocks in layer {n}; its {remote_heads or 'latent'} "

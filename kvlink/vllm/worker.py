@@ -35,7 +35,6 @@ worker's idle loop yields (sched_yield) to them on its own core, and on 2 cores 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -48,7 +47,7 @@ from typing import Any
 from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
-from kvlink.vllm.compat import PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_scales
+from kvlink.vllm.compat import PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_scales, layer_layout
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.contact import engine_name
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
@@ -67,8 +66,6 @@ from kvlink.vllm.stream import PieceSender, PrefillStream
 
 logger = logging.getLogger(__name__)
 
-# The compat field ``layout`` goes into every registered layer (KVLayerSpec.layout, at most 128 characters).
-MAX_LAYOUT_DESC = 128
 # Threads resolving pulls (contact, long polls for records and pieces): waiting pulls at once, per rank. Each
 # holds a long poll at prefill's bootstrap server (3/4 of its max_connections, 4,096 by default, for all).
 RESOLVERS = 64
@@ -221,7 +218,9 @@ class KVLinkWorker(Puller):
                   if n in self._state_layers or isinstance(t, (list, tuple))}
         attn = {n: t for n, t in kv_caches.items() if n not in states}
         if not attn:
-            raise RuntimeError(f"kvlink: no attention KV cache among {list(kv_caches)[:3]}")
+            raise RuntimeError(f"kvlink: no attention KV cache among {list(kv_caches)[:3]} (a pipeline stage of "
+                               "state layers only?): kvlink lays blocks out by the attention blocks and needs at "
+                               "least one attention layer on every rank")
         first = next(iter(attn.values()))
         self.kv_scales = kv_scales(forward_context or {}, list(attn)) if self.rank.kv_format else {}
         attn_kinds = attn_desc(forward_context or {}, list(attn))
@@ -279,12 +278,12 @@ class KVLinkWorker(Puller):
             _request_amx_permission()
         num_blocks, block_size = self.layout.num_blocks, tokens_per_block(first.shape)
         self.block_bytes = self.layout.block_bytes
-        layout = "+".join(sorted({lay.desc for lay in self.layouts.values()}, key=lambda d: (d.startswith("state"), d)))
-        if len(layout) > MAX_LAYOUT_DESC:  # (a registered layer's layout is at most 128 characters; many state parts)
-            logger.info("kvlink: KV layout %s, compared as its digest", layout)
-            layout = "sha256:" + hashlib.sha256(layout.encode()).hexdigest()[:32]
+        for name in states:
+            if layer_layout(self.layouts[name].desc) != self.layouts[name].desc:
+                logger.info("kvlink: KV layout %s of %s, compared as its digest", self.layouts[name].desc, name)
+                break
         self.compat = compat_fields(model=self.rank.model, kv_dtype=str(first.dtype).replace("torch.", ""),
-                                    layout=layout,
+                                    layout=layer_layout(self.layout.desc),
                                     tokens_per_block=block_size,
                                     num_layers=self.rank.num_layers or len(kv_caches),
                                     kv_heads=self._total_heads, groups=self.rank.groups,
@@ -416,7 +415,7 @@ class KVLinkWorker(Puller):
         num_blocks = self._stager.slots + 1 if self.staged else self.layout.num_blocks
         layers = [KVLayerSpec(name=n, region_id=r.id, block_bytes=self.layouts[n].block_bytes, num_blocks=num_blocks,
                               tokens_per_block=self.compat["tokens_per_block"], dtype=self.compat["kv_dtype"],
-                              layout=self.compat["layout"], offset=self._source_geoms[n].offset,
+                              layout=layer_layout(self.layouts[n].desc), offset=self._source_geoms[n].offset,
                               block_stride=self._source_geoms[n].block_stride,
                               segment_stride=self._source_geoms[n].segment_stride,
                               group=self._layer_group.get(n, 0),

@@ -36,6 +36,11 @@ def engines(mamba_model):
     e.make("dec_long", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"),
            max_model_len=4096, **OFF)
     e.make("dec_long_bad", corrupting_kv_config(), max_model_len=4096, **OFF)
+    # the SSM state in float16 on decode, bfloat16 on prefill (--mamba-ssm-cache-dtype): pages of one size
+    e.make("pre_bf16", recording_kv_config("kv_producer"), mamba_ssm_cache_dtype="bfloat16", **OFF)
+    e.make("base_f16", None, mamba_ssm_cache_dtype="float16", **OFF)
+    e.make("dec_f16", dict(recording_kv_config("kv_consumer"), kv_load_failure_policy="recompute"),
+           mamba_ssm_cache_dtype="float16", **OFF)
     yield e
     e.close()
 
@@ -85,6 +90,24 @@ def test_a_decode_with_another_max_model_len_pulls_the_state_and_kv(engines):
     assert got == want
     # control: the same decode with what it pulled corrupted answers otherwise
     assert decode(engines, "dec_long_bad", prompts[1:], prefill(engines, [list(p) for p in prompts[1:]])) != want[1:]
+
+
+def test_a_decode_whose_ssm_state_is_another_dtype_is_refused_and_computes(engines):
+    """vLLM CPU hands kvlink a Mamba layer's page as bytes, so the page's size is all its layout says: an SSM
+    state in float16 on decode against bfloat16 on prefill fills pages of one size. The group's spec names
+    each state's shape and dtype (``groups``): refused at first contact, nothing read, and decode answers
+    as its own single engine."""
+    prompts = token_prompts([300, 700], seed=48)
+    lays = [engines.agents[n]._worker.layouts["model.layers.0.mixer"].desc for n in ("pre_bf16", "dec_f16")]
+    assert lays[0] == lays[1]  # the bytes alone do not tell them apart
+    want = outputs(engines, "base_f16", prompts)
+    agent = engines.agents["dec_f16"]
+    before = agent.recorded_now()
+    got = decode(engines, "dec_f16", prompts, prefill(engines, [list(p) for p in prompts], name="pre_bf16"))
+    after = agent.recorded_now()
+    assert after.get("compat_refused.groups", 0) - before.get("compat_refused.groups", 0) == len(prompts)
+    assert after.get("pulls_ok", 0) == before.get("pulls_ok", 0)
+    assert got == want
 
 
 def test_corrupted_state_and_kv_change_the_output(engines):

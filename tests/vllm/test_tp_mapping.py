@@ -85,16 +85,17 @@ def test_legs_one_per_remote_rank_and_refusals():
 
 
 def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", compat=None, group=0, protocol=None,
-         scales=None):
+         scales=None, layout=None):
     from kvlink.bootstrap import EngineRegistration, KVLayerSpec
     from kvlink.vllm.compat import PROTOCOL_VERSION
 
+    layout = layout or _local(0, 1).layout.desc  # (the description names no head count)
     return EngineRegistration(
         engine_id="pre", dp_rank=dp_rank, dp_size=2, tp_rank=tp_rank, tp_size=tp_size,
         transport_addr="127.0.0.1:9", protocol_version=protocol or PROTOCOL_VERSION, compat_hash=compat_hash,
         compat={"protocol_version": PROTOCOL_VERSION} if compat is None else compat,
         layers=[KVLayerSpec(name=n, region_id=1, block_bytes=block_bytes, num_blocks=8, tokens_per_block=16,
-                            dtype="bfloat16", layout="x", group=group,
+                            dtype="bfloat16", layout=layout, group=group,
                             **(dict(zip(("k_scale", "v_scale"), scales[n])) if scales else {})) for n in layers])
 
 
@@ -140,6 +141,10 @@ def test_first_contact_maps_head_ranges_and_refuses_what_does_not_fit():
     with pytest.raises(PullFailed, match="has layer a in KV cache group 1, this engine in group 0") as e:
         legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, group=1)], _local(0, 2))
     assert e.value.reason == "groups"
+    # a layer laid out otherwise (the compat hash has the attention layout only; each layer read is compared)
+    with pytest.raises(PullFailed, match="lays layer a out as state:64:x, this engine as blocks:") as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, layout="state:64:x")], _local(0, 2))
+    assert e.value.reason == "layout"
 
 
 # ----- synthetic engines through real transport and bootstrap -------------------------------------------------

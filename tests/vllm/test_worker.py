@@ -862,9 +862,9 @@ def test_the_transport_limits_reach_the_engine():
 
 
 def test_a_state_page_of_many_parts_registers_and_is_still_told_apart():
-    """A state page of four parts (a linear-attention state with its recovery records) describes itself in more
-    than the 128 characters a registered layer's layout may take: the layout is then compared as its digest,
-    so the engine registers, and another page still does not pair."""
+    """A state page of four parts (a linear-attention state with its recovery records) registers, and another
+    page still does not pair: refused at first contact, layer by layer. A layer's layout longer than the 128
+    characters a registered layer may carry goes as its digest."""
     import math
 
     import torch
@@ -873,6 +873,8 @@ def test_a_state_page_of_many_parts_registers_and_is_still_told_apart():
     from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
     from kvlink.vllm import worker as W
     from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.compat import MAX_LAYOUT_DESC, layer_layout
+    from kvlink.vllm.contact import LocalKV, PullFailed, legs_for
 
     def cache(conv_transposed: bool) -> dict:
         nb, parts = 6, [((3, 1536) if conv_transposed else (1536, 3), torch.bfloat16), ((4, 32, 32), torch.float32),
@@ -902,9 +904,40 @@ def test_a_state_page_of_many_parts_registers_and_is_still_told_apart():
         with BootstrapClient(srv.url) as cli:
             regs = [cli.engine_ranks(w.rank.engine_id)[0] for w in made]
         assert [r.compat_hash for r in regs] == [w.compat_hash for w in made]
-        assert made[0].compat["layout"].startswith("sha256:") and made[0].compat_hash != made[1].compat_hash
+        # the state's layout is compared per layer (the compat hash has the attention layout, which every
+        # pipeline stage has): the mixer's registered layouts differ, as digests of the long descriptions
+        mixer = [next(x.layout for x in r.layers if x.name == "model.layers.0.mixer") for r in regs]
+        assert all(len(m) <= MAX_LAYOUT_DESC for m in mixer) and mixer[0] != mixer[1]
+        assert made[0].compat_hash == made[1].compat_hash
+        local = made[1]
+        with pytest.raises(PullFailed, match="lays layer model.layers.0.mixer out as state:31744:0:bfloat16:1536x3") as e:
+            legs_for("pre0", [regs[0]], LocalKV(0, 1, 0, 1, tuple(local.layer_names), local.layout,
+                                                local._local_geoms, local._total_heads, local.compat,
+                                                local.compat_hash, groups=local._layer_group, layouts=local.layouts))
+        assert e.value.reason == "layout"
+        long = [f"state:1:{'x' * 150}", f"state:1:{'x' * 149}y"]
+        assert [layer_layout(d)[:7] for d in long] == ["sha256:"] * 2 and len(layer_layout(long[0])) <= 128
+        assert layer_layout(long[0]) != layer_layout(long[1]) and layer_layout("state:1:x") == "state:1:x"
     finally:
         for w in made:
             w.shutdown()
         srv.stop()
         unregister_backend("fake")
+
+
+def test_a_rank_of_state_layers_only_is_refused_at_start_naming_why():
+    """A pipeline stage holding Mamba layers only has no attention block to lay blocks out by: start-up stops
+    and says so (a stage with both kinds, or attention only, registers: tests/vllm/test_pp_mamba.py)."""
+    import torch
+
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    w = W.KVLinkWorker(ConnectorConfig(transport_backend="tcp"), W.RankInfo("pre", 0, 1, 1, 2, "m", kv_heads=2),
+                       "kv_producer", layer_groups={"model.layers.2.mixer": 0}, state_layers={"model.layers.2.mixer"},
+                       num_groups=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"model.layers.2.mixer.*at least one attention layer on every rank"):
+            w.register_kv_caches({"model.layers.2.mixer": [torch.zeros(4, 64, dtype=torch.bfloat16)]})
+    finally:
+        w.shutdown()
