@@ -9,7 +9,8 @@ compare. Each line is one ``write`` to an O_APPEND file, so processes do not int
 Events (see the call sites): proxy ``proxy_request``, ``proxy_prefill_sent`` / ``proxy_decode_sent`` (a
 backend request's body is written), ``proxy_prefill_answer``, ``proxy_decode_answer``;
 both engines ``engine_new`` (the scheduler got the request) and ``finished`` (vLLM finished it); prefill
-``layer`` (a streaming step's attention layer saved its KV), ``piece_send`` / ``piece_sent`` (the sender
+``layer`` (a streaming step's attention layer saved its KV), ``forward_end`` (a streaming step's
+forward ended, before vLLM samples), ``piece_send`` / ``piece_sent`` (the sender
 thread's bootstrap call), ``publish`` (the record is out); decode ``admit`` (the scheduler took the
 request's external tokens), ``pull_start``, ``resolve``, ``answer`` (a long poll answered: pieces or the
 record), ``read_post`` / ``read_end`` (a batch of READs), ``pull_done`` (the worker has the outcome),

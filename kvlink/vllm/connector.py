@@ -400,6 +400,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             meta = self._connector_metadata
             if isinstance(meta, KVLinkMetadata) and meta.streams:
+                trace.event("forward_end")
                 self._worker.send_pieces(meta.streams)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
