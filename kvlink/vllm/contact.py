@@ -89,6 +89,10 @@ def check_compat(engine_id: str, reg: Any, local: LocalKV) -> None:
         diff = compat_diff(local.compat, dict(reg.compat))
         reason = next(iter(diff), "compat_hash")
         what = str(diff or "(the same fields, another hash)")
+        if set(diff) == {"groups"} and reg.tp_size != local.tp_size and "MambaSpec" in str(local.compat.get("groups")):
+            reason = "mapping"  # (a Mamba group's state shapes are per rank)
+            what += (f"; prefill runs TP={reg.tp_size}, this engine TP={local.tp_size}: a Mamba state is sharded by "
+                     "TP, which kvlink moves between equal TP only")
     detail = (f"kvlink: prefill engine {engine_id} is not compatible with this decode engine ({reason}); "
               f"differing (prefill, decode): {what}; prefill compat {reg.compat_hash}, decode compat "
               f"{local.compat_hash}")

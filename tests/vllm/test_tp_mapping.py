@@ -141,6 +141,19 @@ def test_first_contact_maps_head_ranges_and_refuses_what_does_not_fit():
     with pytest.raises(PullFailed, match="has layer a in KV cache group 1, this engine in group 0") as e:
         legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, group=1)], _local(0, 2))
     assert e.value.reason == "groups"
+    # a Mamba group's state shapes are per rank: at another TP the groups differ, refused as a mapping
+    import dataclasses
+
+    from kvlink.vllm.compat import PROTOCOL_VERSION
+    mamba = dataclasses.replace(_local(0, 2), compat={"protocol_version": PROTOCOL_VERSION,
+                                                      "groups": "MambaSpec:state:3x768/bfloat16|FullAttentionSpec:16"})
+    other = {"protocol_version": PROTOCOL_VERSION, "groups": "MambaSpec:state:3x1536/bfloat16|FullAttentionSpec:16"}
+    with pytest.raises(PullFailed) as e:
+        legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, compat_hash="other", compat=other)], mamba)
+    assert e.value.reason == "mapping" and "moves between equal TP only" in e.value.detail
+    with pytest.raises(PullFailed) as e:  # at equal TP the same difference is another state: "groups"
+        legs_for("pre", [_reg(0, 2, "ab", 2 * per_head, compat_hash="other", compat=other)], mamba)
+    assert e.value.reason == "groups"
     # a layer laid out otherwise (the compat hash has the attention layout only; each layer read is compared)
     with pytest.raises(PullFailed, match="lays layer a out as state:64:x, this engine as blocks:") as e:
         legs_for("pre", [_reg(0, 1, "ab", 4 * per_head, layout="state:64:x")], _local(0, 2))
