@@ -174,6 +174,8 @@ def compat_fields(*, model: str, kv_dtype: str, layout: str, tokens_per_block: i
     compared per layer (``layer_layout``)."""
     if len(model) > 256:  # a registration carries values of at most 512 characters
         model = f"{model[:200]}...{hashlib.sha256(model.encode()).hexdigest()[:16]}"
+    if len(groups) > 256:  # (a hybrid model with few attention layers has many Mamba groups: Bamba-9B 10)
+        groups = f"{groups[:200]}...sha256:{hashlib.sha256(groups.encode()).hexdigest()[:24]}"
     out = {"model": model, "kv_dtype": kv_dtype, "layout": layout, "tokens_per_block": tokens_per_block,
            "num_layers": num_layers, "kv_heads": kv_heads, "groups": groups,
            "protocol_version": PROTOCOL_VERSION}

@@ -486,6 +486,23 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
     # ----- stats -------------------------------------------------------------------------------------
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """Heads outermost in each block (HND, vLLM 0.32's LBHNC), as vLLM's NIXL connector asks: a decode rank at
+        another TP then reads its heads of a block as one byte range (layout.py); under NHD only equal TP moves.
+        vLLM keeps its own choice, with a warning, where a backend cannot lay blocks out so (vLLM CPU has HND
+        only). None for MLA, whose latent has no heads. Named as this vLLM names it: inside a MultiConnector
+        beside NIXL, "HND" and "LBHNC" would be two layouts to vLLM."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        try:
+            from vllm.v1.kv_cache_interface import KVCacheLayout
+
+            return KVCacheLayout.LBHNC.name
+        except (ImportError, AttributeError):  # a vLLM before the five-letter names
+            return "HND"
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLinkStats:
         return KVLinkStats(data=dict(data)) if data is not None else KVLinkStats()
 

@@ -601,3 +601,68 @@ def test_decode_expects_the_name_a_registration_implies_and_refuses_one_no_engin
         with pytest.raises(PullFailed, match="no kvlink engine name carries") as e:
             expected_name(SimpleNamespace(engine_id="e", tp_rank=0, instance=bad))
         assert e.value.reason == "engine_changed"
+
+
+def test_the_connector_asks_vllm_for_heads_outermost_blocks_except_for_mla():
+    """kvlink asks for HND (LBHNC), as NIXL does, so a decode rank at another TP reads its heads of a block as one
+    range; vLLM's own resolution takes it where every backend can lay blocks out so (a GPU's FlashAttention:
+    LBNHC or LBHNC) and keeps its default otherwise; MLA's latent has no heads (no preference)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    from kvlink.vllm import plugin
+
+    plugin.register()
+
+    def resolve(supported, mla=False, kv=None):
+        cfg = NS(kv_transfer_config=kv or KVTransferConfig(kv_connector="KVLinkConnector", kv_role="kv_both"),
+                 model_config=NS(use_mla=mla), cache_config=NS(kv_cache_layout=None))
+        return resolve_kv_cache_layout(cfg, [supported] * 2).name
+
+    assert resolve(["LBNHC", "LBHNC"]) == "LBHNC"  # vLLM's first choice would be NHD
+    assert resolve(["LBNHC", "LBHNC"], mla=True) == "LBNHC"
+    assert resolve(["LBNHC"]) == "LBNHC"  # a backend without HND: vLLM's choice, with a warning
+    # beside NIXL in a MultiConnector: one layout, named alike (vLLM refuses two names)
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    ours = {"kv_connector": "KVLinkConnector", "kv_role": "kv_both"}
+    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                             kv_connector_extra_config={"connectors": [ours, nixl]})
+    cfg = NS(kv_transfer_config=multi, model_config=NS(use_mla=False), cache_config=NS(kv_cache_layout=None))
+    assert MultiConnector.get_required_kvcache_layout(cfg) == "LBHNC"
+
+
+def test_the_groups_of_a_model_with_many_mamba_groups_fit_a_registration():
+    """vLLM splits a hybrid model's layers into groups of one size: few attention layers make many Mamba groups
+    (Bamba-9B: 3 attention and 29 Mamba layers, 10 Mamba groups), and each names its states' shapes and dtypes.
+    The field is kept within what a registration may carry (512 characters) as a digest past 256, and still
+    tells two models apart."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    import msgspec
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvlink.bootstrap import EngineRegistration, KVLayerSpec
+    from kvlink.vllm.compat import PROTOCOL_VERSION, compat_fields, compat_hash
+    from kvlink.vllm.connector import groups_desc
+
+    def fields(conv):
+        attn = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        mamba = MambaSpec(block_size=16, shapes=(conv, (128, 64, 128)), dtypes=(torch.bfloat16, torch.bfloat16))
+        cfg = NS(kv_cache_groups=[NS(kv_cache_spec=attn)] + [NS(kv_cache_spec=mamba)] * 10)
+        return compat_fields(model="bamba", kv_dtype="bfloat16", layout="blocks:h", tokens_per_block=16,
+                             num_layers=32, kv_heads=8, groups=groups_desc(cfg))
+
+    compat = fields((8448, 3))
+    reg = EngineRegistration(engine_id="pre", transport_addr="127.0.0.1:9", protocol_version=PROTOCOL_VERSION,
+                             compat_hash=compat_hash(compat), compat=compat,
+                             layers=[KVLayerSpec(name="a", region_id=1, block_bytes=64, num_blocks=8,
+                                                 tokens_per_block=16, dtype="bfloat16", layout="blocks:h")])
+    msgspec.json.decode(msgspec.json.encode(reg), type=EngineRegistration)  # as the bootstrap server reads it
+    assert compat["groups"].startswith("FullAttentionSpec:16|MambaSpec:state:8448x3/bfloat16")
+    assert compat["groups"] != fields((3, 8448))["groups"]  # a conv state stored transposed
