@@ -208,7 +208,9 @@ class PairingTable:
                     f"{field}; it is replaced only after its lease runs out",
                     field=f"registration.{field}",
                 )
-            new_instance = registration.instance is not None and registration.instance != old.instance
+            # (launch: a registrant without an instance restarted at the same address says so by its launch)
+            new_instance = ((registration.instance is not None and registration.instance != old.instance)
+                            or (registration.launch is not None and registration.launch != old.launch))
             if old.transport_addr != registration.transport_addr or new_instance:
                 # A new process behind the same engine id (at a new address, or a restart at a fixed port
                 # that says so by its instance): the block ids published by the old one mean nothing in the
@@ -566,6 +568,8 @@ class PairingTable:
         refused publish must not release the one holding it). Conflict, nothing changed, when the id is
         bound to or streamed by another engine or (``request_id``) another request, or, without
         ``engine_id``, bound to or streamed by any. Idempotent: returns True when the id had already ended.
+        A request a reader was handed is released as a router's release is (``release``): deferred while
+        the lease given out runs, readers hearing "released" from now on.
         """
         now = self._sweep()
         engine = self._engine(engine_id) if engine_id is not None else None
@@ -577,8 +581,16 @@ class PairingTable:
         self.streams.end(transfer_id, now)
         if request is not None:
             assert engine is not None  # _check_owner: the owner was named
-            del engine.requests[request.request_id]
-            self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
+            if request.doomed:
+                return True  # abandoned (or given up by the router) already, its outcome deferred
+            if request.handed and request.expires_at > now:
+                # A reader was handed it (the abandon raced a publish a long poll answered): as a router's
+                # release, deferred until the lease given out runs out or the readers release it (release).
+                request.doomed = True
+                self.stats.releases_deferred += 1
+            else:
+                del engine.requests[request.request_id]
+                self._end(engine, request, RequestStatus.RELEASED, Outcome.ABANDONED, now)
             self.stats.released_abandoned += 1
         elif transfer_id in self._transfer_tombstones:
             return True

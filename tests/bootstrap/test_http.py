@@ -302,7 +302,7 @@ def test_abandon_over_http_names_its_request_or_omits_the_engine(client, engine)
     with pytest.raises(Conflict) as err:
         client.abandon_transfer(None, "T")
     assert err.value.field == "engine_id" and repr(engine) in str(err.value)
-    assert client.lookup_transfer("T").request_id == "sub-0"
+    assert client.lookup_transfer("T", peek=True).request_id == "sub-0"  # (a peek hands nothing)
     assert client.abandon_transfer(None, "never-taken") is False
     with pytest.raises(RequestReleased):
         client.lookup_transfer("never-taken", wait_s=5.0)  # at once

@@ -259,6 +259,21 @@ def test_registrations_without_an_instance_at_the_same_address_are_renewals(tabl
     assert table.lookup("E", ["r2"]).ready
 
 
+def test_a_restart_at_the_same_address_without_an_instance_is_told_by_its_launch(table, make_registration):
+    """A registrant that sends no instance (not a kvlink worker) restarted at a fixed port: its new launch says
+    the old records name another process's blocks. They end (a decode's launch check would pass them), and
+    the new launch publishes (refused 409 while the old registration stood)."""
+    table.register_engine(make_registration("E", launch="L1"), 30.0)
+    table.publish("E", "old", [[1, 2]], 32, lease_s=30.0, transfer_id="t-old", launch="L1")
+    assert table.register_engine(make_registration("E", launch="L1"), 30.0) is False  # a renewal
+    assert isinstance(table.lookup_transfer("t-old", peek=True), RequestRecord)
+    table.register_engine(make_registration("E", launch="L2"), 30.0)
+    assert table.get_engine("E").launch == "L2"
+    assert table.lookup_transfer("t-old", peek=True) is RequestStatus.EXPIRED
+    table.publish("E", "new", [[3]], 16, lease_s=30.0, launch="L2")
+    assert table.lookup("E", ["new"]).ready
+
+
 def test_an_engine_registers_at_most_max_ranks_per_engine(clock, make_registration):
     table = PairingTable(TableLimits(max_ranks_per_engine=2), clock=clock)
     for r in range(2):
@@ -449,7 +464,7 @@ def test_abandon_transfer_of_a_published_request_releases_it(table, engine, make
     table.register_engine(make_registration("F"), lease_s=600.0)
     with pytest.raises(Conflict) as err:
         table.abandon_transfer("F", "t")  # another engine's transfer: left alone
-    assert err.value.field == "transfer_id" and table.lookup_transfer("t").request_id == "r1"
+    assert err.value.field == "transfer_id" and table.lookup_transfer("t", peek=True).request_id == "r1"
     assert table.abandon_transfer(engine, "t") is False
     assert table.lookup_transfer("t") is RequestStatus.RELEASED
     assert outcomes(table, engine) == [("r1", Outcome.ABANDONED)]
@@ -466,12 +481,33 @@ def test_abandon_naming_its_request_never_releases_another_bound_to_the_id(table
     with pytest.raises(Conflict) as err:
         table.abandon_transfer(engine, "T", request_id="sub-1")
     assert err.value.field == "request_id" and "sub-0" in str(err.value) and "sub-1" in str(err.value)
-    rec = table.lookup_transfer("T")
+    rec = table.lookup_transfer("T", peek=True)  # (a peek hands nothing: the abandon below frees at once)
     assert rec.request_id == "sub-0" and rec.lease_remaining_s == 30.0
     assert outcomes(table, engine) == [] and table.stats.transfers_abandoned == 0
     assert table.abandon_transfer(engine, "T", request_id="sub-0") is False  # its own: released
     assert outcomes(table, engine) == [("sub-0", Outcome.ABANDONED)]
     assert table.abandon_transfer(engine, "T", request_id="sub-1") is True  # ended already: idempotent
+
+
+def test_abandoning_a_transfer_a_reader_was_handed_defers_its_outcome_as_a_routers_release(table, clock, engine):
+    """The proxy's abandon (after a peek found nothing bound) races prefill's publish, which a decode's long
+    poll was just handed with a 30 s lease: prefill gets no outcome while that lease runs (the reader hears
+    "released" from now on), then "abandoned"; a reader's own release frees it at once."""
+    table.publish(engine, "r1", [[1, 2]], 32, lease_s=30.0, transfer_id="t1")
+    assert table.lookup_transfer("t1", reader="D@1").lease_remaining_s == 30.0
+    assert table.abandon_transfer(engine, "t1") is False
+    clock.advance(1)
+    assert outcomes(table, engine) == []  # D's READ may run 29 s more
+    assert table.lookup_transfer("t1", reader="D@1") is RequestStatus.RELEASED  # trusted no more
+    assert table.abandon_transfer(engine, "t1") is True  # idempotent
+    clock.advance(30)
+    table.expire()
+    assert outcomes(table, engine) == [("r1", Outcome.ABANDONED)]
+    table.publish(engine, "r2", [[3]], 16, lease_s=30.0, transfer_id="t2")
+    table.lookup_transfer("t2", reader="D@1")
+    table.abandon_transfer(engine, "t2")
+    table.release(engine, "r2", Outcome.PULLED, reader="D@1")  # the reader is done: freed now
+    assert [o for o in outcomes(table, engine) if o[0] == "r2"] == [("r2", Outcome.ABANDONED)]
 
 
 def test_abandon_without_an_engine_ends_only_an_id_nobody_holds(table, engine):
