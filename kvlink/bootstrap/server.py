@@ -56,6 +56,7 @@ from kvlink.bootstrap.table import PairingTable
 log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
+SMALL_ANSWER = 16 << 10  # bytes: an answer this small is written without a deadline (_answer)
 _JSON = "application/json"
 
 
@@ -131,9 +132,34 @@ class BootstrapApp:
             except UnicodeDecodeError as err:
                 raise InvalidField(f"body is not UTF-8: {err}") from None
             result = (await fn(body)) if is_async else fn(body)
-            return web.Response(body=_encode(result), content_type=_JSON)
+            return await self._answer(request, _encode(result))
 
         self.app.router.add_post(path, handler)
+
+    async def _answer(self, request: web.Request, payload: bytes) -> web.StreamResponse:
+        """An answer past the socket's buffers must be taken within ``body_timeout_s``, or the connection is
+        closed: aiohttp waits for a client that stops reading (a stopped process, a lookup of thousands of
+        ids) without a deadline, holding the connection, a ``max_connections`` slot and the answer. Small
+        answers go as they are (they fit the kernel's buffers; no task per answer on the hot path)."""
+        if len(payload) <= SMALL_ANSWER:
+            return web.Response(body=payload, content_type=_JSON)
+        resp = web.StreamResponse(headers={"Content-Type": _JSON})
+        resp.content_length = len(payload)
+
+        async def send() -> None:
+            await resp.prepare(request)
+            await resp.write(payload)
+            await resp.write_eof()
+
+        try:
+            await asyncio.wait_for(send(), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            self.counters.errors["answer_not_taken"] += 1
+            log.info("bootstrap: %s %s: the client took no answer of %d bytes within %g s; closing it", request.method,
+                     request.path, len(payload), self.config.body_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+        return resp
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):

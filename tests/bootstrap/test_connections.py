@@ -213,3 +213,39 @@ def test_a_connection_is_uncounted_once_even_when_the_loop_never_calls_its_proto
     t = Written()
     refused.connection_made(t)
     assert t.data.startswith(b"HTTP/1.1 503") and b"max_connections" in t.data and t.closed
+
+
+def test_a_client_that_never_reads_a_large_answer_is_let_go_and_readers_get_theirs_whole(make_registration):
+    """An answer past the socket's buffers (a lookup of many published requests) waits for the client to read
+    it: a client that never does (a stopped decode process) loses the connection after body_timeout_s instead
+    of holding it, its slot and the answer for as long as its TCP stays up. A client that reads gets it whole."""
+    import json
+
+    from kvlink.bootstrap import BootstrapServer
+
+    cfg = BootstrapConfig(host="127.0.0.1", port=0, token=TOKEN, idle_timeout_s=0.5, body_timeout_s=0.5,
+                          sweep_interval_s=0.05)
+    with BootstrapServer(cfg) as srv, BootstrapClient(srv.url, token=TOKEN) as cli:
+        cli.register_engine(make_registration("E", num_blocks=1 << 20), 600.0)
+        ids = [f"r{i}" for i in range(1000)]
+        for rid in ids:
+            cli.publish("E", rid, [list(range(1, 2001))], 32000, lease_s=600.0)
+        whole = cli.lookup("E", ids)  # ~10 MB, read whole
+        assert all(whole[r].block_ids == [list(range(1, 2001))] for r in ids)
+        body = json.dumps({"engine_id": "E", "request_ids": ids}).encode()
+        socks = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/request/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            socks.append(s)
+        try:
+            until(lambda: srv.app.counters.connections <= 1, "the connections that read nothing closed")
+            assert srv.app.counters.errors["answer_not_taken"] >= 1  # (one the kernel buffered whole ends idle)
+            again = cli.lookup("E", ids)  # everyone else served
+            assert all(again[r].block_ids == whole[r].block_ids for r in ids)
+        finally:
+            for s in socks:
+                s.close()
