@@ -577,3 +577,32 @@ def proxied(pre: Server, others, routes, bport: int, engine_id: str):
             p.stop()
         for s in servers:
             s.stop()
+
+
+# Every server chunks alike (the same KV, bit for bit) and computes in float32, so that TP=2 sums what TP=1
+# does and every server's own answers are the same (in bf16 a TP=2 server answers some prompts otherwise).
+PP_ARGS = ("--no-enable-prefix-caching", "--dtype", "float32", *STREAM_CHUNK_ARGS)
+
+
+def pp_server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "kv_both", tp: int = 1,
+              **extra) -> Server:
+    """A compiled vLLM server at ``--pipeline-parallel-size pp`` (vLLM CPU runs PP only compiled: test_pp.py)
+    whose connector writes noise over what it pulled while ``srv.flag`` exists (the negative controls)."""
+    kv = kv_config(role, transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
+                   bootstrap_port=bport, stream_kv=role == "kv_both", lookup_wait_s=10.0, pull_timeout_s=60.0,
+                   **extra)
+    kv.update(kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
+              kv_load_failure_policy="recompute")
+    flag = tmp_path / f"{name}.corrupt"
+    srv = Server(model, kv, cpu=cpu, log=tmp_path / f"{name}.log", eager=False,
+                 extra_args=(*PP_ARGS, "--pipeline-parallel-size", str(pp), "--tensor-parallel-size", str(tp),
+                             "--distributed-executor-backend", "mp"),
+                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
+    srv.flag = flag
+    return srv
+
+
+def handed(pre: Server, dec: Server, prompt: list[int]) -> str:
+    """``prompt`` prefilled on ``pre`` and decoded on ``dec`` (sequential pairing): decode's answer."""
+    params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+    return text(complete(dec.url, prompt, params, timeout=120))

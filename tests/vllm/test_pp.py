@@ -23,37 +23,17 @@ from __future__ import annotations
 import pytest
 
 from tests.ports import free_port
-from tests.vllm.helpers import (STREAM_CHUNK_ARGS, Server, complete, concurrent_proxy, kv_config, metric, text,
-                                token_prompts)
+from tests.vllm.helpers import complete, concurrent_proxy, handed, metric, pp_server, text, token_prompts
 
 LENGTHS = [20, 64, 300, 301, 450]
-# Every server chunks alike (the same KV, bit for bit) and computes in float32, so that TP=2 sums what TP=1
-# does and every server's own answers are the same (in bf16 a TP=2 server answers some prompts otherwise).
-ARGS = ("--no-enable-prefix-caching", "--dtype", "float32", *STREAM_CHUNK_ARGS)
-
-
-def _server(model, tmp_path, name: str, pp: int, cpu, bport: int, role: str = "kv_both", tp: int = 1,
-            **extra) -> Server:
-    kv = kv_config(role, transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
-                   bootstrap_port=bport, stream_kv=role == "kv_both", lookup_wait_s=10.0, pull_timeout_s=60.0,
-                   **extra)
-    kv.update(kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
-              kv_load_failure_policy="recompute")
-    flag = tmp_path / f"{name}.corrupt"
-    srv = Server(model, kv, cpu=cpu, log=tmp_path / f"{name}.log", eager=False,
-                 extra_args=(*ARGS, "--pipeline-parallel-size", str(pp), "--tensor-parallel-size", str(tp),
-                             "--distributed-executor-backend", "mp"),
-                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
-    srv.flag = flag
-    return srv
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
     pports = (free_port(), free_port())
-    pp2 = _server(tiny_model, tmp, "pp2", 2, "0|1", pports[0])
-    pp1 = _server(tiny_model, tmp, "pp1", 1, 1, pports[1])
+    pp2 = pp_server(tiny_model, tmp, "pp2", 2, "0|1", pports[0])
+    pp1 = pp_server(tiny_model, tmp, "pp1", 1, 1, pports[1])
     try:
         pp2.wait_ready(400)
         pp1.wait_ready(400)
@@ -63,12 +43,7 @@ def servers(tiny_model, tmp_path_factory):
         pp1.stop()
 
 
-def _handed(pre: Server, dec: Server, prompt: list[int]) -> str:
-    params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-    return text(complete(dec.url, prompt, params, timeout=120))
-
-
-def test_pp2_and_pp1_hand_requests_to_each_other_and_answer_as_a_single_server(servers):
+def test_pp2_and_pp1_hand_requests_to_each_other_and_answer_as_a_singlepp_server(servers):
     pp2, pp1, bport = servers
     prompts = token_prompts(LENGTHS, seed=90)
     own2 = [text(complete(pp2.url, p)) for p in prompts]
@@ -77,8 +52,8 @@ def test_pp2_and_pp1_hand_requests_to_each_other_and_answer_as_a_single_server(s
     assert len(set(own1)) == len(own1)  # every prompt's answer differs: another prompt's KV would show
     pulled = (metric(pp1, "kvlink_blocks_pulled_total"), metric(pp2, "kvlink_blocks_pulled_total"))
     for p, w in zip(prompts, own1):
-        assert _handed(pp2, pp1, p) == w  # PP=1 decode reads each layer from the stage that holds it
-        assert _handed(pp1, pp2, p) == w  # each PP=2 decode stage reads its layers from the one rank
+        assert handed(pp2, pp1, p) == w  # PP=1 decode reads each layer from the stage that holds it
+        assert handed(pp1, pp2, p) == w  # each PP=2 decode stage reads its layers from the one rank
     assert metric(pp1, "kvlink_blocks_pulled_total") > pulled[0]
     assert metric(pp2, "kvlink_blocks_pulled_total") > pulled[1]
     assert metric(pp1, "kvlink_pulls_failed_total") == 0 and metric(pp2, "kvlink_pulls_failed_total") == 0
@@ -101,8 +76,8 @@ def test_pp_negative_control_noise_over_the_pulled_kv_changes_the_answers(server
     pp1.flag.touch()
     pp2.flag.touch()
     try:
-        assert all(_handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
-        assert all(_handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
+        assert all(handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
+        assert all(handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
     finally:
         pp1.flag.unlink()
         pp2.flag.unlink()
@@ -112,7 +87,7 @@ def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):
     """Each prefill stage copies its layers of a finished request into its own staging pool and gives vLLM
     the blocks back; decode reads every layer from the pool of the stage that holds it."""
     _, pp1, _ = servers
-    staged = _server(tiny_model, tmp_path, "pp2-staged", 2, "0|1", free_port(), role="kv_producer",
+    staged = pp_server(tiny_model, tmp_path, "pp2-staged", 2, "0|1", free_port(), role="kv_producer",
                      staging="always", staging_pool_mb=8)
     try:
         staged.wait_ready(400)
@@ -120,14 +95,14 @@ def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):
         own = [text(complete(pp1.url, p)) for p in prompts]
         pulled, read = metric(pp1, "kvlink_blocks_pulled_total"), metric(pp1, "kvlink_bytes_pulled_total")
         for p, w in zip(prompts, own):
-            assert _handed(staged, pp1, p) == w
+            assert handed(staged, pp1, p) == w
         assert metric(pp1, "kvlink_blocks_pulled_total") > pulled
         assert metric(pp1, "kvlink_pulls_failed_total") == 0
         # decode read every byte from the stages' pools: the bytes both stages staged, no more, no less
         assert metric(staged, "kvlink_bytes_staged_total") == metric(pp1, "kvlink_bytes_pulled_total") - read
         pp1.flag.touch()
         try:
-            assert all(_handed(staged, pp1, p) != w for p, w in zip(prompts[1:], own[1:]))
+            assert all(handed(staged, pp1, p) != w for p, w in zip(prompts[1:], own[1:]))
         finally:
             pp1.flag.unlink()
     finally:
@@ -136,7 +111,7 @@ def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):
 
 def test_tp2_pp2_and_tp1_pp1_hand_requests_to_each_other(servers, tiny_model, tmp_path):
     _, pp1, _ = servers
-    both = _server(tiny_model, tmp_path, "tp2pp2", 2, "0|1|0|1", free_port(), tp=2)
+    both = pp_server(tiny_model, tmp_path, "tp2pp2", 2, "0|1|0|1", free_port(), tp=2)
     try:
         both.wait_ready(400)
         prompts = token_prompts([20, 64, 300, 450], seed=93)
@@ -144,16 +119,16 @@ def test_tp2_pp2_and_tp1_pp1_hand_requests_to_each_other(servers, tiny_model, tm
         assert [text(complete(both.url, p)) for p in prompts] == own
         pulled = (metric(pp1, "kvlink_blocks_pulled_total"), metric(both, "kvlink_blocks_pulled_total"))
         for p, w in zip(prompts, own):
-            assert _handed(both, pp1, p) == w  # one rank reads from four
-            assert _handed(pp1, both, p) == w  # four ranks read from one
+            assert handed(both, pp1, p) == w  # one rank reads from four
+            assert handed(pp1, both, p) == w  # four ranks read from one
         assert metric(pp1, "kvlink_blocks_pulled_total") > pulled[0]
         assert metric(both, "kvlink_blocks_pulled_total") > pulled[1]
         assert metric(pp1, "kvlink_pulls_failed_total") == 0 and metric(both, "kvlink_pulls_failed_total") == 0
         pp1.flag.touch()
         both.flag.touch()
         try:
-            assert all(_handed(both, pp1, p) != w for p, w in zip(prompts[2:], own[2:]))
-            assert all(_handed(pp1, both, p) != w for p, w in zip(prompts[2:], own[2:]))
+            assert all(handed(both, pp1, p) != w for p, w in zip(prompts[2:], own[2:]))
+            assert all(handed(pp1, both, p) != w for p, w in zip(prompts[2:], own[2:]))
         finally:
             pp1.flag.unlink()
             both.flag.unlink()

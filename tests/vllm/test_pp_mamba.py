@@ -16,23 +16,9 @@ from __future__ import annotations
 import pytest
 
 from tests.ports import free_port
-from tests.vllm.helpers import Server, complete, kv_config, metric, text, token_prompts
+from tests.vllm.helpers import complete, handed, metric, pp_server, text, token_prompts
 
 LENGTHS = [20, 64, 300, 301]
-ARGS = ("--no-enable-prefix-caching", "--dtype", "float32")
-
-
-def _server(model, tmp_path, name: str, pp: int, cpu, bport: int) -> Server:
-    kv = kv_config("kv_both", transport_backend="tcp", engine_lease_s=120.0, bootstrap_host="127.0.0.1",
-                   bootstrap_port=bport, lookup_wait_s=10.0, pull_timeout_s=60.0)
-    kv.update(kv_connector="SwitchedCorruptingConnector", kv_connector_module_path="tests.fakes_connector",
-              kv_load_failure_policy="recompute")
-    flag = tmp_path / f"{name}.corrupt"
-    srv = Server(model, kv, cpu=cpu, log=tmp_path / f"{name}.log", eager=False,
-                 extra_args=(*ARGS, "--pipeline-parallel-size", str(pp), "--distributed-executor-backend", "mp"),
-                 env={"KVLINK_TEST_CORRUPT_WHILE": str(flag)})
-    srv.flag = flag
-    return srv
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +31,8 @@ def mamba_pp_model() -> str:
 @pytest.fixture(scope="module")
 def servers(mamba_pp_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp_mamba")
-    pp2 = _server(mamba_pp_model, tmp, "pp2", 2, "0|1", free_port())
-    pp1 = _server(mamba_pp_model, tmp, "pp1", 1, 1, free_port())
+    pp2 = pp_server(mamba_pp_model, tmp, "pp2", 2, "0|1", free_port())
+    pp1 = pp_server(mamba_pp_model, tmp, "pp1", 1, 1, free_port())
     try:
         pp2.wait_ready(400)
         pp1.wait_ready(400)
@@ -54,11 +40,6 @@ def servers(mamba_pp_model, tmp_path_factory):
     finally:
         pp2.stop()
         pp1.stop()
-
-
-def _handed(pre: Server, dec: Server, prompt: list[int]) -> str:
-    params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-    return text(complete(dec.url, prompt, params, timeout=120))
 
 
 def test_stages_of_different_layer_kinds_hand_requests_to_a_pp1_engine_both_ways(servers):
@@ -70,8 +51,8 @@ def test_stages_of_different_layer_kinds_hand_requests_to_a_pp1_engine_both_ways
     assert len(set(own1)) == len(own1)
     pulled = (metric(pp1, "kvlink_blocks_pulled_total"), metric(pp2, "kvlink_blocks_pulled_total"))
     for p, w in zip(prompts, own1):
-        assert _handed(pp2, pp1, p) == w  # PP=1 decode reads the state and KV from stage 0, KV from stage 1
-        assert _handed(pp1, pp2, p) == w  # each PP=2 decode stage reads its own layers from the one rank
+        assert handed(pp2, pp1, p) == w  # PP=1 decode reads the state and KV from stage 0, KV from stage 1
+        assert handed(pp1, pp2, p) == w  # each PP=2 decode stage reads its own layers from the one rank
     assert metric(pp1, "kvlink_blocks_pulled_total") > pulled[0]
     assert metric(pp2, "kvlink_blocks_pulled_total") > pulled[1]
     assert metric(pp1, "kvlink_pulls_failed_total") == 0 and metric(pp2, "kvlink_pulls_failed_total") == 0
@@ -84,8 +65,8 @@ def test_noise_over_the_pulled_state_and_kv_changes_the_answers(servers):
     pp1.flag.touch()
     pp2.flag.touch()
     try:
-        assert all(_handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
-        assert all(_handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
+        assert all(handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
+        assert all(handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
     finally:
         pp1.flag.unlink()
         pp2.flag.unlink()
