@@ -606,3 +606,17 @@ def handed(pre: Server, dec: Server, prompt: list[int]) -> str:
     """``prompt`` prefilled on ``pre`` and decoded on ``dec`` (sequential pairing): decode's answer."""
     params = complete(pre.url, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
     return text(complete(dec.url, prompt, params, timeout=120))
+
+
+def assert_noise_changes_both_ways(a: Server, b: Server, prompts: list[list[int]]) -> None:
+    """Negative control of two pp_server()s: with both flags set, what each pulls from the other is noise, and
+    every answer differs from ``b``'s own."""
+    own = [text(complete(b.url, p)) for p in prompts]
+    a.flag.touch()
+    b.flag.touch()
+    try:
+        assert all(handed(a, b, p) != w for p, w in zip(prompts, own))
+        assert all(handed(b, a, p) != w for p, w in zip(prompts, own))
+    finally:
+        a.flag.unlink()
+        b.flag.unlink()

@@ -23,7 +23,8 @@ from __future__ import annotations
 import pytest
 
 from tests.ports import free_port
-from tests.vllm.helpers import complete, concurrent_proxy, handed, metric, pp_server, text, token_prompts
+from tests.vllm.helpers import (assert_noise_changes_both_ways, complete, concurrent_proxy, handed, metric,
+                                pp_server, text, token_prompts)
 
 LENGTHS = [20, 64, 300, 301, 450]
 
@@ -71,16 +72,7 @@ def test_pp2_and_pp1_hand_requests_to_each_other_and_answer_as_a_singlepp_server
 
 def test_pp_negative_control_noise_over_the_pulled_kv_changes_the_answers(servers):
     pp2, pp1, _ = servers
-    prompts = token_prompts([300, 450], seed=91)
-    own = [text(complete(pp1.url, p)) for p in prompts]
-    pp1.flag.touch()
-    pp2.flag.touch()
-    try:
-        assert all(handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
-        assert all(handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
-    finally:
-        pp1.flag.unlink()
-        pp2.flag.unlink()
+    assert_noise_changes_both_ways(pp2, pp1, token_prompts([300, 450], seed=91))
 
 
 def test_pp2_prefill_staged_into_pp1_decode(servers, tiny_model, tmp_path):

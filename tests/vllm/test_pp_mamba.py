@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from tests.ports import free_port
-from tests.vllm.helpers import complete, handed, metric, pp_server, text, token_prompts
+from tests.vllm.helpers import (assert_noise_changes_both_ways, complete, handed, metric, pp_server, text,
+                                token_prompts)
 
 LENGTHS = [20, 64, 300, 301]
 
@@ -60,13 +61,4 @@ def test_stages_of_different_layer_kinds_hand_requests_to_a_pp1_engine_both_ways
 
 def test_noise_over_the_pulled_state_and_kv_changes_the_answers(servers):
     pp2, pp1 = servers
-    prompts = token_prompts([64, 300], seed=94)
-    own = [text(complete(pp1.url, p)) for p in prompts]
-    pp1.flag.touch()
-    pp2.flag.touch()
-    try:
-        assert all(handed(pp2, pp1, p) != w for p, w in zip(prompts, own))
-        assert all(handed(pp1, pp2, p) != w for p, w in zip(prompts, own))
-    finally:
-        pp1.flag.unlink()
-        pp2.flag.unlink()
+    assert_noise_changes_both_ways(pp2, pp1, token_prompts([64, 300], seed=94))
