@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from kvlink.bootstrap.errors import BootstrapConfigError
-from kvlink.bootstrap.schema import MAX_IDS_PER_CALL, MAX_LEASE_S
+from kvlink.bootstrap.schema import MAX_IDS_PER_CALL, MAX_LEASE_S, is_token
 
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -87,9 +87,10 @@ class BootstrapConfig:
         if not 0 <= self.port < 65536:
             raise BootstrapConfigError(f"port {self.port} is not in 0..65535", field="port")
         if self.token is not None:
-            if not self.token or self.token != self.token.strip() or any(c in self.token for c in "\r\n"):
+            if not is_token(self.token):
                 raise BootstrapConfigError(
-                    "token must be non-empty without surrounding whitespace or line breaks", field="token"
+                    "token must be non-empty printable ASCII without surrounding whitespace or line breaks",
+                    field="token"
                 )
         elif not self.allow_insecure and not is_loopback(self.host):
             raise BootstrapConfigError(

@@ -50,6 +50,18 @@ PromptSha = Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
 _ADDR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
+def is_token(token: str) -> bool:
+    """A bearer token as it may travel: printable ASCII (the header's bytes are the same on both ends: the
+    client sends latin-1, the server compares UTF-8), no surrounding spaces (the server strips them)."""
+    return bool(token) and token == token.strip() and all(0x20 <= ord(c) <= 0x7E for c in token)
+
+
+def is_address(addr: str) -> bool:
+    """host:port as a registration's ``transport_addr`` must be (an IPv6 host in brackets), port 1..65535."""
+    match = _ADDR.match(addr)
+    return match is not None and 0 < int(match.group(1)) < 65536
+
+
 class RequestStatus(str, enum.Enum):
     """What a lookup knows about a request id that it cannot answer with a record."""
 
@@ -130,8 +142,7 @@ class EngineRegistration(_Strict, kw_only=True, omit_defaults=True):  # unset fi
         for rank, size in (("dp_rank", "dp_size"), ("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
             if getattr(self, rank) >= getattr(self, size):
                 raise ValueError(f"invalid `{rank}`: {getattr(self, rank)} is not below {size} {getattr(self, size)}")
-        match = _ADDR.match(self.transport_addr)
-        if match is None or not 0 < int(match.group(1)) < 65536:
+        if not is_address(self.transport_addr):
             raise ValueError(f"invalid `transport_addr`: {self.transport_addr!r} is not host:port")
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):

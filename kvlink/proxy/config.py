@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvlink.bootstrap.schema import is_token
 from kvlink.vllm.params import BadParams, check
 
 MODES = ("sequential", "concurrent")
@@ -47,10 +48,12 @@ class ProxyConfig:
                                                                 self.prefill_engine_ids))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.bootstrap_token is not None and not self.bootstrap_token:
-            raise ValueError("the bootstrap token is empty")
-        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
+        if self.bootstrap_token is not None and not is_token(self.bootstrap_token):
+            raise ValueError("the bootstrap token must be non-empty printable ASCII without surrounding whitespace "
+                             "or line breaks")
+        for name, v in (("--timeout", self.timeout_s), ("--connect-timeout", self.connect_timeout_s)):
+            if not (isinstance(v, (int, float)) and 0 < v <= 86_400):  # (NaN fails too)
+                raise ValueError(f"{name} must be a number of seconds in (0, 86400], got {v!r}")
         if not (0 <= self.port <= 65535):
             raise ValueError(f"port out of range: {self.port}")
         if self.mode == "concurrent":

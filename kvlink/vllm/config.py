@@ -109,12 +109,30 @@ class ConnectorConfig:
     mooncake_config: Any = field(default=None, init=False, repr=False, compare=False)  # built from the above
 
     def __post_init__(self) -> None:
+        from kvlink.bootstrap.schema import is_token
+
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                                 and v > 0):
                 raise ConnectorConfigError(f"kv_connector_extra_config[{f.name!r}] must be a positive "
                                            f"number of seconds, got {v!r}")
+            lo, hi, why = SECONDS.get(f.name, (0.0, 86_400.0, ""))
+            if f.name.endswith("_s") and not lo <= v <= hi:  # (also inf: a wait the OS or aiohttp cannot take)
+                raise ConnectorConfigError(f"kv_connector_extra_config[{f.name!r}] must be {lo:g}..{hi:g} seconds"
+                                           f"{why}, got {v!r}")
+        for key in ("bootstrap_token", "transport_token"):
+            v = getattr(self, key)
+            if isinstance(v, str) and v and not is_token(v):
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be printable ASCII without "
+                                           "surrounding whitespace or line breaks (it travels in an HTTP header or "
+                                           "a handshake, as bytes)")
+        if not isinstance(self.transport_host, str) or not self.transport_host:
+            raise ConnectorConfigError("kv_connector_extra_config['transport_host'] must be a host name or address, "
+                                       f"got {self.transport_host!r}")
+        if not isinstance(self.bootstrap_host, str) or not self.bootstrap_host:
+            raise ConnectorConfigError("kv_connector_extra_config['bootstrap_host'] must be a host name or address, "
+                                       f"got {self.bootstrap_host!r}")
         for key in ("bootstrap_port", "transport_port"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
@@ -124,7 +142,8 @@ class ConnectorConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConnectorConfigError("kv_connector_extra_config['bootstrap_max_connections'] must be a positive "
                                        f"integer, got {v!r}")
-        if not isinstance(self.transport_streams, int) or not 1 <= self.transport_streams <= MAX_STREAMS:
+        if (not isinstance(self.transport_streams, int) or isinstance(self.transport_streams, bool)
+                or not 1 <= self.transport_streams <= MAX_STREAMS):
             raise ConnectorConfigError("kv_connector_extra_config['transport_streams'] must be an "
                                        f"integer 1..{MAX_STREAMS}, got {self.transport_streams!r}")
         for key, top in (("transport_max_conns", 65536), ("transport_max_peers", MAX_PEERS)):
@@ -197,8 +216,6 @@ class ConnectorConfig:
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 20:
             raise ConnectorConfigError("kv_connector_extra_config['staging_pool_mb'] must be an integer number "
                                        f"of MiB 1..{1 << 20}, got {v!r}")
-        if self.release_poll_s > 5:
-            raise ConnectorConfigError("kv_connector_extra_config['release_poll_s'] must be <= 5")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -254,5 +271,23 @@ def _mooncake_config(settings: dict | None):
 
 
 def _is_hostport(addr: str) -> bool:
+    """host:port as a registration carries it (schema's address rule: an IPv6 host in brackets)."""
+    from kvlink.bootstrap.schema import is_address
+
     host, sep, port = addr.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and is_address(addr))
+
+
+# Seconds settings: (least, most, why the most). Beyond what the bootstrap server (max_lease_s 600 by default,
+# the embedded one's) or the transport (3600) take, a value passed start-up and failed at the first request.
+SECONDS: dict[str, tuple[float, float, str]] = {
+    "bootstrap_timeout_s": (0.001, 3600.0, ""),
+    "stream_lockstep_max_wait_s": (0.001, 3600.0, ""),
+    "lease_s": (0.1, 600.0, " (a bootstrap server's max_lease_s, 600 by default)"),
+    "engine_lease_s": (1.0, 600.0, " (a bootstrap server's max_lease_s, 600 by default; heartbeats every third)"),
+    "transfer_timeout_s": (0.001, 3600.0, " (the transport's bound)"),
+    "connect_timeout_s": (0.001, 3600.0, " (the transport's bound)"),
+    "lookup_wait_s": (0.001, 86_400.0, ""),
+    "pull_timeout_s": (0.001, 86_400.0, ""),
+    "release_poll_s": (0.001, 5.0, ""),
+}

@@ -125,6 +125,13 @@ class KVLinkWorker(Puller):
                  layer_groups: dict[str, int] | None = None, state_layers: set[str] | None = None,
                  num_groups: int | None = None, num_blocks: int | None = None):
         self.cfg, self.rank, self.role = cfg, rank, role
+        for key, addr in (("transport_port", f"x:{cfg.transport_port}"),
+                          ("transport_advertise", cfg.transport_advertise)):
+            port = int(addr.rpartition(":")[2]) if addr else 0
+            if port and port + rank.port_index > 65535:
+                raise RuntimeError(f"kvlink: kv_connector_extra_config[{key!r}] gives each rank a port from {port} "
+                                   f"on; this rank (port index {rank.port_index}) would need "
+                                   f"{port + rank.port_index}, past 65535")
         self._reader = reader_of(rank.engine_id, rank.launch)  # decode: how bootstrap servers know this engine
         # vLLM's KV cache groups (all of them, also those without a layer on this PP stage) and blocks per group
         self._num_groups = num_groups or len(set((layer_groups or {}).values())) or 1

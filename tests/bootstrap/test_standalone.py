@@ -88,6 +88,8 @@ def test_add_parser_wires_a_subcommand():
         ({"host": "10.1.2.3"}, "host"),
         ({"token": ""}, "token"),
         ({"token": " padded "}, "token"),
+        ({"token": "secret-é"}, "token"),  # the client sends latin-1, the server compares UTF-8: never equal
+        ({"token": "secret-中"}, "token"),  # the client could not send it at all
         ({"port": 70000}, "port"),
         ({"max_wait_s": 0}, "max_wait_s"),
         ({"max_wait_s": float("inf")}, "max_wait_s"),

@@ -304,6 +304,14 @@ def test_config_validation():
         ProxyConfig(prefill=("http://a",), decode=("http://b",), mode="fast")
     with pytest.raises(ValueError, match="http"):
         ProxyConfig(prefill=("a:1",), decode=("http://b",))
+    # NaN connected nowhere, inf raised in aiohttp on every request: refused at start by the flag's name
+    for kw, flag in (({"timeout_s": float("nan")}, "--timeout"), ({"timeout_s": float("inf")}, "--timeout"),
+                     ({"connect_timeout_s": float("nan")}, "--connect-timeout")):
+        with pytest.raises(ValueError, match=flag):
+            ProxyConfig(prefill=("http://a",), decode=("http://b",), **kw)
+    for token in ("a\nb", "secret-é"):  # every release call would fail (reports dropped, blocks held a lease)
+        with pytest.raises(ValueError, match="bootstrap token"):
+            ProxyConfig(prefill=("http://a",), decode=("http://b",), bootstrap_token=token)
 
 
 @pytest.mark.parametrize("kw,option,field", [

@@ -87,6 +87,45 @@ def test_kv_role_and_extra_config_checked_at_startup():
         ConnectorConfig.from_extra({"bogus": 1})
 
 
+@pytest.mark.parametrize("extra, named", [
+    ({"engine_lease_s": float("inf")}, "engine_lease_s"),  # crashed prefill's first step (heartbeat interval)
+    ({"engine_lease_s": 601.0}, "engine_lease_s"),  # the bootstrap server refused every registration
+    ({"engine_lease_s": 1e-9}, "engine_lease_s"),  # heartbeats in a busy loop
+    ({"lease_s": 900.0}, "lease_s"),  # every publish refused
+    ({"bootstrap_timeout_s": float("inf")}, "bootstrap_timeout_s"),  # OverflowError at the first call
+    ({"pull_timeout_s": 1e10}, "pull_timeout_s"),
+    ({"transfer_timeout_s": 7200.0}, "transfer_timeout_s"),  # refused by the transport at start, by its name
+    ({"connect_timeout_s": 1e-4}, "connect_timeout_s"),
+    ({"release_poll_s": 1e-12}, "release_poll_s"),
+    ({"transport_advertise": "2001:db8::5:7000"}, "transport_advertise"),  # IPv6 needs brackets
+    ({"bootstrap_token": "secret-é"}, "bootstrap_token"),  # latin-1 on the wire, UTF-8 compared: never equal
+    ({"bootstrap_token": "a\nb"}, "bootstrap_token"),  # an HTTP header cannot carry it
+    ({"transport_token": "tab\there"}, "transport_token"),
+    ({"transport_host": 123}, "transport_host"),
+    ({"bootstrap_host": ""}, "bootstrap_host"),
+    ({"transport_streams": True}, "transport_streams"),
+])
+def test_settings_that_would_fail_later_are_refused_at_start_by_name(extra, named):
+    """Values that passed start-up and failed at the first step (an engine crash), at every request or every
+    call to the bootstrap server, or that made a busy loop, are refused when the config is read."""
+    pytest.importorskip("vllm")
+    from kvlink.vllm.config import ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match=named):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_a_rank_whose_port_would_pass_65535_stops_at_start_naming_the_setting():
+    from kvlink.vllm import worker as W
+
+    ok = W.KVLinkWorker(ConnectorConfig(transport_port=65534), W.RankInfo("e", 1, 2, 0, 1, "m"), "kv_producer")
+    ok.shutdown()
+    for cfg, key in ((ConnectorConfig(transport_port=65535), "transport_port"),
+                     (ConnectorConfig(transport_advertise="h:65535"), "transport_advertise")):
+        with pytest.raises(RuntimeError, match=f"{key}.*would need 65536"):
+            W.KVLinkWorker(cfg, W.RankInfo("e", 1, 2, 0, 1, "m"), "kv_producer")
+
+
 # ----- lease renewal (pure: fake bootstrap client) --------------------------------------------------------
 
 
