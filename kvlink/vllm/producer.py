@@ -57,7 +57,7 @@ class Producer:
             self._server = BootstrapServer(BootstrapConfig(
                 host=self.cfg.bootstrap_host, port=self.cfg.bootstrap_port, token=self.cfg.bootstrap_token,
                 default_request_lease_s=self.cfg.lease_s, max_wait_s=min(30.0, self.cfg.lookup_wait_s),
-                max_connections=self.cfg.bootstrap_max_connections))
+                max_connections=self.cfg.bootstrap_max_connections, allow_insecure=self.cfg.allow_insecure))
             try:
                 self._server.start()
             except OSError as e:

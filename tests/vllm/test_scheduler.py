@@ -1118,6 +1118,22 @@ def test_data_parallel_ranks_share_dp_rank_0s_embedded_bootstrap_server_on_a_fix
             r.shutdown()
 
 
+def test_allow_insecure_reaches_the_embedded_bootstrap_server():
+    """Without a bootstrap token a non-loopback bootstrap_host stops start-up, and the message's advice,
+    allow_insecure, is the connector's own key: it reaches the embedded server."""
+    from kvlink.bootstrap import BootstrapConfigError
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    with pytest.raises(BootstrapConfigError, match="allow_insecure"):
+        KVLinkScheduler(ConnectorConfig(bootstrap_host="0.0.0.0"), "pub", "kv_producer", 32)
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_host="0.0.0.0", allow_insecure=True), "pub", "kv_producer", 32)
+    try:
+        assert sched._server is not None and sched._server.config.allow_insecure
+    finally:
+        sched.shutdown()
+
+
 def test_the_embedded_bootstrap_server_takes_its_connection_cap_from_the_connector_config():
     """bootstrap_max_connections reaches the server prefill embeds: beyond it, a connection is refused."""
     import socket as socketlib
