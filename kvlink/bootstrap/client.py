@@ -58,6 +58,8 @@ def canonical_url(url: str) -> str:
         raise ValueError(f"bootstrap url must have 1 to {MAX_URL_LEN} characters, not {len(url)}")
     if any(c.isspace() for c in url):
         raise ValueError(f"bootstrap url must have no whitespace: {url[:80]!r}")
+    if not all(0x21 <= ord(c) <= 0x7E for c in url):  # (control characters: the client would refuse it)
+        raise ValueError(f"bootstrap url must be printable ASCII: {url[:80]!r}")
     try:
         parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
         parsed.port  # noqa: B018 - raises when the port is not a number from 0 to 65535

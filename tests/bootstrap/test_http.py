@@ -575,6 +575,8 @@ def test_the_prompt_digest_travels_over_http_and_a_malformed_one_is_refused(clie
     with pytest.raises(InvalidField) as err:
         client.publish(engine, "r2", [[2]], 16, lease_s=30.0, prompt_sha="not-hex")
     assert "prompt_sha" in str(err.value)
+    with pytest.raises(InvalidField):  # ("$" in the pattern let a trailing newline through)
+        client.publish(engine, "r3", [[2]], 16, lease_s=30.0, prompt_sha="ab" * 16 + "\n")
 
 
 def test_a_conflicting_streamed_piece_leaves_the_rest_of_its_call_applied(client, engine):

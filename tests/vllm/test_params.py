@@ -174,7 +174,8 @@ def test_transfer_id_has_one_rule_on_both_sides():
 
 BAD_VALUES = {
     "do_remote_prefill": ["yes", 1, [True]],
-    "remote_bootstrap_addr": [12, "", "http://a b", "h" * 513, ["http://a"], "ftp://a", "http://a:1/kv", "a:x"],
+    "remote_bootstrap_addr": [12, "", "http://a b", "h" * 513, ["http://a"], "ftp://a", "http://a:1/kv", "a:x",
+                              "h\x00:1", "h\x7f:1"],
     "remote_engine_id": [5, "", "e" * 257, {"id": "e"}],
     "remote_request_id": [5, "", "r" * 513],
     "remote_block_ids": ["not-a-list", [-1], [1, True], [1.0], [1 << 62], [[1], 2], [1, [2]], [[1], [2, "x"]]],
