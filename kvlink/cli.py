@@ -18,7 +18,8 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlink", description="Move paged KV cache from prefill to decode engines.")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
     sub = p.add_subparsers(dest="command", required=True)
     for name, mod in SUBCOMMANDS.items():
         m = importlib.import_module(mod)

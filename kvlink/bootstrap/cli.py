@@ -45,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-connections", type=int, default=4096,
                         help="client connections open at once; more are answered 503 and closed, and long polls "
                         "may hold 3/4 of them (default 4096; the soft descriptor limit is raised to fit)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
     parser.set_defaults(func=run)
     return parser
 

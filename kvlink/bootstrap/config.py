@@ -128,6 +128,8 @@ class BootstrapConfig:
                 token = Path(token_file).read_text(encoding="utf-8").strip()
             except OSError as err:
                 raise BootstrapConfigError(f"cannot read token file: {err}", field="token_file") from None
+            except UnicodeDecodeError:
+                raise BootstrapConfigError(f"token file {token_file} is not UTF-8 text", field="token_file") from None
             if not token:
                 raise BootstrapConfigError(f"token file {token_file} is empty", field="token_file")
         return cls(token=token, **kwargs)  # type: ignore[arg-type]

@@ -38,7 +38,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-token-file", default=None, metavar="PATH",
                    help="file holding the bootstrap servers' bearer token: the proxy reports a prefill request "
                    "decode never took as abandoned, so prefill frees its blocks before their lease runs out")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

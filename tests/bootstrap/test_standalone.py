@@ -62,6 +62,18 @@ def test_standalone_refuses_an_empty_token_file(tmp_path):
     assert proc.returncode == 2 and "empty" in err
 
 
+@pytest.mark.parametrize("args, says", [
+    (("--token-file", "BINARY"), "is not UTF-8 text"),  # was a traceback (UnicodeDecodeError)
+    (("--log-level", "bogus"), "invalid choice: 'BOGUS'"),  # was a traceback (logging's ValueError)
+])
+def test_standalone_refuses_a_bad_file_or_level_with_a_message(tmp_path, args, says):
+    binary = tmp_path / "token"
+    binary.write_bytes(b"\xff\xfe")
+    proc = spawn(*(str(binary) if a == "BINARY" else a for a in args))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and says in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("flag", ["--max-requests-per-engine", "--max-ranks-per-engine", "--max-connections"])
 def test_standalone_refuses_a_zero_cap_naming_it(flag):
     proc = spawn(flag, "0")
