@@ -27,7 +27,7 @@ class ConnectorConfig:
     bootstrap_url: str | None = None
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
-    bootstrap_token: str | None = None
+    bootstrap_token: str | None = field(default=None, repr=False)
     # Decode: the bootstrap servers a request's kv_transfer_params may name (remote_bootstrap_addr); None:
     # any. Decode calls the server a request names, with its token, and connects where that server says.
     bootstrap_allow: tuple[str, ...] | None = None
@@ -40,7 +40,7 @@ class ConnectorConfig:
     transport_host: str = "127.0.0.1"
     transport_port: int = 0  # rank (dp, pp, tp) listens on transport_port + (dp * pp_size + pp) * tp_size + tp (0: any)
     transport_advertise: str | None = None  # host:port published instead of the listen address (port + i too)
-    transport_token: str | None = None
+    transport_token: str | None = field(default=None, repr=False)
     transport_streams: int = 2
     # The native engine's limits: connections a prefill rank serves (every decode rank that reads it holds
     # transport_streams of them) and peers a decode rank keeps (one per prefill rank it reads).

@@ -115,6 +115,11 @@ def test_settings_that_would_fail_later_are_refused_at_start_by_name(extra, name
         ConnectorConfig.from_extra(extra)
 
 
+def test_the_config_never_shows_its_secrets():
+    cfg = ConnectorConfig(bootstrap_token="bt-secret", transport_token="tt-secret")
+    assert "secret" not in repr(cfg) and "secret" not in str(cfg)
+
+
 def test_a_rank_whose_port_would_pass_65535_stops_at_start_naming_the_setting():
     from kvlink.vllm import worker as W
 
