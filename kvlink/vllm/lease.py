@@ -41,13 +41,16 @@ Apply = Callable[[Callable[[PullTable, float], Any]], None]
 class RecordCheck:
     """What a sequential pull takes on its params' word, to check against prefill's published record: the
     block ids the params name, decode's own digests of its prompt (token count -> params.prompt_digest: of
-    the tokens it loads and of its whole prompt), the exact count a Mamba state needs (None: any), and the
-    launch of the ranks decode reads through."""
+    the tokens it loads and of its whole prompt), the exact count a Mamba state needs (None: any), the
+    launch of the ranks decode reads through, and the counts a record may have (the tokens decode loads, its
+    whole prompt; () any): compared also where no digest is (a prompt of embeddings), so that decode never
+    counts positions prefill did not compute as filled."""
 
     blocks: tuple[tuple[int, ...], ...]
     digests: tuple[tuple[int, str], ...] = ()
     num_tokens: int | None = None
     launch: str | None = None
+    counts: tuple[int, ...] = ()
 
     def wrong(self, rec: Any, where: str) -> str | None:
         """Why ``rec`` (the record of ``where``: engine/request) does not back this pull, or None."""
@@ -56,6 +59,9 @@ class RecordCheck:
         if self.num_tokens is not None and rec.num_tokens != self.num_tokens:
             return (f"prefill computed {rec.num_tokens} tokens of request {where}, decode loads {self.num_tokens}: "
                     "a Mamba state continues only from the tokens it saw")
+        if self.counts and rec.num_tokens not in self.counts:
+            return (f"prefill computed {rec.num_tokens} tokens of request {where}, decode's prompt has "
+                    f"{max(self.counts)}: another prompt, its KV is not used")
         mine = dict(self.digests)
         if rec.prompt_sha is not None and mine and mine.get(rec.num_tokens) != rec.prompt_sha:
             return (f"prefill computed another prompt for request {where} ({rec.num_tokens} tokens that are not "

@@ -262,7 +262,8 @@ class Puller:
                 check = RecordCheck(tuple(map(tuple, blocks)),
                                     tuple((n, d) for n, d in ((spec.prompt_tokens, spec.prompt_sha),
                                                               (spec.whole_tokens, spec.whole_sha)) if d is not None),
-                                    spec.num_tokens, remote.launch)
+                                    spec.num_tokens, remote.launch,
+                                    (spec.prompt_tokens, spec.whole_tokens) if spec.whole_tokens else ())
             pairs = group_pairs(rid, spec.tables, blocks)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             if isinstance(e, BootstrapUnavailable) and attempt < 2 and self._may_retry(rid):
@@ -307,11 +308,12 @@ class Puller:
         renewal.)"""
         mine = {n: d for n, d in ((spec.prompt_tokens, spec.prompt_sha), (spec.whole_tokens, spec.whole_sha))
                 if d is not None}
-        if sha is None or not mine or mine.get(tokens) == sha:
-            return
+        counted = tokens and spec.whole_tokens and tokens not in (spec.prompt_tokens, spec.whole_tokens)
+        if not counted and (sha is None or not mine or mine.get(tokens) == sha):
+            return  # (no digest on one side, embeddings: the count is still compared; a piece without one has 0)
         with self._lock:
             self._stats.add("prompt_mismatch")
-        what = (f"{tokens} prompt tokens that are not decode's" if tokens in mine else
+        what = (f"{tokens} prompt tokens that are not decode's" if tokens in mine and not counted else
                 f"a prompt of {tokens} tokens, decode's has {spec.whole_tokens}")
         raise PairingError(f"request {spec.request_id}: prefill computes {what} (another prompt under this transfer "
                            "id, or the same text tokenized otherwise): its KV is not used")

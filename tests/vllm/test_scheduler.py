@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -1152,3 +1153,98 @@ def test_the_embedded_bootstrap_server_takes_its_connection_cap_from_the_connect
         for s in socks:
             s.close()
         sched.shutdown()
+
+
+# ----- prompts without a digest (embeddings): the token count is still compared --------------------------------
+
+def _mixed_request(rid: str, n_tokens: int, params: dict):
+    """A decode request whose prompt mixes token ids and embeddings (vLLM's mixed mode): no digest."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + n_tokens)),
+                   sampling_params=SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+                   pooling_params=None, prompt_embeds=torch.zeros(n_tokens, 8),
+                   prompt_is_token_ids=[i % 2 == 0 for i in range(n_tokens)])
+
+
+class _Answers:
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def lookup_transfer(self, *args, **kwargs):
+        return self.answers.pop(0)
+
+
+def test_a_record_of_another_token_count_is_not_read_when_no_digest_can_be_compared():
+    """Decode's prompt is 48 tokens (3 blocks of 16), prefill published a 40-token prompt in 3 blocks, and
+    neither side has a digest (prompt embeddings). Positions 40..47 of prefill's last block were never
+    computed, yet vLLM would count 47 tokens computed: the counts alone say it is another prompt."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1", "transfer_id": "tx"}
+        req = _mixed_request("d1", 48, params)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert n == 48  # vLLM is told all 48 prompt tokens come from prefill
+        sched.update_state_after_alloc(req, _blocks([1, 2, 3]), n)
+        (spec,) = sched._new_pulls
+    finally:
+        sched.shutdown()
+    assert spec.prompt_sha is None and spec.whole_sha is None
+    record = SimpleNamespace(partial=False, block_ids=[[11, 12, 13]], num_tokens=40, lease_remaining_s=30.0,
+                             version=1, prompt_sha=None, prompt_tokens=40, engine_id="pre", request_id="p1",
+                             epoch=0, layers=0, launch=None)
+    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        w._layer_ids, w._layer_rank = None, {}
+        w._clients_for = lambda url: _Answers([record])
+        w._remote = lambda cli, url, engine_id, launch=None: type("Remote", (), {"looked_up": 0.0})()
+        carried = []
+        w._carry_out = carried.extend
+        w._table.submit(spec, 0.0)
+        w._resolve(spec)
+        posts = [a for a in carried if type(a).__name__ == "Post"]
+        assert not posts, f"read a {record.num_tokens}-token record into a {spec.whole_tokens}-token prompt: {posts}"
+        assert "d1" in w._table.take_results(time.monotonic()).failed
+    finally:
+        w.shutdown()
+
+
+def test_a_sequential_pull_without_digests_is_checked_for_its_token_count_at_the_first_lease_proof():
+    """Sequential pairing, the client dropped remote_num_tokens (the params are its word) and the prompts are
+    mixed embeddings (no digest on either side): decode loads its whole 48-token prompt from a record of
+    40 tokens whose block ids the params name. The check beside the first renewal must refuse it."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+    from kvlink.vllm.worker import KVLinkWorker, RankInfo
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    try:
+        params = {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:1",
+                  "remote_engine_id": "pre", "remote_request_id": "p1", "remote_block_ids": [11, 12, 13]}
+        req = _mixed_request("d1", 48, params)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert n == 48
+        sched.update_state_after_alloc(req, _blocks([1, 2, 3]), n)
+        (spec,) = sched._new_pulls
+    finally:
+        sched.shutdown()
+    w = KVLinkWorker(ConnectorConfig(), RankInfo("dec", 0, 1, 0, 1, "m"), "kv_consumer")
+    try:
+        w._clients_for = lambda url: None
+        w._remote = lambda cli, url, engine_id, launch=None: type("Remote", (), {"looked_up": 0.0, "launch": None})()
+        carried = []
+        w._carry_out = carried.extend
+        w._table.submit(spec, 0.0)
+        w._resolve(spec)
+        (renew,) = [a for a in carried if type(a).__name__ == "Renew"]
+        ((_, check),) = renew.verify
+    finally:
+        w.shutdown()
+    rec = SimpleNamespace(block_ids=[[11, 12, 13]], num_tokens=40, prompt_sha=None, launch=None)
+    assert check.wrong(rec, "pre/p1") is not None, "a 40-token record backs a 48-token load"
