@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from kvlink.loglevel import add_log_level
+
 # subcommand -> module exposing add_parser(subparsers) (each sets its own func)
 SUBCOMMANDS = {
     "bench": "kvlink.bench.cli",
@@ -18,8 +20,7 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlink", description="Move paged KV cache from prefill to decode engines.")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
+    add_log_level(p, "WARNING", "Python logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, mod in SUBCOMMANDS.items():
         m = importlib.import_module(mod)

@@ -12,6 +12,7 @@ from kvlink.bootstrap.config import BootstrapConfig
 from kvlink.bootstrap.errors import BootstrapConfigError
 from kvlink.bootstrap.gate import check_fd_limit
 from kvlink.bootstrap.server import BootstrapServer
+from kvlink.loglevel import add_log_level
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,8 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-connections", type=int, default=4096,
                         help="client connections open at once; more are answered 503 and closed, and long polls "
                         "may hold 3/4 of them (default 4096; the soft descriptor limit is raised to fit)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)",
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
+    add_log_level(parser, "INFO")
     parser.set_defaults(func=run)
     return parser
 

@@ -47,7 +47,7 @@ BlockIds = Annotated[list[BlockGroup], Meta(max_length=MAX_KV_GROUPS)]
 RequestIds = Annotated[list[RequestId], Meta(min_length=1, max_length=MAX_IDS_PER_CALL)]
 PromptSha = Annotated[str, Meta(pattern="^[0-9a-f]{32}\\Z")]  # (\Z: "$" would pass a trailing newline)
 
-_ADDR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+_ADDR = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})\Z")
 
 
 def is_token(token: str) -> bool:

@@ -153,6 +153,8 @@ class BootstrapApp:
 
         try:
             await asyncio.wait_for(send(), self.config.body_timeout_s)
+        except ConnectionError:  # the client went away mid-answer (as aiohttp's own Response, quietly)
+            self.counters.errors["answer_not_taken"] += 1
         except asyncio.TimeoutError:
             self.counters.errors["answer_not_taken"] += 1
             log.info("bootstrap: %s %s: the client took no answer of %d bytes within %g s; closing it", request.method,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvlink.loglevel import add_log_level
 from kvlink.proxy.config import MODES, ProxyConfig
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-token-file", default=None, metavar="PATH",
                    help="file holding the bootstrap servers' bearer token: the proxy reports a prefill request "
                    "decode never took as abandoned, so prefill frees its blocks before their lease runs out")
-    p.add_argument("--log-level", default="INFO",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
+    add_log_level(p, "INFO")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

@@ -13,6 +13,7 @@ from kvlink.transport.config import MAX_PEERS, MAX_STREAMS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STAGING_MODES = ("auto", "always", "never")
+KV_CACHE_LAYOUTS = ("hnd", "any")
 
 
 class ConnectorConfigError(ValueError):
@@ -107,6 +108,10 @@ class ConnectorConfig:
     # transfer_timeout_s). Unset: read once from KVLINK_MOONCAKE_* / MC_* environment variables.
     mooncake: dict | None = None
     mooncake_config: Any = field(default=None, init=False, repr=False, compare=False)  # built from the above
+    # The KV cache layout kvlink asks vLLM for (connector.get_required_kvcache_layout): "hnd", heads outermost
+    # in each block, as NIXL asks (another TP reads a head range per block); "any": no preference, for a
+    # MultiConnector beside a connector that needs another layout (vLLM refuses two).
+    kv_cache_layout: str = "hnd"
 
     def __post_init__(self) -> None:
         from kvlink.bootstrap.schema import is_token
@@ -121,12 +126,14 @@ class ConnectorConfig:
             if f.name.endswith("_s") and not lo <= v <= hi:  # (also inf: a wait the OS or aiohttp cannot take)
                 raise ConnectorConfigError(f"kv_connector_extra_config[{f.name!r}] must be {lo:g}..{hi:g} seconds"
                                            f"{why}, got {v!r}")
-        for key in ("bootstrap_token", "transport_token"):
-            v = getattr(self, key)
-            if isinstance(v, str) and v and not is_token(v):
-                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be printable ASCII without "
-                                           "surrounding whitespace or line breaks (it travels in an HTTP header or "
-                                           "a handshake, as bytes)")
+        v = self.bootstrap_token
+        if isinstance(v, str) and v and not is_token(v):
+            raise ConnectorConfigError("kv_connector_extra_config['bootstrap_token'] must be printable ASCII without "
+                                       "surrounding whitespace or line breaks (it travels in an HTTP header)")
+        v = self.transport_token  # (the handshake's key: its UTF-8 bytes, whatever they are)
+        if isinstance(v, str) and not 1 <= len(_utf8(v)) <= 1024:
+            raise ConnectorConfigError("kv_connector_extra_config['transport_token'] must be text of 1..1024 "
+                                       "UTF-8 bytes")
         if not isinstance(self.transport_host, str) or not self.transport_host:
             raise ConnectorConfigError("kv_connector_extra_config['transport_host'] must be a host name or address, "
                                        f"got {self.transport_host!r}")
@@ -209,6 +216,9 @@ class ConnectorConfig:
                                        f"settings, got {self.mooncake!r}")
         if self.transport_backend == "mooncake" or self.mooncake is not None:
             object.__setattr__(self, "mooncake_config", _mooncake_config(self.mooncake))
+        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConnectorConfigError(f"kv_connector_extra_config['kv_cache_layout'] must be one of "
+                                       f"{KV_CACHE_LAYOUTS}, got {self.kv_cache_layout!r}")
         if self.staging not in STAGING_MODES:
             raise ConnectorConfigError(f"kv_connector_extra_config['staging'] must be one of {STAGING_MODES}, "
                                        f"got {self.staging!r}")
@@ -291,3 +301,11 @@ SECONDS: dict[str, tuple[float, float, str]] = {
     "pull_timeout_s": (0.001, 86_400.0, ""),
     "release_poll_s": (0.001, 5.0, ""),
 }
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, or b"" where it cannot be (a lone surrogate)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return b""

@@ -490,10 +490,12 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         """Heads outermost in each block (HND, vLLM 0.32's LBHNC), as vLLM's NIXL connector asks: a decode rank at
         another TP then reads its heads of a block as one byte range (layout.py); under NHD only equal TP moves.
         vLLM keeps its own choice, with a warning, where a backend cannot lay blocks out so (vLLM CPU has HND
-        only). None for MLA, whose latent has no heads. Named as this vLLM names it: inside a MultiConnector
-        beside NIXL, "HND" and "LBHNC" would be two layouts to vLLM."""
+        only). None for MLA, whose latent has no heads, and with ``kv_cache_layout: "any"`` (a MultiConnector
+        beside a connector that needs another layout: vLLM refuses two). Named as this vLLM names it: beside
+        NIXL, "HND" and "LBHNC" would be two layouts to vLLM."""
         model = getattr(vllm_config, "model_config", None)
-        if model is None or getattr(model, "use_mla", False):
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
+        if model is None or getattr(model, "use_mla", False) or (extra or {}).get("kv_cache_layout") == "any":
             return None
         try:
             from vllm.v1.kv_cache_interface import KVCacheLayout

@@ -249,3 +249,35 @@ def test_a_client_that_never_reads_a_large_answer_is_let_go_and_readers_get_thei
         finally:
             for s in socks:
                 s.close()
+
+
+def test_a_client_that_resets_mid_answer_is_let_go_quietly(make_registration, caplog):
+    """The case the answer's deadline is for, ended by the client: a reset mid-answer is counted, not logged
+    as an error with a traceback (aiohttp's own Response dropped it quietly too)."""
+    import json
+    import logging
+    import struct
+
+    from kvlink.bootstrap import BootstrapServer
+
+    caplog.set_level(logging.INFO)
+    cfg = BootstrapConfig(host="127.0.0.1", port=0, token=TOKEN, body_timeout_s=0.5)
+    with BootstrapServer(cfg) as srv, BootstrapClient(srv.url, token=TOKEN) as cli:
+        cli.register_engine(make_registration("E", num_blocks=1 << 20), 600.0)
+        ids = [f"r{i}" for i in range(300)]
+        for rid in ids:
+            cli.publish("E", rid, [list(range(1, 2001))], 32000, lease_s=600.0)
+        body = json.dumps({"engine_id": "E", "request_ids": ids}).encode()
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/request/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                      + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            s.recv(1000)
+            s.close()
+        until(lambda: srv.app.counters.errors["answer_not_taken"] >= 1, "a reset answer counted")
+        assert len(cli.lookup("E", ids[:5])) == 5  # everyone else served
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+

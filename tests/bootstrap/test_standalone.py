@@ -74,6 +74,16 @@ def test_standalone_refuses_a_bad_file_or_level_with_a_message(tmp_path, args, s
     assert proc.returncode == 2 and says in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("level", ["warn", "Fatal", "notset", "debug"])
+def test_every_command_takes_loggings_level_names_in_any_case(level):
+    from kvlink.cli import build_parser
+
+    for argv in (["--log-level", level, "bench"], ["bootstrap", "--log-level", level],
+                 ["proxy", "--log-level", level, "--prefill", "http://a", "--decode", "http://b"]):
+        args = build_parser().parse_args(argv)
+        assert args.log_level == level.upper()
+
+
 @pytest.mark.parametrize("flag", ["--max-requests-per-engine", "--max-ranks-per-engine", "--max-connections"])
 def test_standalone_refuses_a_zero_cap_naming_it(flag):
     proc = spawn(flag, "0")

@@ -100,7 +100,8 @@ def test_kv_role_and_extra_config_checked_at_startup():
     ({"transport_advertise": "2001:db8::5:7000"}, "transport_advertise"),  # IPv6 needs brackets
     ({"bootstrap_token": "secret-é"}, "bootstrap_token"),  # latin-1 on the wire, UTF-8 compared: never equal
     ({"bootstrap_token": "a\nb"}, "bootstrap_token"),  # an HTTP header cannot carry it
-    ({"transport_token": "tab\there"}, "transport_token"),
+    ({"transport_token": "t" * 1025}, "transport_token"),  # the transport takes 1..1024 bytes
+    ({"transport_token": "\ud800"}, "transport_token"),  # no UTF-8 bytes at all
     ({"transport_host": 123}, "transport_host"),
     ({"bootstrap_host": ""}, "bootstrap_host"),
     ({"transport_streams": True}, "transport_streams"),
@@ -113,6 +114,13 @@ def test_settings_that_would_fail_later_are_refused_at_start_by_name(extra, name
 
     with pytest.raises(ConnectorConfigError, match=named):
         ConnectorConfig.from_extra(extra)
+
+
+def test_a_transport_token_is_any_text_the_handshake_takes():
+    """The transport keys its handshake with the token's bytes: non-ASCII, tabs, a trailing newline pair as
+    before (unlike the bootstrap token, which travels in an HTTP header)."""
+    for token in ("pässwort-ünïcode", "two\twords", "secret\n"):
+        assert ConnectorConfig.from_extra({"transport_token": token}).transport_token_bytes == token.encode()
 
 
 def test_the_config_never_shows_its_secrets():
@@ -659,6 +667,7 @@ def test_the_connector_asks_vllm_for_heads_outermost_blocks_except_for_mla():
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
     from kvlink.vllm import plugin
+    from kvlink.vllm.config import ConnectorConfigError
 
     plugin.register()
 
@@ -677,6 +686,20 @@ def test_the_connector_asks_vllm_for_heads_outermost_blocks_except_for_mla():
                              kv_connector_extra_config={"connectors": [ours, nixl]})
     cfg = NS(kv_transfer_config=multi, model_config=NS(use_mla=False), cache_config=NS(kv_cache_layout=None))
     assert MultiConnector.get_required_kvcache_layout(cfg) == "LBHNC"
+    # beside a connector that needs another layout: "any" leaves the choice to it (vLLM refuses two)
+    hidden = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_both"}
+    for layout, want in (("hnd", ValueError), ("any", "LBNHC")):
+        ours = {**ours, "kv_connector_extra_config": {"kv_cache_layout": layout}}
+        multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                 kv_connector_extra_config={"connectors": [ours, hidden]})
+        cfg = NS(kv_transfer_config=multi, model_config=NS(use_mla=False), cache_config=NS(kv_cache_layout=None))
+        if want is ValueError:
+            with pytest.raises(ValueError, match="layout mismatch"):
+                MultiConnector.get_required_kvcache_layout(cfg)
+        else:
+            assert MultiConnector.get_required_kvcache_layout(cfg) == want
+    with pytest.raises(ConnectorConfigError, match="kv_cache_layout"):
+        ConnectorConfig.from_extra({"kv_cache_layout": "nhd"})
 
 
 def test_the_groups_of_a_model_with_many_mamba_groups_fit_a_registration():
