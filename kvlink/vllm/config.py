@@ -284,8 +284,7 @@ def _is_hostport(addr: str) -> bool:
     """host:port as a registration carries it (schema's address rule: an IPv6 host in brackets)."""
     from kvlink.bootstrap.schema import is_address
 
-    host, sep, port = addr.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and is_address(addr))
+    return is_address(addr)
 
 
 # Seconds settings: (least, most, why the most). Beyond what the bootstrap server (max_lease_s 600 by default,
