@@ -179,6 +179,7 @@ class BootstrapClient:
         self._no_layers = False
         self._no_peek = False  # a server of before the router's deferred release: it knows no "peek"
         self._no_reader = False  # a server of before readers were told apart (PairingTable.release)
+        self._no_poll_launch = False  # a server of before polls named their launch (PairingTable.poll_released)
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -381,16 +382,29 @@ class BootstrapClient:
         body = s.checked(s.StreamStopBody, transfer_id=transfer_id)
         return self._call("/v1/stream/stop", body, s.ReleaseAnswer).already_released
 
-    def poll_released(self, engine_id: str) -> list[tuple[str, Outcome]]:
+    def poll_released(self, engine_id: str, launch: str | None = None) -> list[tuple[str, Outcome]]:
         """Outcomes (request id, pulled/abandoned/expired) of the engine's requests since the last poll.
 
         Each is returned once: the server keeps an outcome until the next poll acknowledges it, so an answer
         lost on the way is sent again and filtered here. ``Outcome`` is a ``str`` enum (== "pulled" etc.).
+        ``launch``: the polling process's start (EngineRegistration.launch); Conflict, nothing acknowledged,
+        if the engine's ranks are another's (the caller was replaced).
         """
         with self._poll_lock:
             server_id, last = self._acks.get(engine_id, (None, 0))
-            body = s.checked(s.PollReleasedBody, engine_id=engine_id, server_id=server_id, ack=last)
-            answer = self._call("/v1/request/poll_released", body, s.PollReleasedAnswer)
+            while True:
+                body = s.checked(s.PollReleasedBody, engine_id=engine_id, server_id=server_id, ack=last,
+                                 launch=None if self._no_poll_launch else launch)
+                try:
+                    answer = self._call("/v1/request/poll_released", body, s.PollReleasedAnswer)
+                    break
+                except InvalidField as e:
+                    if body.launch is None or e.field != "launch":
+                        raise
+                    log.warning("kvlink: bootstrap server %s does not know which launch polls: a replaced "
+                                "process polling under the engine id takes the new one's outcomes (upgrade "
+                                "the server)", self.url)
+                    self._no_poll_launch = True
             if answer.server_id != server_id:
                 last = 0  # a new server: sequence numbers started again
             fresh = [r for r in answer.released if r.seq > last]

@@ -334,10 +334,13 @@ class AbandonTransferBody(_Strict, kw_only=True, omit_defaults=True):  # unset f
     request_id: RequestId | None = None
 
 
-class PollReleasedBody(_Strict, kw_only=True):
+class PollReleasedBody(_Strict, kw_only=True, omit_defaults=True):  # no "launch" sent unless set (older servers)
     engine_id: EngineId
     server_id: Annotated[str, Meta(max_length=64)] | None = None
     ack: Annotated[int, Meta(ge=0)] = 0
+    # EngineRegistration.launch of the polling process: a process replaced under the engine id neither
+    # acknowledges the new one's outcomes nor counts as the engine being in touch (PairingTable.poll_released)
+    launch: Instance | None = None
 
 
 # ----- answers ----------------------------------------------------------------------------------------------

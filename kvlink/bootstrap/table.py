@@ -601,13 +601,18 @@ class PairingTable:
             self.on_transfer_end(transfer_id)
         return False
 
-    def poll_released(self, engine_id: str, server_id: str | None = None, ack: int = 0) -> PollReleasedAnswer:
+    def poll_released(self, engine_id: str, server_id: str | None = None, ack: int = 0,
+                      launch: str | None = None) -> PollReleasedAnswer:
         """Outcomes of the engine's requests not yet acknowledged.
 
         ``ack`` acknowledges every outcome with ``seq <= ack`` (only when ``server_id`` names this table:
-        sequence numbers restart with the server).
+        sequence numbers restart with the server). Conflict, nothing acknowledged, from another ``launch``
+        than the engine's live ranks' (_check_launch): a process replaced under the engine id and still
+        polling would take the new one's outcomes, and its polls would stand for the new process being in
+        touch, which lengthens what a renewal promises (_hold_cap).
         """
         engine = self._engine(engine_id)
+        self._check_launch(engine, launch, "a poll for outcomes", "nothing acknowledged")
         engine.polled_at = self._sweep()
         if server_id == self.server_id:
             while engine.outcomes and engine.outcomes[0].seq <= ack:
@@ -636,7 +641,7 @@ class PairingTable:
             self.stats.conflicts += 1
             raise Conflict(f"{held}, not request {request_id!r}: nothing released", field="request_id")
 
-    def _check_launch(self, engine: _Engine, launch: str | None, what: str) -> None:
+    def _check_launch(self, engine: _Engine, launch: str | None, what: str, kept: str = "nothing stored") -> None:
         """Conflict when ``launch`` (the sender's start) is not that of every live rank that names one. A
         process replaced under the same engine id (a rolling restart: the new one registered while the old
         one still finished its requests) would otherwise publish block ids that decode then reads from the
@@ -649,7 +654,7 @@ class PairingTable:
                 self.stats.conflicts += 1
                 raise Conflict(f"{what} of engine {engine.engine_id!r} comes from launch {launch!r}, but the "
                                f"engine's ranks are registered by launch {live!r}: the sender was replaced; "
-                               "nothing stored", field="launch")
+                               f"{kept}", field="launch")
 
     @staticmethod
     def _hold_cap(engine: _Engine, request: _Request) -> float:

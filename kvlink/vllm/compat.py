@@ -87,6 +87,13 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
     out = {}
     for n in names:
         layer = forward_context.get(n)
+        if getattr(layer, "calculate_kv_scales", False):
+            # (vLLM before 0.32: --calculate-kv-scales) each engine sets the scales from its own first batch,
+            # after this registration: they would compare equal here (1.0) and differ in the bytes
+            raise RuntimeError(f"kvlink: quantized KV cache layer {n} computes its K/V scales at the engine's first "
+                               "forward (calculate_kv_scales), after kvlink registers them: two engines would "
+                               "quantize with other scales and decode would misread prefill's bytes; run both "
+                               "engines with the checkpoint's scales (without --calculate-kv-scales)")
         k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
         if k is None or v is None:
             raise RuntimeError(f"kvlink: quantized KV cache layer {n} has no K/V scales in vLLM's forward context "
@@ -116,13 +123,36 @@ def attn_desc(forward_context: dict, names: list[str]) -> str:
 
 
 def weights_desc(model_config: Any) -> str:
-    """Which weights beyond the model's path or name compute the KV: the checkpoint's revision and the weight
-    quantization vLLM runs (a revision rolled out on one side only, or ``--quantization`` on one side, has
-    the same path and tokens but other KV). "" when neither is set, so other setups keep their hash."""
+    """What beyond the model's path or name computes the KV: the checkpoint's revision, the weight quantization
+    vLLM runs (a revision rolled out on one side only, or ``--quantization`` on one side, has the same path
+    and tokens but other KV), and the model config's overrides (``--hf-overrides``: another norm epsilon,
+    experts per token, softcap or scaling computes other hidden states, so other KV, for the same tokens; the
+    rotary ones are ``rope_desc``'s). "" when none is set, so other setups keep their hash."""
     revision, quant = getattr(model_config, "revision", None), getattr(model_config, "quantization", None)
-    if revision is None and quant is None:
+    parts = [] if revision is None and quant is None else [f"revision={revision or ''},quantization={quant or ''}"]
+    overrides = overrides_desc(getattr(model_config, "hf_overrides", None))
+    if overrides:
+        parts.append(f"overrides={overrides}")
+    return ",".join(parts)[:200]
+
+
+def _rotary(key: str) -> bool:
+    return "rope" in key or "rotary" in key or "dual_chunk" in key
+
+
+def overrides_desc(hf_overrides: Any) -> str:
+    """``--hf-overrides`` beyond the rotary entries (compared by ``rope_desc`` from the config they make), as
+    a digest of their sorted JSON; a function (Python API) by its qualified name, as vLLM cannot say what it
+    changes. "" for none."""
+    if callable(hf_overrides):
+        return f"fn:{getattr(hf_overrides, '__module__', '')}.{getattr(hf_overrides, '__qualname__', '')}"[:120]
+    if not isinstance(hf_overrides, dict):
         return ""
-    return f"revision={revision or ''},quantization={quant or ''}"[:200]
+    rest = {k: v for k, v in hf_overrides.items() if not _rotary(str(k))}
+    if not rest:
+        return ""
+    s = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(s.encode()).hexdigest()[:24]
 
 
 def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
@@ -137,7 +167,7 @@ def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
     if to_dict is None:
         return ""
     d = to_dict()
-    sel = {k: d[k] for k in sorted(d) if "rope" in k or "rotary" in k or "dual_chunk" in k}
+    sel = {k: d[k] for k in sorted(d) if _rotary(k)}
     types = {str(v.get("rope_type") or v.get("type")) for v in sel.values() if isinstance(v, dict)}
     if types - {"default", "None"}:  # scaled: the context it is scaled for moves the frequencies
         sel |= {k: d[k] for k in sorted(d) if "max_position" in k}

@@ -85,7 +85,7 @@ class Producer:
                     continue
             try:
                 cli = self.clients.get(self.bootstrap_url)
-                outcomes = cli.poll_released(self.engine_id)
+                outcomes = cli.poll_released(self.engine_id, self.launch)
                 with self._held_lock:
                     self._held.reached()  # it answered (a reconcile refused below is not silence either)
                 with self._freed:

@@ -214,11 +214,12 @@ class Puller:
             kept = self._remotes.get((src.bootstrap_url, src.engine_id)) if (
                 src.block_ids is not None and src.engine_id is not None and src.request_id is not None) else None
             actions = self._table.submit(spec, time.monotonic())
-        if actions and kept is not None and not self._stale(kept):
+        if actions and self._reusable(kept, src.launch):
             # Sequential pairing with a peer we already talk to: nothing to ask the network, so post the
             # READ now, on vLLM's thread, instead of waking a resolver (a GIL hand-off costs up to the
             # 5 ms switch interval while the worker's idle loop spins; measured ~9 ms per request). A stale
-            # peer means asking the bootstrap server again: a resolver does that.
+            # peer, or one of another launch than the params name, means asking the bootstrap server again:
+            # a resolver does that.
             self._resolve(spec)
         else:
             self._carry_out(actions)
@@ -364,6 +365,11 @@ class Puller:
                                                                                           rec.step_block_ids)))]
             self._apply(lambda t, now, rec=rec, pairs=pairs: t.piece(rid, remote, pairs, rec.epoch, now))
 
+    def _reusable(self, kept: _Remote | None, launch: str | None) -> bool:
+        """A kept remote serves a pull without asking the bootstrap server: its peers are not stale and it is
+        of the launch the pull names (if any)."""
+        return kept is not None and not self._stale(kept) and (launch is None or kept.launch == launch)
+
     def _remote(self, cli, url: str, engine_id: str, launch: str | None = None) -> _Remote:
         """The prefill engine's ranks this rank reads, connected (contact.py decides what, from which). A
         remote kept from an earlier pull is used again unless a rank's peer is stale (transport
@@ -381,7 +387,7 @@ class Puller:
         key = (url, engine_id)
         with self._lock:
             kept = self._remotes.get(key)
-        if kept is not None and not self._stale(kept) and (launch is None or kept.launch == launch):
+        if self._reusable(kept, launch):
             return kept
         regs = cli.engine_ranks(engine_id)
         looked_up = time.monotonic()  # (after the answer: a registration it names may be that recent)

@@ -87,7 +87,7 @@ class RankInfo:
     groups: str = ""  # the KV cache groups' specs, as the compatibility check compares them
     kv_format: str = ""  # compat.kv_format of vLLM's cache_dtype (quantized formats share uint8 tensors)
     rope: str = ""  # compat.rope_desc of the model's config: how its keys are rotated
-    weights: str = ""  # compat.weights_desc: the checkpoint's revision and weight quantization, where set
+    weights: str = ""  # compat.weights_desc: the revision, weight quantization and hf overrides, where set
     dp_local: int = 0  # this engine's DP rank on its host (connector.dp_local_of; 0 without data parallelism)
     launch: str | None = None  # this engine's start, shared with its scheduler (connector.launch_of)
 

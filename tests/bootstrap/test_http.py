@@ -611,6 +611,40 @@ def test_a_replaced_launch_is_refused_over_http_and_its_heartbeater_stops_renewi
     client.publish("P", "r3", [[1]], 16, lease_s=30.0, transfer_id="t3", launch="B")
     assert client.lookup_transfer("t3").block_ids == [[1]]
     assert b"launch" not in msgspec.json.encode(make_registration("Q"))  # unset: off the wire
+    client.release("P", "r3", Outcome.PULLED)
+    with pytest.raises(Conflict) as err:  # A's poll would take B's outcome
+        client.poll_released("P", launch="A")
+    assert err.value.field == "launch"
+    assert client.poll_released("P", launch="B") == [("r3", Outcome.PULLED)]
+
+
+def test_a_server_from_before_polls_named_their_launch_is_polled_without_it(config, clock, make_registration,
+                                                                           monkeypatch):
+    """A bootstrap server that does not know a poll's ``launch`` refuses it as an unknown field: the client
+    polls again without it, from then on, and gets its outcomes."""
+    from kvlink.bootstrap import schema as s
+
+    OldPollReleasedBody = msgspec.defstruct(  # noqa: N806
+        "OldPollReleasedBody", [("engine_id", s.EngineId), ("server_id", str | None, None), ("ack", int, 0)],
+        bases=(s._Strict,), kw_only=True, namespace={"launch": None})  # not a field: what today's handler reads
+    with monkeypatch.context() as m:
+        m.setattr(s, "PollReleasedBody", OldPollReleasedBody)
+        old = BootstrapServer(config, clock=clock).start()
+    try:
+        from tests.bootstrap.conftest import TOKEN
+
+        with BootstrapClient(old.url, token=TOKEN, timeout_s=5.0) as cli:
+            cli.register_engine(make_registration("P", launch="L"), lease_s=600.0)
+            cli.publish("P", "r1", [[1]], 16, lease_s=30.0, launch="L")
+            cli.release("P", "r1", Outcome.PULLED)
+            with pytest.raises(InvalidField) as err:
+                cli._call("/v1/request/poll_released", s.PollReleasedBody(engine_id="P", launch="L"),
+                          s.PollReleasedAnswer)
+            assert err.value.field == "launch"  # what the older server says, so the fallback is needed
+            assert cli.poll_released("P", launch="L") == [("r1", Outcome.PULLED)] and cli._no_poll_launch
+            assert cli.poll_released("P", launch="L") == []  # acknowledged as before
+    finally:
+        old.stop()
 
 
 def test_the_process_instance_travels_and_a_new_one_drops_the_old_records(client, make_registration):

@@ -166,6 +166,28 @@ def test_a_replaced_process_can_no_longer_publish_stream_or_keep_the_new_ones_le
     assert table.lookup_transfer("t3", after=0).launch == "B"
 
 
+def test_a_replaced_process_polling_takes_none_of_the_new_ones_outcomes(table, clock, make_registration):
+    """A rolling restart: A still polls for outcomes under the engine id after B registered. A's poll would
+    acknowledge B's outcomes (B would never free those blocks on word from the server) and would count as the
+    engine being in touch, so a renewal would promise B's blocks past what a cut-off B holds (_hold_cap).
+    Refused, nothing acknowledged and nothing counted; B's own polls and unnamed (older) ones pass."""
+    table.register_engine(make_registration("E", instance="a-0", launch="A"), 600.0)
+    table.register_engine(make_registration("E", port=6000, instance="b-0", launch="B"), 600.0)
+    table.publish("E", "r1", [[1]], 16, lease_s=30.0, launch="B")
+    table.publish("E", "r2", [[2]], 16, lease_s=30.0, launch="B")
+    table.release("E", "r1", Outcome.PULLED)
+    table.poll_released("E", launch="B")  # at 0, then B goes silent; A keeps polling
+    clock.advance(25)
+    with pytest.raises(Conflict) as err:
+        table.poll_released("E", table.server_id, 10**6, launch="A")
+    assert err.value.field == "launch" and "nothing acknowledged" in err.value.message
+    answer = table.renew("E", ["r2"], lease_s=30.0)
+    assert answer.renewed == ["r2"] and answer.lease_s == pytest.approx(20.0)  # until B's hold (45), not 55
+    (first,) = table.poll_released("E", launch="B").released
+    assert (first.request_id, first.outcome) == ("r1", Outcome.PULLED)  # A acknowledged nothing
+    assert [r.request_id for r in table.poll_released("E", table.server_id, 0).released] == ["r1"]  # unnamed
+
+
 @pytest.mark.parametrize("gone", ["restart", "lapse", "unregister"])
 def test_a_stream_whose_process_is_gone_ends_for_its_waiters_at_once(table, clock, make_registration, gone):
     """A prefill streamed request t1 and never published it, then its process went away: restarted (another

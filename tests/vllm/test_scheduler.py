@@ -499,12 +499,12 @@ def test_a_poll_that_fails_even_with_an_answer_is_silence_so_the_deadline_still_
     polls = []
 
     class Failing:
-        def poll_released(self, engine_id):
-            polls.append(1)
+        def poll_released(self, engine_id, launch=None):
+            polls.append((engine_id, launch))
             raise Unauthorized("bearer token missing or wrong") if error == "unauthorized" else ConnectionError("down")
 
     sched = KVLinkScheduler(ConnectorConfig(bootstrap_url="http://127.0.0.1:9", lease_s=30.0, release_poll_s=0.01),
-                            "pre", "kv_producer", 32)
+                            "pre", "kv_producer", 32, launch="L1")
     try:
         sched.clients.get = lambda url: Failing()
         with sched._held_lock:
@@ -514,6 +514,7 @@ def test_a_poll_that_fails_even_with_an_answer_is_silence_so_the_deadline_still_
             time.sleep(0.01)
         with sched._held_lock:
             assert polls and sched._held._silent_since is not None
+        assert polls[0] == ("pre", "L1")  # the poll names this process's start (PairingTable.poll_released)
     finally:
         sched.shutdown()
 

@@ -520,6 +520,13 @@ def test_kv_scales_are_read_from_each_attention_module_or_refused():
         kv_scales(ctx, ["a", "b"])
     with pytest.raises(RuntimeError, match="layer c"):
         kv_scales(ctx, ["c"])
+    # scales an engine computes at its first forward (vLLM before 0.32: --calculate-kv-scales) are 1.0 here
+    # on both sides and differ in the bytes: refused, naming why
+    ctx["d"] = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, calculate_kv_scales=True)
+    with pytest.raises(RuntimeError, match="layer d computes its K/V scales at the engine's first forward"):
+        kv_scales(ctx, ["a", "d"])
+    ctx["d"].calculate_kv_scales = False  # computed already (by a run before registration): compared as they are
+    assert kv_scales(ctx, ["d"]) == {"d": (1.0, 1.0)}
 
 
 @pytest.mark.parametrize("tp_p, split_p, tp_d, split_d", [

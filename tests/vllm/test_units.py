@@ -333,7 +333,7 @@ def test_the_weights_beyond_the_model_path_join_the_compat_check():
     other KV. Both join the compatibility fields where set; an engine with neither keeps its hash."""
     from types import SimpleNamespace as NS
 
-    from kvlink.vllm.compat import compat_diff, compat_fields, weights_desc
+    from kvlink.vllm.compat import compat_diff, compat_fields, compat_hash, weights_desc
 
     def fields(mc):
         return compat_fields(model="m", kv_dtype="bfloat16", layout="x", tokens_per_block=16, num_layers=2,
@@ -346,6 +346,18 @@ def test_the_weights_beyond_the_model_path_join_the_compat_check():
     assert compat_diff(a, b) == {"weights": ("revision=b2,quantization=", "revision=a1,quantization=")}
     assert compat_diff(plain, fields(NS(revision=None, quantization="fp8"))) == {
         "weights": ("revision=,quantization=fp8", None)}
+    # --hf-overrides beyond the rotary ones (rope_desc's): the same path computing other hidden states
+    eps, topk = fields(NS(hf_overrides={"rms_norm_eps": 0.3})), fields(NS(hf_overrides={"num_experts_per_tok": 2}))
+    assert len({compat_hash(f) for f in (plain, eps, topk)}) == 3
+    assert compat_diff(eps, fields(NS(hf_overrides={"rms_norm_eps": 0.3}))) == {}  # as the other side's, in any order
+    assert fields(NS(hf_overrides={"rope_theta": 5.0, "rope_parameters": {}})) == plain  # rope_desc's business
+    with_rev = fields(NS(revision="a1", quantization=None, hf_overrides={"rms_norm_eps": 0.3}))
+    assert with_rev["weights"].startswith("revision=a1,quantization=,overrides=")
+
+    def override(config):
+        return config
+
+    assert fields(NS(hf_overrides=override))["weights"].endswith("override")  # a function: by its name
 
 
 def test_mamba_states_laid_out_or_typed_otherwise_do_not_pair():

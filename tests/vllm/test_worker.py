@@ -255,6 +255,44 @@ def test_known_peer_read_is_posted_before_submit_returns(pair, monkeypatch):
     assert pull_outcome(dec, "r6") == "ok"
 
 
+def test_a_kept_peer_of_another_launch_is_looked_up_on_a_resolver_not_on_vllms_thread(pair, monkeypatch):
+    """Sequential params naming another launch than the kept remote's (a rolling restart: the old process
+    still serves) need the bootstrap server: a resolver asks it, never vLLM's thread (a slow server would
+    stall decode's step, for every such request)."""
+    import threading
+
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    pre, dec, url = pair
+    _pull(dec, url, "r1", [(1, 1)])
+    assert pull_outcome(dec, "r1") == "ok"  # the remote is kept now (launch None: unfenced)
+    asked_on, real = [], dec._clients_for
+
+    class Slow:
+        def __init__(self, cli):
+            self._cli = cli
+
+        def __getattr__(self, name):
+            return getattr(self._cli, name)
+
+        def engine_ranks(self, engine_id):
+            asked_on.append(threading.current_thread() is threading.main_thread())
+            time.sleep(1.0)  # a slow bootstrap server
+            return self._cli.engine_ranks(engine_id)
+
+    monkeypatch.setattr(dec, "_clients_for", lambda u: Slow(real(u)))
+    _publish(url, "r2", [(2, 2)], 30.0)
+    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-r2", block_ids=(2,), lease_s=30.0,
+                       launch="L2")
+    t0 = time.monotonic()
+    dec._submit(PullSpec(request_id="r2", local_block_ids=(2,), first_block=0, source=src))
+    took = time.monotonic() - t0
+    assert pull_outcome(dec, "r2", wait_s=10) == "failed"  # the engine's ranks name no launch L2
+    assert asked_on == [False], "the bootstrap server was asked on vLLM's (the calling) thread"
+    assert took < 0.9, f"_submit held vLLM's thread {took:.2f} s on a bootstrap call"
+
+
 def test_params_naming_other_blocks_than_prefill_published_are_never_trusted(pair):
     """Real worker, transport and bootstrap server: a client's sequential params name a live prefill request
     and other blocks of that engine (another request's KV). The READ may go through, but the first lease
