@@ -22,6 +22,7 @@ MAX_ID_LEN = 512
 MAX_RANK = 1 << 16
 MAX_LAYERS = 4096
 MAX_KV_GROUPS = 64
+MAX_HEAD_SCALES = 512  # per-head K/V scales of one layer on one rank (its KV heads)
 MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_LEASE_S = 86_400.0
 MAX_IDS_PER_CALL = 65_536
@@ -34,6 +35,7 @@ EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 Instance = Annotated[str, Meta(min_length=1, max_length=64)]
+Scale = Annotated[float, Meta(gt=0.0, lt=1e30)]  # a quantized KV cache's scale: its bytes mean value / scale
 # A decode engine reading a request: its engine id and start (table.py, ``release``)
 MAX_READER = 320
 Reader = Annotated[str, Meta(min_length=1, max_length=MAX_READER)]
@@ -107,8 +109,12 @@ class KVLayerSpec(_Strict, kw_only=True, omit_defaults=True):  # unset fields st
     segment_stride: Annotated[int, Meta(ge=0, lt=1 << 48)] = 0
     group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0  # the layer's KV cache group (hybrid models)
     # fp8 KV caches: the layer's K and V scales (the bytes mean value / scale); None where the cache is not fp8
-    k_scale: Annotated[float, Meta(gt=0.0, lt=1e30)] | None = None
-    v_scale: Annotated[float, Meta(gt=0.0, lt=1e30)] | None = None
+    k_scale: Scale | None = None
+    v_scale: Scale | None = None
+    # per-head scales (compressed-tensors' attention-head strategy): this rank's KV heads' K and V scales, in
+    # its head order (k_scale / v_scale are their maximum, which some kernels use instead)
+    k_head_scales: Annotated[list[Scale], Meta(max_length=MAX_HEAD_SCALES)] | None = None
+    v_head_scales: Annotated[list[Scale], Meta(max_length=MAX_HEAD_SCALES)] | None = None
 
 
 class EngineRegistration(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire

@@ -103,6 +103,28 @@ def kv_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[float,
     return out
 
 
+def kv_head_scales(forward_context: dict, names: list[str]) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Per-head scales (compressed-tensors' attention-head strategy): each layer's K and V scale tensors where
+    they hold more than one value, this rank's KV heads in its order (vLLM shards them with the heads); ()
+    for a part with one. vLLM's scalar scales (``kv_scales``) are their maximum, so two checkpoints whose
+    other heads differ would compare equal there while kernels that scale per head decode the bytes
+    otherwise. Layers without any are left out."""
+    out = {}
+    for n in names:
+        layer = forward_context.get(n)
+        parts = tuple(_per_head(getattr(layer, attr, None)) for attr in ("_k_scale", "_v_scale"))
+        if any(parts):
+            out[n] = parts
+    return out
+
+
+def _per_head(t: Any) -> tuple[float, ...]:
+    numel = getattr(t, "numel", None)
+    if numel is None or numel() <= 1:
+        return ()
+    return tuple(float(x) for x in t.detach().flatten().tolist())
+
+
 def attn_desc(forward_context: dict, names: list[str]) -> str:
     """Which attention kernels write and read these layers' KV: the backend's name and, on CPU, the ISA its
     kernels were picked for (vLLM CPU packs a block's K and V per ISA: AMX tiles, or K column-major and V

@@ -48,6 +48,7 @@ class LocalKV:
     groups: dict[str, int]  # layer name -> KV cache group
     layouts: dict[str, BlockLayout] | None = None  # per layer where they differ (state layers); else ``layout``
     scales: dict[str, tuple[float, float]] | None = None  # quantized caches (fp8, nvfp4, ...): each layer's (K, V) scale (compat.kv_scales)
+    head_scales: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] | None = None  # per-head (compat.kv_head_scales)
 
 
 def engine_name(engine_id: str, tp_rank: int, instance: str) -> str:
@@ -124,6 +125,27 @@ def legs_for(engine_id: str, regs: list, local: LocalKV) -> list[tuple[Any, list
                          "heads-outermost (HND) layout", "layout") from None
 
 
+def _check_head_scales(engine_id: str, n: str, spec: Any, scalars: tuple, local: tuple[tuple[float, ...], ...],
+                       sl: Any, local_heads: int) -> None:
+    """Per-head K/V scales (compat.kv_head_scales) of the heads this leg reads, prefill's against decode's: a
+    kernel that scales per head decodes a head's bytes by its own scale. A side without per-head scales
+    scales every head by its one scale (``scalars``: decode's; the scalar check before this compared them
+    with prefill's)."""
+    remote = (tuple(spec.k_head_scales or ()), tuple(spec.v_head_scales or ()))
+    if not any(remote) and not any(local):
+        return
+    first_r, first_l, count = (0, 0, local_heads) if sl.whole else (sl.remote_first, sl.local_first, sl.count)
+    for their_one, ours_one, theirs, ours, k_or_v in ((spec.k_scale, scalars[0], remote[0], local[0], "K"),
+                                                      (spec.v_scale, scalars[1], remote[1], local[1], "V")):
+        got = theirs[first_r:first_r + count] if theirs else (their_one,) * count
+        want = ours[first_l:first_l + count] if ours else (ours_one,) * count
+        if got != want:
+            raise PullFailed(f"prefill engine {engine_id} has {k_or_v} scales {list(got)} in layer {n} for the heads "
+                             f"this engine reads, this engine {list(want)}: its KV bytes would decode to other "
+                             "values here (load both engines from the same checkpoint and quantization config)",
+                             "kv_scales")
+
+
 def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[LayerMap]:
     """The LayerMaps of one leg: whole blocks, or the leg's head range of each block."""
     by_name = {layer.name: layer for layer in reg.layers}
@@ -154,6 +176,8 @@ def _layer_maps(engine_id: str, reg: Any, leg: Leg, local: LocalKV) -> list[Laye
             raise PullFailed(f"prefill engine {engine_id} has K/V scales {spec.k_scale}/{spec.v_scale} in layer "
                              f"{n}, this engine {k}/{v}: its KV bytes would decode to other values here (load "
                              "both engines from the same checkpoint and quantization config)", "kv_scales")
+        _check_head_scales(engine_id, n, spec, (local.scales or {}).get(n, (None, None)),
+                           (local.head_scales or {}).get(n, ((), ())), sl, lay.heads)
         remote = Geometry(spec.offset, spec.block_stride or spec.block_bytes, spec.segment_stride)
         if sl.whole:
             out.append(LayerMap(n, local.geoms[n], spec.region_id, remote, lay.segments, lay.segment_bytes))

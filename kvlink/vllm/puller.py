@@ -406,7 +406,7 @@ class Puller:
                 self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size, tuple(self.layer_names),
                 self.layout, self._local_geoms, self._total_heads, self.compat, self.compat_hash,
                 groups={n: self._layer_group.get(n, 0) for n in self.layer_names}, layouts=self.layouts,
-                scales=self.kv_scales))
+                scales=self.kv_scales, head_scales=self.kv_head_scales))
         except PullFailed as e:
             if e.detail and key not in self._mismatch_logged:
                 self._mismatch_logged.add(key)

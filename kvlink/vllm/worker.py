@@ -47,7 +47,8 @@ from typing import Any
 from kvlink import trace
 from kvlink.backends import open_backend
 from kvlink.transport import Access, EngineConfig
-from kvlink.vllm.compat import PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_scales, layer_layout
+from kvlink.vllm.compat import (PROTOCOL_VERSION, attn_desc, compat_fields, compat_hash, kv_head_scales, kv_scales,
+                                layer_layout)
 from kvlink.vllm.config import ConnectorConfig
 from kvlink.vllm.contact import engine_name
 from kvlink.vllm.layout import (Geometry, LayoutError, block_layout, pool_geometry, state_layout,
@@ -144,6 +145,7 @@ class KVLinkWorker(Puller):
         self.kv_caches: dict[str, Any] = {}
         self.layer_names: list[str] = []
         self.kv_scales: dict[str, tuple[float, float]] = {}  # fp8 caches: (K, V) scale per layer (compat.kv_scales)
+        self.kv_head_scales: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # compat.kv_head_scales
         self._layer_ids: dict[str, int] | None = None  # the model's index of each layer (plan.layer_indices)
         self._layer_rank: dict[str, int] = {}  # ... and its place among this rank's layers, by that index
         self.compat: dict = {}
@@ -230,6 +232,7 @@ class KVLinkWorker(Puller):
                                "least one attention layer on every rank")
         first = next(iter(attn.values()))
         self.kv_scales = kv_scales(forward_context or {}, list(attn)) if self.rank.kv_format else {}
+        self.kv_head_scales = kv_head_scales(forward_context or {}, list(attn)) if self.rank.kv_format else {}
         attn_kinds = attn_desc(forward_context or {}, list(attn))
         for name, t in [*attn.items(), *((n, x) for n, ts in states.items() for x in ts)]:
             if not isinstance(t, torch.Tensor):
@@ -427,7 +430,9 @@ class KVLinkWorker(Puller):
                               segment_stride=self._source_geoms[n].segment_stride,
                               group=self._layer_group.get(n, 0),
                               k_scale=self.kv_scales.get(n, (None, None))[0],
-                              v_scale=self.kv_scales.get(n, (None, None))[1])
+                              v_scale=self.kv_scales.get(n, (None, None))[1],
+                              k_head_scales=list(self.kv_head_scales[n][0]) or None if n in self.kv_head_scales else None,
+                              v_head_scales=list(self.kv_head_scales[n][1]) or None if n in self.kv_head_scales else None)
                   for n, r in self._layer_regions.items()]
         reg = EngineRegistration(engine_id=self.rank.engine_id, dp_rank=self.rank.dp_rank,
                                  dp_size=self.rank.dp_size, tp_rank=self.rank.tp_rank,

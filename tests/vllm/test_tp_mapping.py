@@ -85,7 +85,7 @@ def test_legs_one_per_remote_rank_and_refusals():
 
 
 def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", compat=None, group=0, protocol=None,
-         scales=None, layout=None):
+         scales=None, layout=None, head_scales=None):
     from kvlink.bootstrap import EngineRegistration, KVLayerSpec
     from kvlink.vllm.compat import PROTOCOL_VERSION
 
@@ -96,7 +96,9 @@ def _reg(tp_rank, tp_size, layers, block_bytes, dp_rank=0, compat_hash="h", comp
         compat={"protocol_version": PROTOCOL_VERSION} if compat is None else compat,
         layers=[KVLayerSpec(name=n, region_id=1, block_bytes=block_bytes, num_blocks=8, tokens_per_block=16,
                             dtype="bfloat16", layout=layout, group=group,
-                            **(dict(zip(("k_scale", "v_scale"), scales[n])) if scales else {})) for n in layers])
+                            **(dict(zip(("k_scale", "v_scale"), scales[n])) if scales else {}),
+                            **(dict(zip(("k_head_scales", "v_head_scales"), head_scales[n])) if head_scales else {}))
+                for n in layers])
 
 
 def _local(tp_rank, tp_size, heads_per_rank=2):
@@ -509,6 +511,41 @@ def test_first_contact_refuses_fp8_layers_whose_scales_differ_naming_the_layer()
     legs_for("pre", [_reg(0, 1, "ab", 4 * per_head)], _local(0, 1, heads_per_rank=4))  # not fp8: no scales
 
 
+def test_first_contact_compares_the_per_head_scales_of_the_heads_it_reads():
+    """Per-head scales (compressed-tensors' attention-head strategy): vLLM's scalar scale is their maximum,
+    so another checkpoint whose other heads differ passes the scalar check, and kernels that scale per head
+    decode those heads' bytes otherwise. The heads a leg reads must carry decode's scales, at equal TP and
+    where decode reads a head range of a larger prefill rank."""
+    import dataclasses
+
+    from kvlink.vllm.contact import PullFailed, legs_for
+
+    per_head = 16 * 64 * 2
+    mine = (0.5, 0.25, 1.0, 0.75)
+    scalar = {"a": (1.0, 2.0), "b": (1.0, 2.0)}
+    local = dataclasses.replace(_local(0, 1, heads_per_rank=4), scales=scalar,
+                                head_scales={"a": (mine, ()), "b": (mine, ())})
+
+    def reg(k_heads, tp_size=1, heads=4):
+        return _reg(0, tp_size, "ab", heads * per_head, scales=scalar,
+                    head_scales={n: (list(k_heads) if k_heads else None, None) for n in "ab"})
+
+    assert len(legs_for("pre", [reg(mine)], local)) == 1
+    with pytest.raises(PullFailed, match=r"K scales \[0.25, 0.5, 1.0, 0.75\] in layer a for the heads this engine "
+                                         r"reads, this engine \[0.5, 0.25, 1.0, 0.75\]") as e:
+        legs_for("pre", [reg((0.25, 0.5, 1.0, 0.75))], local)  # the same maximum: the scalar check passes
+    assert e.value.reason == "kv_scales"
+    with pytest.raises(PullFailed, match=r"K scales \[1.0, 1.0, 1.0, 1.0\]"):  # one scale for every head there
+        legs_for("pre", [reg(None)], local)
+    with pytest.raises(PullFailed, match=r"this engine \[1.0, 1.0, 1.0, 1.0\]"):  # and here
+        legs_for("pre", [reg(mine)], dataclasses.replace(local, head_scales=None))
+    # decode TP=2, rank 1 (heads 2-3) from prefill TP=1: only the heads it reads are compared
+    upper = dataclasses.replace(_local(1, 2), scales=scalar, head_scales={n: ((1.0, 0.75), ()) for n in "ab"})
+    assert len(legs_for("pre", [reg(mine)], upper)) == 1
+    with pytest.raises(PullFailed, match=r"K scales \[0.75, 1.0\] in layer a"):
+        legs_for("pre", [reg((0.5, 0.25, 0.75, 1.0))], upper)
+
+
 def test_kv_scales_are_read_from_each_attention_module_or_refused():
     from types import SimpleNamespace
 
@@ -527,6 +564,16 @@ def test_kv_scales_are_read_from_each_attention_module_or_refused():
         kv_scales(ctx, ["a", "d"])
     ctx["d"].calculate_kv_scales = False  # computed already (by a run before registration): compared as they are
     assert kv_scales(ctx, ["d"]) == {"d": (1.0, 1.0)}
+
+
+def test_per_head_scales_are_read_in_the_ranks_head_order():
+    from types import SimpleNamespace
+
+    from kvlink.vllm.compat import kv_head_scales
+
+    ctx = {"a": SimpleNamespace(_k_scale=torch.tensor([0.5, 0.25]), _v_scale=torch.tensor(2.0)),
+           "b": SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0)), "c": SimpleNamespace()}
+    assert kv_head_scales(ctx, ["a", "b", "c"]) == {"a": ((0.5, 0.25), ())}
 
 
 @pytest.mark.parametrize("tp_p, split_p, tp_d, split_d", [

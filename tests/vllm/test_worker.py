@@ -979,3 +979,53 @@ def test_a_rank_of_state_layers_only_is_refused_at_start_naming_why():
             w.register_kv_caches({"model.layers.2.mixer": [torch.zeros(4, 64, dtype=torch.bfloat16)]})
     finally:
         w.shutdown()
+
+
+def test_per_head_scales_travel_in_the_registration_and_other_ones_are_refused():
+    """An fp8 cache with per-head scales (compressed-tensors' attention-head strategy): prefill registers its
+    heads' scales, and a decode whose heads carry other scales under the same maximum (what vLLM's scalar
+    scale is) refuses prefill at first contact instead of reading bytes it would decode otherwise; one with
+    the same scales pulls."""
+    from types import SimpleNamespace
+
+    from kvlink.backends import register_backend, unregister_backend
+    from kvlink.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+    from kvlink.vllm import worker as W
+    from kvlink.vllm.config import ConnectorConfig
+
+    def modules(k_heads):
+        return {f"model.layers.{i}.self_attn.attn": SimpleNamespace(
+            _k_scale_float=max(k_heads), _v_scale_float=1.0, _k_scale=torch.tensor(k_heads),
+            _v_scale=torch.tensor(1.0)) for i in range(2)}
+
+    def caches(fill):
+        buf = torch.full((2, BLOCKS, HEADS, BLOCK, HEAD2), fill, dtype=torch.uint8)
+        return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+
+    register_backend("fake", fakes_transport.Engine)
+    srv = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    cfg = ConnectorConfig(pull_timeout_s=60.0, lookup_wait_s=30.0, transport_backend="fake")
+    workers = [W.KVLinkWorker(cfg, W.RankInfo(name, 0, 1, 0, 1, "m", kv_format="fp8_e4m3"), role)
+               for name, role in (("pre", "kv_producer"), ("dec", "kv_consumer"), ("other", "kv_consumer"))]
+    pre, dec, other = workers
+    try:
+        pre.register_kv_caches(caches(7), modules([0.5, 0.25]))
+        dec.register_kv_caches(caches(0), modules([0.5, 0.25]))
+        other.register_kv_caches(caches(0), modules([0.25, 0.5]))
+        pre._ensure_registered(srv.url)
+        with BootstrapClient(srv.url) as cli:
+            (layer, _) = cli.engine_ranks("pre")[0].layers
+        assert (layer.k_scale, layer.k_head_scales, layer.v_head_scales) == (0.5, [0.5, 0.25], None)
+        _pull(dec, srv.url, "r1", [(1, 1)])
+        assert pull_outcome(dec, "r1") == "ok"
+        assert int(dec.kv_caches["model.layers.0.self_attn.attn"][1].min()) == 7
+        _publish(srv.url, "r2", [(2, 2)], 30.0)
+        submit_pull(other, srv.url, "r2", [(2, 2)])
+        assert pull_outcome(other, "r2") == "failed"
+        assert other.get_stats().data.get("compat_refused.kv_scales") == 1
+        assert int(other.kv_caches["model.layers.0.self_attn.attn"][2].max()) == 0  # nothing read
+    finally:
+        for w in workers:
+            w.shutdown()
+        srv.stop()
+        unregister_backend("fake")
