@@ -56,6 +56,7 @@ class FakeVLLMServer:
         """``bootstrap_url``: the bootstrap server its prefill answers name; ``publish``: as prefill, it also
         publishes each request there, as engine ``name`` (register it first), under the transfer id if any."""
         self.name, self.behavior, self.bodies, self.cancelled = name, behavior, [], 0
+        self.models_auth: list[str | None] = []  # each /v1/models ask's Authorization header
         self.bootstrap_url, self.publish, self.token, self.published = bootstrap_url, publish, token, []
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
@@ -69,6 +70,7 @@ class FakeVLLMServer:
         return web.Response(status=200 if self.behavior != "unhealthy" else 500)
 
     async def models(self, request):
+        self.models_auth.append(request.headers.get("Authorization"))
         return web.json_response({"data": [{"id": "tiny"}]})
 
     async def complete(self, request):

@@ -30,12 +30,14 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from kvlink import trace
@@ -148,6 +150,40 @@ def _trace_config() -> aiohttp.TraceConfig:
     return tc
 
 
+def _passed(request: web.Request) -> dict[str, str] | None:
+    """The client's headers the backends need: its API key, for vLLM servers started with ``--api-key`` (the
+    proxy checks none itself: it fronts them as they are)."""
+    auth = request.headers.get("Authorization")
+    return {"Authorization": auth} if auth is not None else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # (the encoder below would send it on as null)
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"number {literal[:40]} is out of range")  # (1e400: inf, sent on as null)
+    return value
+
+
+def _parse(data: bytes) -> Any:
+    """A client's body: only JSON's own numbers (no NaN or Infinity, nothing beyond a float's range), which
+    the backends are then sent as the client wrote them."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+
+
+def _encode(obj: Any) -> str:
+    """A backend request's body: msgspec (several times json.dumps' speed: a body of token ids is encoded on the
+    event loop, where every other client's stream waits for it); json.dumps for what msgspec will not write
+    (a lone surrogate from a client's escape, an integer beyond 64 bits)."""
+    try:
+        return msgspec.json.encode(obj).decode()
+    except (UnicodeEncodeError, OverflowError, TypeError, ValueError):
+        return json.dumps(obj)
+
+
 def _prefill_body(body: dict, kv_params: dict) -> dict:
     pre = dict(body)  # top-level keys change; the prompt and messages are shared, never written
     pre["kv_transfer_params"] = kv_params
@@ -168,8 +204,8 @@ def _decode_alone(path: str, body: dict) -> bool:
     completion's ``echo`` with ``logprobs``; a chat's ``echo`` (its ``top_logprobs``, 0 by default, become
     the prompt's). vLLM computes those only over a prompt it computes itself (it neither reads its prefix
     cache nor loads external KV for such a request), so prefill's work would be for nobody."""
-    if body.get("prompt_logprobs") is not None:
-        return True
+    if body.get("prompt_logprobs") is not None or body.get("use_beam_search"):
+        return True  # (beam search: vLLM's BeamSearchParams carry no kv_transfer_params)
     if not body.get("echo"):
         return False
     if path == "/v1/chat/completions":
@@ -197,11 +233,11 @@ def _failure(stage: str, url: str, cfg: ProxyConfig, e: BaseException) -> Backen
 
 
 async def _post_json(st: _State, cfg: ProxyConfig, stage: str, url: str, path: str, body: dict,
-                     sent: asyncio.Event | None = None) -> dict:
+                     sent: asyncio.Event | None = None, headers: dict | None = None) -> dict:
     """POST and return the decoded JSON answer, or raise BackendError. ``sent`` is set once the body
     is written."""
     try:
-        async with st.session.post(url + path, json=body, timeout=_timeout(cfg),
+        async with st.session.post(url + path, json=body, timeout=_timeout(cfg), headers=headers,
                                    trace_request_ctx=_Sending(stage, sent)) as resp:
             trace.event("proxy_prefill_answer")
             data = await _read_capped(resp, MAX_PREFILL_ANSWER)
@@ -233,14 +269,14 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
     stopped reading (then it counts as gone)."""
     try:
         async with asyncio.timeout(cfg.timeout_s) as answer_by:
-            async with st.session.post(url + path, json=body, timeout=_silence(cfg),
+            async with st.session.post(url + path, json=body, timeout=_silence(cfg), headers=_passed(request),
                                        trace_request_ctx=_Sending("decode")) as resp:
                 answer_by.reschedule(None)
                 trace.event("proxy_decode_answer")
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if resp.status >= 500:
                     data = await _read_capped(resp, MAX_ERROR_BODY) or b"(a larger body)"
-                    raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}")
+                    raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}", answered=resp.status)
                 sse = resp.status == 200 and ctype.startswith("text/event-stream")
                 headers = {"Content-Type": ctype, "Cache-Control": "no-cache"} if sse else {"Content-Type": ctype}
                 out = web.StreamResponse(status=resp.status, headers=headers)
@@ -291,7 +327,8 @@ async def _pass_on(resp: aiohttp.ClientResponse, out: web.StreamResponse, sse: b
                     else f"stream broke: {type(e).__name__}: {e}")
         if sse:
             data = held + chunk
-            end = data.rfind(b"\n\n") + 2 if len(data) <= MAX_EVENT else len(data)
+            cut = data.rfind(b"\n\n")  # -1: no whole event yet, nothing to pass on
+            end = len(data) if len(data) > MAX_EVENT else cut + 2 if cut >= 0 else 0
             chunk, held = data[:end], data[end:]
         if chunk:
             await _to_client(out, chunk, cfg)
@@ -314,7 +351,7 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
     prefill = cfg.prefill[next(st.prefill_rr)]
     decode = next(st.decode_rr)
     answer = await _post_json(st, cfg, "prefill", prefill, path,
-                              _prefill_body(body, PrefillRequest().to_params()))
+                              _prefill_body(body, PrefillRequest().to_params()), headers=_passed(request))
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if params is None:
         raise BackendError("prefill", prefill, "answer has no kv_transfer_params: is the server "
@@ -333,8 +370,10 @@ async def _sequential(request, st, cfg, path, body) -> web.StreamResponse:
     src = RemoteSource.from_params(dec_params) if kept else None
     try:
         out, whole = await _relay(request, st, cfg, decode, path, dec)
-    except (BackendError, asyncio.CancelledError):
-        _not_taken(st, src)  # decode's request ended without its answer (the server defers it while decode reads)
+    except (BackendError, ClientGone, asyncio.CancelledError):
+        # decode's request ended without its answer going through (the server defers it while decode reads; as
+        # concurrent pairing does for a client gone)
+        _not_taken(st, src)
         raise
     if not whole:
         _not_taken(st, src)
@@ -354,7 +393,8 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
     transfer_id = uuid.uuid4().hex
     sent = asyncio.Event()
     pre_task = asyncio.create_task(_post_json(
-        st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params()), sent))
+        st, cfg, "prefill", prefill, path, _prefill_body(body, PrefillRequest(transfer_id).to_params()), sent,
+        _passed(request)))
     delivered = answered = False
     try:
         await _first_on_the_wire(sent, pre_task)
@@ -370,7 +410,11 @@ async def _concurrent(request, st, cfg, path, body) -> web.StreamResponse:
                                   transfer_id=transfer_id)
             dec["kv_transfer_params"] = source.to_params()
             pre_task.add_done_callback(lambda task: _prefill_ended(st, cfg, i, transfer_id, task))
-        out, delivered = await _relay(request, st, cfg, decode, path, dec)
+        try:
+            out, delivered = await _relay(request, st, cfg, decode, path, dec)
+        except BackendError as e:
+            answered = e.answered is not None  # an error answer (5xx): prefill's own answer gets its moment too
+            raise
         answered = True
         return out
     finally:
@@ -466,7 +510,7 @@ def _prompts(value: Any) -> int:
     base64 embeddings, a list of token ids), or one per item of any other list (vLLM's ``prompt_to_seq``)."""
     if value is None:
         return 0
-    if not isinstance(value, list) or (value and all(isinstance(t, (int, float)) for t in value)):
+    if not isinstance(value, list) or (value and set(map(type, value)) <= {int, float, bool}):  # (C speed)
         return 1
     return len(value)
 
@@ -503,14 +547,15 @@ def _nesting(value: Any) -> int:
             v = list(v.values())
         if isinstance(v, list):
             deepest = max(deepest, depth)
-            todo.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+            if not set(map(type, v)).isdisjoint((dict, list)):  # (a flat list, of token ids, at C speed)
+                todo.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
     return deepest
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
     try:
-        body = json.loads(await request.read())  # bytes: the encoding is JSON's, whatever the header says
+        body = _parse(await request.read())  # bytes: the encoding is JSON's, whatever the header says
     except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         return error_response(400, "invalid_request", f"request body is not valid JSON: {why}")
@@ -569,7 +614,7 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
     cfg, st = request.app[CONFIG_KEY], request.app[STATE_KEY]
     url = cfg.decode[0]
     try:
-        async with st.session.get(url + "/v1/models", timeout=_timeout(cfg)) as r:
+        async with st.session.get(url + "/v1/models", timeout=_timeout(cfg), headers=_passed(request)) as r:
             return web.Response(body=await r.read(), status=r.status, content_type="application/json")
     except (asyncio.TimeoutError, aiohttp.ClientError) as e:
         return BackendError("decode", url, f"unreachable: {type(e).__name__}: {e}").response()
@@ -581,7 +626,8 @@ def build_app(cfg: ProxyConfig) -> web.Application:
 
     async def on_startup(app: web.Application) -> None:
         conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
-        app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn, trace_configs=[_trace_config()]),
+        app[STATE_KEY] = _State(aiohttp.ClientSession(connector=conn, trace_configs=[_trace_config()],
+                                                      json_serialize=_encode),
                                 itertools.cycle(range(len(cfg.prefill))), itertools.cycle(cfg.decode),
                                 Releaser(cfg.bootstrap_token, timeout_s=cfg.connect_timeout_s))
 

@@ -268,6 +268,24 @@ def kv_written_before_attention(layer_name: str) -> bool:
             and getattr(layer, "kv_sharing_target_layer_name", "") is None)
 
 
+def loaded_after(me: Any) -> bool:
+    """Whether a connector vLLM calls after ``me`` for each layer may still load that layer's KV: ``me`` is a
+    child of vLLM's MultiConnector and not its last, or the worker's connector is some other wrapper (the
+    safe answer). vLLM calls the children's ``wait_for_layer_load`` in their order, and a child that loads
+    layer by layer (an offloader's prefix hit on prefill) puts the layer in place in its own: a piece sent on
+    entry to the layer, before that, would tell decode the prefix's blocks hold it."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        group = get_kv_transfer_group() if has_kv_transfer_group() else None
+    except Exception:  # noqa: BLE001 - another vLLM: the safe answer
+        return True
+    if group is None or group is me:
+        return False
+    children = list(getattr(group, "_connectors", None) or ())
+    return not children or children[-1] is not me
+
+
 class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
     """SupportsHMA: vLLM keeps its hybrid KV cache manager on with kvlink (several KV cache groups: models
     mixing full and sliding-window attention); request_finished_all_groups hands every group's blocks."""
@@ -289,6 +307,7 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = engine_id_of(vllm_config)
         self.kv_role = kv.kv_role
         self._written_first: dict[str, bool] = {}  # prefill streaming: layer -> its KV is in place on entry
+        self._entry_safe: bool | None = None  # ... no connector after this one may still load a layer (loaded_after)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         # Tokens per block of the group kvlink pairs (a group's spec may differ from cache_config's, e.g. MLA).
         block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
@@ -389,7 +408,13 @@ class KVLinkConnector(KVConnectorBase_V1, SupportsHMA):
             return
         early = self._written_first.get(layer_name)
         if early is None:
-            early = self._written_first[layer_name] = (self.config.stream_layer_on_entry
+            if self._entry_safe is None:
+                self._entry_safe = not loaded_after(self)
+                if not self._entry_safe and self.config.stream_layer_on_entry:
+                    logger.info("kvlink: another connector runs after kvlink's layer hooks (a MultiConnector child "
+                                "after it) and may load a layer there: streamed layers are announced when their "
+                                "attention op has returned, not on entry (put kvlink last to keep it)")
+            early = self._written_first[layer_name] = (self.config.stream_layer_on_entry and self._entry_safe
                                                        and kv_written_before_attention(layer_name))
         if early == on_entry:
             trace.event("layer", layer=layer_name, on_entry=on_entry)

@@ -11,6 +11,7 @@ import resource
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -307,3 +308,116 @@ def test_a_client_gone_after_a_refusal_still_has_prefill_stopped_and_is_not_held
         assert wait_for(lambda: p.cancelled == 3, 2.0)  # within the 0.2 s wait, not at the 5 s timeout
     finally:
         p.stop()
+
+
+def test_a_stream_cut_inside_an_event_that_came_in_its_own_chunk_still_ends_on_a_readable_error_event(
+        backends, proxy, scripted):
+    """The cut event's first bytes arrive in a chunk of their own (no blank line in it): none of them reaches
+    the client (a byte of it once did, for each such chunk, and the error event glued to it was a field SSE
+    parsers ignore: the client never heard that decode's stream broke)."""
+    async def cut(self, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"i": 0}\n\n')
+        await asyncio.sleep(0.1)
+        await resp.write(b'data: {"i": 1, "te')  # a chunk of its own: no "\n\n" in it
+        await asyncio.sleep(0.1)
+        request.transport.close()
+        return resp
+
+    url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", cut).url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "stream": True})
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200
+    assert all(e.startswith("data: ") for e in events), events  # (a byte of the cut event glued to the error: "ddata: ...")
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["stage"] == "decode"
+
+
+def test_sequential_a_client_gone_as_decodes_refusal_is_written_still_reports_prefills_kv(
+        backends, proxy, bootstrap, monkeypatch):
+    """Decode refused the request (a 4xx: it never saw it, so its connector reports nothing) and the client is
+    gone as the proxy writes that answer: prefill's KV is still reported not taken, as with the client there
+    (it once waited out its lease)."""
+    import aiohttp
+
+    real = web.StreamResponse.prepare
+
+    async def gone(self, request):
+        if type(self) is web.StreamResponse:  # the proxy's answer (the fakes answer web.Response)
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await real(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", gone)
+    p = FakeVLLMServer("p0", bootstrap_url=bootstrap.url, publish=True, token=TOKEN)
+    try:
+        d = backends("d0", "bad_request")
+        url = proxy(prefill=(p.url,), decode=(d.url,), bootstrap_token=TOKEN)
+        try:
+            post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4}, timeout=5)
+        except OSError:
+            pass
+        assert wait_for(lambda: health(url)["client_gone"] == 1)
+        assert wait_for(lambda: len(p.published) == 1)
+        assert wait_for(lambda: released(bootstrap, "p0", p.published[0]), 3), "prefill's blocks held to the lease"
+    finally:
+        p.stop()
+
+
+def test_a_beam_search_request_is_not_a_502_blaming_the_prefill_config(backends, proxy, scripted):
+    """vLLM runs ``use_beam_search`` through BeamSearchParams, which carry no kv_transfer_params: prefill's
+    answer has ``"kv_transfer_params": null`` like a server without the connector. Such a request goes to
+    decode alone (it was a 502 blaming prefill's configuration; concurrent pairing computed the prompt on
+    prefill for nobody)."""
+    async def vllm_like(self, request, body):
+        params = None if body.get("use_beam_search") else {"do_remote_prefill": False}  # (refusal: decode computes)
+        return web.json_response({"choices": [{"text": "h"}], "kv_transfer_params": params})
+
+    url = proxy(prefill=(scripted("p0", vllm_like).url,), decode=(backends("d0").url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "use_beam_search": True, "n": 2})
+    assert status == 200, raw
+
+
+def test_the_clients_authorization_reaches_backends_that_need_it(proxy, scripted):
+    """vLLM's --api-key answers 401 to a request without ``Authorization: Bearer <key>``: the client's key
+    reaches both backends (and /v1/models), so the proxy fronts such servers."""
+    async def keyed(self, request, body):
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return web.json_response({"choices": [{"text": "h"}], "kv_transfer_params": {"do_remote_prefill": False}})
+
+    d = scripted("d0", keyed)
+    url = proxy(prefill=(scripted("p0", keyed).url,), decode=(d.url,))
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers={"Authorization": "Bearer k"}),
+                                timeout=10) as r:
+        assert r.status == 200 and d.models_auth == ["Bearer k"]
+    req = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    assert status == 200
+
+
+def test_concurrent_a_decode_5xx_gives_prefill_its_grace_like_a_4xx(backends, proxy, scripted):
+    """connector.md: in concurrent pairing, when decode's answer did not go through (an error answer, a broken
+    stream), prefill's own answer gets 0.2 s before its leg is cancelled: after a 5xx as after a 4xx (a 5xx
+    once cancelled it at once, so its own error answer was never heard)."""
+    cancelled = []
+
+    async def slow_refusal(self, request, body):
+        try:
+            await asyncio.sleep(0.1)
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return web.json_response({"error": {"message": "engine dead"}}, status=500)
+
+    for behavior, status in (("bad_request", 400), ("error500", 502)):
+        cancelled.clear()
+        url = proxy(prefill=(scripted("p0", slow_refusal).url,), decode=(backends("d0", behavior).url,),
+                    mode="concurrent", prefill_bootstrap=("http://127.0.0.1:1",), prefill_engine_ids=("p0",))
+        assert post(url + "/v1/completions", {"prompt": "x"})[0] == status
+        time.sleep(0.5)
+        assert not cancelled, f"decode {behavior}: prefill cancelled before its 0.2 s"

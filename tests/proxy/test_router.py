@@ -536,7 +536,9 @@ def test_a_prefill_answer_larger_than_a_token_and_its_params_is_a_502(backends, 
 
 @pytest.mark.parametrize("body,why", [(b"[" * 200_000, "nested too deeply"),
                                       (b'{"seed": ' + b"9" * 5000 + b"}", "digits"),
-                                      (b"\xff\xfe{", "not valid JSON")])
+                                      (b"\xff\xfe{", "not valid JSON"),
+                                      (b'{"prompt": "x", "temperature": NaN}', "NaN is not JSON"),
+                                      (b'{"prompt": "x", "temperature": 1e400}', "1e400 is out of range")])
 def test_bodies_the_parser_chokes_on_are_json_400s_naming_why(backends, proxy, body, why):
     p, d = backends("p0"), backends("d0")
     url = proxy(prefill=(p.url,), decode=(d.url,))
@@ -561,3 +563,16 @@ def test_a_prefill_url_listed_twice_pairs_each_listing_with_its_own_engine_id(ba
     for _ in range(4):
         assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
     assert [b["kv_transfer_params"]["remote_engine_id"] for _, b in d.bodies] == ["e0", "e1", "e0", "e1"]
+
+
+def test_backend_bodies_are_written_as_the_client_wrote_them():
+    """The proxy encodes backend bodies with msgspec (a body of token ids is encoded on the event loop, where
+    every other client's stream waits); what msgspec will not write goes through json.dumps, so every body
+    the parser took reaches the backends with the same values."""
+    from kvlink.proxy.router import _encode, _parse
+
+    for raw in (b'{"prompt": [1, 2, 3], "temperature": 0.7, "stop": ["\\u00e9"]}',
+                b'{"seed": ' + b"9" * 30 + b'}',  # beyond 64 bits
+                b'{"prompt": "\\ud800"}'):  # a lone surrogate
+        body = _parse(raw)
+        assert json.loads(_encode(body)) == body

@@ -590,3 +590,55 @@ def test_every_piece_of_a_streamed_request_carries_its_whole_prompts_digest():
     pl.track("r", "t", 100)  # restarted (preempted): a new epoch, the same prompt
     specs = pl.step([("r", [9, 10, 11, 12], 0)], [], {"r": 64})
     assert specs[0].prompt_sha == "ab" * 16 and specs[0].epoch == 1
+
+
+@pytest.mark.parametrize("order", ["kvlink first", "kvlink last", "alone"])
+def test_a_layer_is_announced_on_entry_only_where_no_connector_after_kvlink_may_load_it(monkeypatch, order):
+    """vLLM's MultiConnector calls its children's layer hooks in their order, and a child that loads a prefix
+    hit layer by layer (an offloader on prefill) puts layer k in place in its own ``wait_for_layer_load(k)``.
+    Announced on entry (kvlink's wait_for_layer_load), before that child's, a piece would tell decode the
+    prefix's blocks hold the layer while they do not: kvlink then announces on exit (after every child's
+    wait and the attention op). Last, or alone, it keeps announcing on entry."""
+    from types import SimpleNamespace
+
+    import vllm.distributed.kv_transfer as kvt
+
+    from kvlink.vllm import connector as conn_mod
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.connector import KVLinkConnector
+    from kvlink.vllm.metadata import KVLinkMetadata
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    loaded, announced = set(), []
+
+    class Worker:
+        def send_pieces(self, specs, layer_name=None):
+            if layer_name is not None:
+                announced.append((layer_name, layer_name in loaded))
+
+    class Loader:  # loads layer k in its wait_for_layer_load(k)
+        def wait_for_layer_load(self, layer_name):
+            loaded.add(layer_name)
+
+        def save_kv_layer(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(conn_mod, "kv_written_before_attention", lambda name: True)  # vLLM's Attention
+    kvl = KVLinkConnector.__new__(KVLinkConnector)
+    kvl.config, kvl._worker, kvl._written_first, kvl._entry_safe = ConnectorConfig(), Worker(), {}, None
+    kvl._connector_metadata = None
+    spec = StreamSpec("r", "t", 1, 0, 64, (1, 2, 3, 4), whole=0, last=True, block_size=16)
+    kvl.bind_connector_metadata(KVLinkMetadata(streams=[spec]))
+    children = {"kvlink first": [kvl, Loader()], "kvlink last": [Loader(), kvl], "alone": [kvl]}[order]
+    group = kvl if order == "alone" else SimpleNamespace(_connectors=children)
+    monkeypatch.setattr(kvt, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kvt, "get_kv_transfer_group", lambda: group)
+    for n in names:
+        for c in children:
+            c.wait_for_layer_load(n)
+        entered = len(announced)
+        for c in children:
+            c.save_kv_layer(n, None, None)
+        assert len(announced) == entered + (order == "kvlink first")  # on exit only where a child follows
+    assert [n for n, _ in announced] == names
+    assert all(ready for _, ready in announced) or order == "alone"  # (alone: nothing else loads)
