@@ -275,7 +275,8 @@ async def _relay(request: web.Request, st: _State, cfg: ProxyConfig, url: str, p
                 trace.event("proxy_decode_answer")
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if resp.status >= 500:
-                    data = await _read_capped(resp, MAX_ERROR_BODY) or b"(a larger body)"
+                    data = await _read_capped(resp, MAX_ERROR_BODY)
+                    data = b"(a larger body)" if data is None else data
                     raise BackendError("decode", url, f"HTTP {resp.status}: {data[:500]!r}", answered=resp.status)
                 sse = resp.status == 200 and ctype.startswith("text/event-stream")
                 headers = {"Content-Type": ctype, "Cache-Control": "no-cache"} if sse else {"Content-Type": ctype}

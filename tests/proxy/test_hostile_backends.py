@@ -421,3 +421,13 @@ def test_concurrent_a_decode_5xx_gives_prefill_its_grace_like_a_4xx(backends, pr
         assert post(url + "/v1/completions", {"prompt": "x"})[0] == status
         time.sleep(0.5)
         assert not cancelled, f"decode {behavior}: prefill cancelled before its 0.2 s"
+
+
+def test_a_decode_5xx_with_an_empty_body_is_named_as_empty(backends, proxy, scripted):
+    async def empty(self, request, body):
+        return web.Response(status=503, body=b"")
+
+    url = proxy(prefill=(backends("p0").url,), decode=(scripted("d0", empty).url,))
+    status, _, raw = post(url + "/v1/completions", {"prompt": "x"})
+    message = json.loads(raw)["error"]["message"]
+    assert status == 502 and "HTTP 503: b''" in message and "larger" not in message, message
