@@ -190,15 +190,27 @@ def rope_desc(hf_config: Any, max_model_len: int | None = None) -> str:
         return ""
     d = to_dict()
     sel = {k: d[k] for k in sorted(d) if _rotary(k)}
-    types = {str(v.get("rope_type") or v.get("type")) for v in sel.values() if isinstance(v, dict)}
+    ropes = list(_rope_dicts(list(sel.values())))  # (per layer type, nested: {"full_attention": {...}, ...})
+    types = {str(v.get("rope_type") or v.get("type")) for v in ropes}
     if types - {"default", "None"}:  # scaled: the context it is scaled for moves the frequencies
         sel |= {k: d[k] for k in sorted(d) if "max_position" in k}
         if "longrope" in types and max_model_len is not None:
-            orig = next((v.get("original_max_position_embeddings") for v in sel.values() if isinstance(v, dict)
-                         and v.get("original_max_position_embeddings")), d.get("original_max_position_embeddings"))
+            orig = next((v.get("original_max_position_embeddings") for v in ropes
+                         if v.get("original_max_position_embeddings")), d.get("original_max_position_embeddings"))
             sel["kvlink_longrope_long"] = bool(orig and max_model_len > int(orig))
     s = json.dumps(sel, sort_keys=True, separators=(",", ":"), default=str)
     return s if len(s) <= 200 else "sha256:" + hashlib.sha256(s.encode()).hexdigest()[:24]
+
+
+def _rope_dicts(values: list) -> Any:
+    """The rope parameter sets among ``values``: dicts naming a type, or holding parameters (``rope_theta``),
+    also nested one per layer type."""
+    for v in values:
+        if not isinstance(v, dict):
+            continue
+        if any(k in v for k in ("rope_type", "type", "rope_theta", "factor")):
+            yield v
+        yield from _rope_dicts([x for x in v.values() if isinstance(x, dict)])
 
 
 MAX_LAYOUT_DESC = 128  # what a registered layer's ``layout`` carries (KVLayerSpec.layout) at most

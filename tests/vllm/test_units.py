@@ -515,6 +515,14 @@ def test_the_rotary_settings_are_described_compactly_and_digested_when_long():
     assert many.startswith("sha256:") and len(many) == 31
     assert rope_desc(None) == "" and rope_desc(cfg()) == "{}"
     assert '"dual_chunk_attention_config"' in rope_desc(cfg(dual_chunk_attention_config={"chunk_size": 8}))
+    # per layer type (transformers 5: {"full_attention": {...}, "sliding_attention": {...}}): a nested scaled
+    # rope is scaled too, and its context and LongRoPE choice join as above
+    nested = {"full_attention": yarn, "sliding_attention": default}
+    assert (rope_desc(cfg(rope_parameters=nested, max_position_embeddings=4096))
+            != rope_desc(cfg(rope_parameters=nested, max_position_embeddings=8192)))
+    nested_long = {"full_attention": long, "sliding_attention": default}
+    assert len({rope_desc(cfg(rope_parameters=nested_long, max_position_embeddings=131072), max_model_len=n)
+                for n in (4096, 32768)}) == 2
 
 
 def test_the_transport_name_says_engine_rank_and_process_and_fits_the_limit():
