@@ -173,13 +173,15 @@ class BootstrapClient:
             self._headers["Authorization"] = f"Bearer {token}"
         self._decoders: dict[type, msgspec.json.Decoder] = {}
         self._poll_lock = threading.Lock()  # serializes poll_released; guards _acks
-        self._acks: dict[str, tuple[str, int]] = {}  # engine_id -> (server_id, last seq handed out)
+        # engine_id -> (server_id, last seq handed out, the server's now in the last answer)
+        self._acks: dict[str, tuple[str | None, int, float]] = {}
         # The server refused ``after`` (a bootstrap from before streamed KV): ask it without from then on.
         self._no_progress = False
         self._no_layers = False
         self._no_peek = False  # a server of before the router's deferred release: it knows no "peek"
         self._no_reader = False  # a server of before readers were told apart (PairingTable.release)
         self._no_poll_launch = False  # a server of before polls named their launch (PairingTable.poll_released)
+        self._no_poll_seen = False  # ... or said which answer they last got
 
     # ----- engines ----------------------------------------------------------------------------------------
 
@@ -391,26 +393,31 @@ class BootstrapClient:
         if the engine's ranks are another's (the caller was replaced).
         """
         with self._poll_lock:
-            server_id, last = self._acks.get(engine_id, (None, 0))
+            server_id, last, seen = self._acks.get(engine_id, (None, 0, 0.0))
             while True:
                 body = s.checked(s.PollReleasedBody, engine_id=engine_id, server_id=server_id, ack=last,
-                                 launch=None if self._no_poll_launch else launch)
+                                 launch=None if self._no_poll_launch else launch,
+                                 seen=None if self._no_poll_seen else seen)
                 try:
                     answer = self._call("/v1/request/poll_released", body, s.PollReleasedAnswer)
                     break
                 except InvalidField as e:
-                    if body.launch is None or e.field != "launch":
+                    if body.launch is not None and e.field == "launch":
+                        self._no_poll_launch = True
+                    elif body.seen is not None and e.field == "seen":
+                        self._no_poll_seen = True
+                    else:
                         raise
-                    log.warning("kvlink: bootstrap server %s does not know which launch polls: a replaced "
-                                "process polling under the engine id takes the new one's outcomes (upgrade "
-                                "the server)", self.url)
-                    self._no_poll_launch = True
+                    log.warning("kvlink: bootstrap server %s does not know a poll's %r: %s (upgrade the server)",
+                                self.url, e.field, "a replaced process polling under the engine id takes the "
+                                "new one's outcomes" if e.field == "launch" else "a poll whose answer was lost "
+                                "counts as prefill in touch")
             if answer.server_id != server_id:
                 last = 0  # a new server: sequence numbers started again
             fresh = [r for r in answer.released if r.seq > last]
             if fresh:
                 last = fresh[-1].seq
-            self._acks[engine_id] = (answer.server_id, last)
+            self._acks[engine_id] = (answer.server_id, last, answer.now or 0.0)
             return [(r.request_id, r.outcome) for r in fresh]
 
     # ----- misc -------------------------------------------------------------------------------------------

@@ -340,13 +340,17 @@ class AbandonTransferBody(_Strict, kw_only=True, omit_defaults=True):  # unset f
     request_id: RequestId | None = None
 
 
-class PollReleasedBody(_Strict, kw_only=True, omit_defaults=True):  # no "launch" sent unless set (older servers)
+class PollReleasedBody(_Strict, kw_only=True, omit_defaults=True):  # unset fields stay off the wire (older servers)
     engine_id: EngineId
     server_id: Annotated[str, Meta(max_length=64)] | None = None
     ack: Annotated[int, Meta(ge=0)] = 0
     # EngineRegistration.launch of the polling process: a process replaced under the engine id neither
     # acknowledges the new one's outcomes nor counts as the engine being in touch (PairingTable.poll_released)
     launch: Instance | None = None
+    # the server's ``now`` in the last answer the poller got (0: none yet), so the server counts the engine in
+    # touch as of a poll it knows was answered, not one whose answer may have been lost; unset: an older
+    # client, counted as of this poll
+    seen: Annotated[float, Meta(ge=0.0, lt=1e12)] | None = None
 
 
 # ----- answers ----------------------------------------------------------------------------------------------
@@ -392,9 +396,10 @@ class ReleaseAnswer(_Strict, kw_only=True):
     already_released: bool
 
 
-class PollReleasedAnswer(_Strict, kw_only=True):
+class PollReleasedAnswer(_Strict, kw_only=True, omit_defaults=True):  # "now" only to a poll that sent "seen"
     server_id: str
     released: list[ReleasedRequest]
+    now: float | None = None  # the server's clock as it answered (PollReleasedBody.seen of the next poll)
 
 
 class ErrorAnswer(msgspec.Struct, frozen=True, kw_only=True):

@@ -101,7 +101,7 @@ class BootstrapApp:
         self._post("/v1/stream/stop", s.StreamStopBody, lambda b: s.ReleaseAnswer(
             already_released=t.stop_stream(b.transfer_id)))
         self._post("/v1/request/poll_released", s.PollReleasedBody, lambda b: t.poll_released(
-            b.engine_id, b.server_id, b.ack, b.launch))
+            b.engine_id, b.server_id, b.ack, b.launch, b.seen))
 
     # ----- plumbing ---------------------------------------------------------------------------------------
 

@@ -602,7 +602,7 @@ class PairingTable:
         return False
 
     def poll_released(self, engine_id: str, server_id: str | None = None, ack: int = 0,
-                      launch: str | None = None) -> PollReleasedAnswer:
+                      launch: str | None = None, seen: float | None = None) -> PollReleasedAnswer:
         """Outcomes of the engine's requests not yet acknowledged.
 
         ``ack`` acknowledges every outcome with ``seq <= ack`` (only when ``server_id`` names this table:
@@ -610,15 +610,24 @@ class PairingTable:
         than the engine's live ranks' (_check_launch): a process replaced under the engine id and still
         polling would take the new one's outcomes, and its polls would stand for the new process being in
         touch, which lengthens what a renewal promises (_hold_cap).
+
+        ``seen``: the ``now`` of the last answer the poller got. Prefill counts itself in touch as of an
+        answer it received (kvlink.vllm.held), so the engine counts as polled as of that answer's time, not
+        this poll's, whose answer may be lost (a timeout, a proxy's 504): prefill's silence may have begun
+        before it. Without ``seen`` (an older client) as of this poll.
         """
         engine = self._engine(engine_id)
         self._check_launch(engine, launch, "a poll for outcomes", "nothing acknowledged")
-        engine.polled_at = self._sweep()
+        now = self._sweep()
+        if seen is None:
+            engine.polled_at = now
+        elif seen > 0 and server_id == self.server_id:  # (another server's clock means nothing here)
+            engine.polled_at = max(engine.polled_at or 0.0, min(seen, now))
         if server_id == self.server_id:
             while engine.outcomes and engine.outcomes[0].seq <= ack:
                 engine.outcomes.popleft()
         released = list(itertools.islice(engine.outcomes, MAX_OUTCOMES_PER_POLL))
-        return PollReleasedAnswer(server_id=self.server_id, released=released)
+        return PollReleasedAnswer(server_id=self.server_id, released=released, now=None if seen is None else now)
 
     def expire(self) -> None:
         """Expire everything that is due now (the adapter also calls this periodically)."""

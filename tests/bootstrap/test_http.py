@@ -618,15 +618,15 @@ def test_a_replaced_launch_is_refused_over_http_and_its_heartbeater_stops_renewi
     assert client.poll_released("P", launch="B") == [("r3", Outcome.PULLED)]
 
 
-def test_a_server_from_before_polls_named_their_launch_is_polled_without_it(config, clock, make_registration,
+def test_a_server_from_before_polls_named_their_launch_and_last_answer_is_polled_without_them(config, clock, make_registration,
                                                                            monkeypatch):
-    """A bootstrap server that does not know a poll's ``launch`` refuses it as an unknown field: the client
-    polls again without it, from then on, and gets its outcomes."""
+    """A bootstrap server that does not know a poll's ``launch`` or ``seen`` refuses each as an unknown field:
+    the client polls again without it, from then on, and gets its outcomes."""
     from kvlink.bootstrap import schema as s
 
     OldPollReleasedBody = msgspec.defstruct(  # noqa: N806
         "OldPollReleasedBody", [("engine_id", s.EngineId), ("server_id", str | None, None), ("ack", int, 0)],
-        bases=(s._Strict,), kw_only=True, namespace={"launch": None})  # not a field: what today's handler reads
+        bases=(s._Strict,), kw_only=True, namespace={"launch": None, "seen": None})  # not fields: what today's handler reads
     with monkeypatch.context() as m:
         m.setattr(s, "PollReleasedBody", OldPollReleasedBody)
         old = BootstrapServer(config, clock=clock).start()
@@ -641,7 +641,8 @@ def test_a_server_from_before_polls_named_their_launch_is_polled_without_it(conf
                 cli._call("/v1/request/poll_released", s.PollReleasedBody(engine_id="P", launch="L"),
                           s.PollReleasedAnswer)
             assert err.value.field == "launch"  # what the older server says, so the fallback is needed
-            assert cli.poll_released("P", launch="L") == [("r1", Outcome.PULLED)] and cli._no_poll_launch
+            assert cli.poll_released("P", launch="L") == [("r1", Outcome.PULLED)]
+            assert cli._no_poll_launch and cli._no_poll_seen
             assert cli.poll_released("P", launch="L") == []  # acknowledged as before
     finally:
         old.stop()
@@ -787,3 +788,17 @@ def _older_server(config, clock, make_registration, monkeypatch, **bodies):
             yield cli
     finally:
         old.stop()
+
+
+def test_a_poll_tells_the_server_which_answer_it_last_got(server, client, clock, engine):
+    """The client sends the ``now`` of the last answer it got, so the server counts the engine in touch as of
+    an answer prefill surely had (PairingTable.poll_released), never as of a poll whose answer may be lost."""
+    polled = lambda: server.table._engines[engine].polled_at  # noqa: E731
+    client.poll_released(engine)
+    first, before = clock(), polled()
+    clock.advance(5)
+    client.poll_released(engine)
+    assert polled() == first and before != first  # as of the first answer, not this poll (first + 5)
+    clock.advance(5)
+    client.poll_released(engine)
+    assert polled() == first + 5

@@ -912,6 +912,38 @@ def test_the_readers_of_a_request_are_bounded(table, clock, engine):
     assert table.lookup(engine, ["a"]).ready  # an unnamed one may still read: its lease decides
 
 
+def test_a_poll_whose_answer_was_lost_does_not_lengthen_what_a_renewal_promises(table, clock, engine):
+    """Prefill counts itself in touch as of an answer it got (kvlink.vllm.held: silence begins at its first
+    failed call after that). A poll the server took but whose answer was lost (a timeout, a proxy's 504) must
+    not count as prefill in touch: a poll says which answer it last got (``seen``, that answer's ``now``), and
+    the server counts the engine polled as of then. Else decode, still renewing, would be promised the blocks
+    past the time a prefill that has heard nothing since frees them."""
+    t0 = clock()
+    table.publish(engine, "p", [[1]], 16, lease_s=10.0)
+    clock.advance(1)
+    answered = table.poll_released(engine, None, 0, seen=0.0).now  # answered: prefill in touch at t0+1
+    assert answered == t0 + 1 and table._engines[engine].polled_at is None  # (nothing answered before)
+    for at in (9.0, 18.0):  # polls the server takes, their answers lost; prefill silent since ~t0+2
+        clock.advance(t0 + at - clock())
+        table.poll_released(engine, table.server_id, 0, seen=answered)
+        assert table._engines[engine].polled_at == answered
+        clock.advance(0.5)
+        renewed = table.renew(engine, ["p"], lease_s=10.0)
+        if at == 9.0:  # capped at publish + 1.5 leases (15), what prefill holds anyway
+            assert renewed.renewed == ["p"] and clock() + renewed.lease_s == pytest.approx(t0 + 15)
+        else:
+            assert renewed.expired == ["p"]  # (polled as of this poll: renewed to t0 + 28)
+    # a poll that says it got the last answer counts as of that answer: a prefill in touch is renewed on
+    clock.advance(1)
+    now = table.poll_released(engine, table.server_id, 0, seen=answered).now
+    table.publish(engine, "q", [[2]], 16, lease_s=10.0)
+    clock.advance(1)
+    table.poll_released(engine, table.server_id, 0, seen=now)
+    assert table._engines[engine].polled_at == now
+    assert table.poll_released(engine, "another-server", 0, seen=clock() + 50).now == clock()
+    assert table._engines[engine].polled_at == now  # another server's clock counts for nothing here
+
+
 def test_a_renewal_never_promises_more_than_a_prefill_out_of_touch_holds(table, clock, engine):
     """Prefill frees a request it hears nothing about once 1.5 leases have passed since it published it and
     the server has been silent for a lease (kvlink.vllm.held). A prefill cut off from the server while decode
