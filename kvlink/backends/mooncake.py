@@ -177,10 +177,21 @@ class MooncakeBatch:
         self._settled = False             # the worker is done with it; guarded by _cond
         self._unsafe = False              # Mooncake gave up while slices may be queued
         self._stopped_unreported = False  # cancel stopped it; no cancel() has returned True yet; guarded by _cond
+        self._started = False             # the peer's worker took it (may have submitted a chunk); guarded by _cond
 
     # -- worker side -------------------------------------------------------------------
+    def _take(self) -> bool:
+        """Worker side: claim the batch before its first chunk; False if cancel() already settled it."""
+        with self._cond:
+            if self._settled:
+                return False
+            self._started = True
+            return True
+
     def _finish(self, state: int, error: KVLinkError | None, unsafe: bool = False) -> None:
         with self._cond:
+            if self._settled:  # settled by cancel() before the worker took it: counted off there
+                return
             if self._state == self.PENDING:
                 self._state, self._error = state, error
             self._settled, self._unsafe = True, unsafe
@@ -222,11 +233,14 @@ class MooncakeBatch:
         flight does not settle within the backend's settle_s)."""
         t = self._timeout_s + 1.0 if timeout_s is None else timeout_s
         with self._cond:
-            done = self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t))
+            done = self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t) if t < 1e9 else None)  # inf: forever
             if done:
                 self._raise()
                 return
-        self.cancel()
+        if not self.cancel():  # it had ended meanwhile: its outcome stands (as the native engine's wait)
+            with self._cond:
+                self._raise()
+                return
         raise TimeoutError_(f"mooncake batch not finished within {t:.3f} s; canceled")
 
     def cancel(self, timeout_s: float | None = None) -> bool:
@@ -245,6 +259,17 @@ class MooncakeBatch:
             if self._state == self.PENDING:
                 self._state, self._error = self.CANCELED, Canceled("mooncake batch canceled")
                 self._stopped_unreported = True
+            if not self._started and not self._settled:  # nothing submitted: settled now, not when the worker gets here
+                self._settled = True
+                self._cond.notify_all()
+                release = True
+            else:
+                release = False
+        if release:
+            with self._backend._cond:
+                self._backend._stats["canceled"] += 1
+            self._backend._batch_done(self._region)
+        with self._cond:
             if not self._cond.wait_for(lambda: self._settled, timeout=max(0.0, t)):
                 raise NotSettled(f"mooncake cannot abort submitted transfers and the chunk in flight did not "
                                  f"settle within {t:.3f} s: its local memory may still be written; keep it alive "
@@ -524,6 +549,8 @@ class MooncakeBackend:
             batch = peer._queue.get()
             if batch is None:
                 break
+            if not batch._take():
+                continue  # canceled while queued: settled already
             submit = eng.batch_transfer_async_read if batch.op == "read" else eng.batch_transfer_async_write
             error, state, unsafe, late, late_bytes = None, MooncakeBatch.DONE, False, False, 0
             for local_addrs, remote_addrs, lens in batch._chunks:

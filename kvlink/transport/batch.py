@@ -34,7 +34,8 @@ class Batch:
         (default: the batch's own timeout plus a second) passes first, the
         batch is canceled and TimeoutError_ raised."""
         t = self._timeout_s + 1.0 if timeout_s is None else timeout_s
-        B.batch_wait(self._h, max(1, int(t * 1000)))
+        # kvl_batch_wait takes uint32 ms: a longer wait (inf: forever) is the longest it takes, ~49.7 days
+        B.batch_wait(self._h, max(1, int(t * 1000)) if t < 0xFFFFFFFF / 1000 else 0xFFFFFFFF)
 
     def cancel(self) -> bool:
         """Stop the batch: True if this call stopped it (poll/wait then raise
@@ -42,10 +43,13 @@ class Batch:
         return B.batch_cancel(self._h)
 
     def release(self) -> None:
-        """Free the C handle now (it is otherwise freed when garbage collected)."""
-        if self._h is not None:
-            B.batch_release(self._h)
-            self._h = None
+        """Let the C handle go: the batch is stopped now (nothing lands in its memory once this returns) and
+        the handle freed once no call on it is under way in another thread (else when garbage collected)."""
+        h, self._h = self._h, None
+        if h is not None:
+            B.batch_cancel(h)  # what kvl_batch_release would do first; its own cancel is then a no-op
+            # Not ffi.release(h): a wait() in another thread holds h and is inside kvl_batch_wait; the
+            # ffi.gc destructor (kvl_batch_release) runs when the last reference, ours or its, goes.
 
     def __enter__(self) -> Batch:
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,6 +102,14 @@ class Engine:
         if h is not None:
             self._log_events(h)
             B.engine_destroy(h)
+
+    def __del__(self) -> None:
+        # Dropped unclosed (Engine <-> Region is a cycle): the C engine would go on serving the regions' memory
+        # after the collector frees it. Finalizers run before a cycle's objects are cleared, so closing here
+        # stops the engine while that memory is still alive.
+        if getattr(self, "_h", None) is not None:
+            warnings.warn(f"kvlink engine {self.config.name!r} was not closed", ResourceWarning, stacklevel=1)
+            self.close()
 
     def __enter__(self) -> Engine:
         return self

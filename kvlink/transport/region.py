@@ -41,10 +41,13 @@ def memory_for(obj: Any, access: Access) -> tuple[int, int, Any, bool]:
     try:
         addr, length, keep = memory_of(obj, writable=True)
         writable = True
-    except BufferError:
+    except (BufferError, ValueError) as e:  # read-only memory: BufferError, or ValueError from numpy
+        try:
+            addr, length, keep = memory_of(obj, writable=False)
+        except (BufferError, ValueError):
+            raise e from None  # not a matter of writability (not contiguous, ...)
         if access & Access.WRITE:
             raise ValueError("a region peers may WRITE needs writable memory") from None
-        addr, length, keep = memory_of(obj, writable=False)
         writable = False
     if length == 0:
         raise ValueError("cannot register an empty buffer")

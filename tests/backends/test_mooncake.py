@@ -751,3 +751,60 @@ def test_every_connection_keeps_alive_while_idle(make_pair, kind):
     finally:
         for s in socks:
             s.close()
+
+
+class _SlowStatus:
+    """Mooncake's engine, whose first chunk takes `delay` seconds to settle (a large or slow transfer)."""
+
+    def __init__(self, real, delay):
+        self._real, self._delay, self._first = real, delay, True
+
+    def get_batch_transfer_status(self, ids):
+        if self._first:
+            self._first = False
+            time.sleep(self._delay)
+        return self._real.get_batch_transfer_status(ids)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_cancel_of_a_batch_still_queued_behind_another_returns_at_once(make_backend):
+    """Nothing of a batch queued behind another has been submitted to Mooncake: cancel() settles it at once,
+    as the native engine's does (it waited settle_s for the peer's worker, then raised NotSettled, saying
+    the memory may still be written, which was false)."""
+    opts = MooncakeConfig(settle_s=0.5)
+    target = make_backend("mooncake", options=opts, name="target")
+    init = make_backend("mooncake", options=opts, name="initiator", listen=None)
+    src = np.arange(1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    rsrc, rdst = target.register(src, Access.READ), init.register(dst)
+    init._engine = _SlowStatus(init._engine, 3.0)  # before connect: the peer's worker takes it
+    peer = init.connect(target.address)
+    first = init.read(peer, rdst, [0], rsrc.id, [0], 4096)
+    queued = init.read(peer, rdst, [8192], rsrc.id, [8192], 4096)
+    time.sleep(0.2)  # the worker is inside `first`
+    t0 = time.monotonic()
+    assert queued.cancel() is True
+    assert time.monotonic() - t0 < 0.2
+    assert queued.settled
+    first.wait()
+
+
+def test_a_wait_whose_timeout_ends_as_the_batch_finishes_reports_the_outcome(make_pair):
+    """wait()'s timeout and the batch's end race: wait_for gives up, the worker finishes (DONE, every byte in
+    place), and wait()'s cancel() returns False (it had already ended): wait() returns the batch's outcome,
+    as the native engine does (it raised TimeoutError_). The race is forced by letting wait_for report a
+    timeout once the batch has settled."""
+    p = make_pair("mooncake")
+    b = p.init.read(p.peer, p.rdst, [0], p.rsrc.id, [0], 4096)
+    real = b._cond.wait_for
+
+    def late(pred, timeout=None):
+        b._cond.wait_for = real  # once: cancel()'s own wait is the real one
+        real(pred, timeout=10)   # the batch settles ...
+        return False             # ... just as the timeout passed
+
+    b._cond.wait_for = late
+    b.wait(0.5)
+    assert np.array_equal(p.dst[:4096], p.src[:4096])
