@@ -107,9 +107,14 @@ class Engine:
         # Dropped unclosed (Engine <-> Region is a cycle): the C engine would go on serving the regions' memory
         # after the collector frees it. Finalizers run before a cycle's objects are cleared, so closing here
         # stops the engine while that memory is still alive.
-        if getattr(self, "_h", None) is not None:
-            warnings.warn(f"kvlink engine {self.config.name!r} was not closed", ResourceWarning, stacklevel=1)
+        if getattr(self, "_h", None) is None:
+            return
+        try:
+            warnings.warn(f"kvlink engine {getattr(self.config, 'name', '?')!r} was not closed", ResourceWarning,
+                          stacklevel=1)
             self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone already
+            pass
 
     def __enter__(self) -> Engine:
         return self
