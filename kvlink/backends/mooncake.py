@@ -561,12 +561,14 @@ class MooncakeBackend:
                     error, state = TimeoutError_(f"mooncake batch timed out after {batch._timeout_s} s"), \
                         MooncakeBatch.FAILED
                     break
+                # (before the submit: Mooncake's give-up clock may start inside it, and a give-up taken for a
+                # failed slice would be settled while slices stay queued; this errs towards a give-up)
+                t0 = time.monotonic()
                 bid = submit(peer.session, local_addrs, remote_addrs, lens)
                 if bid == 0:
                     error, state = ConnectError(f"mooncake: submit to {peer.name} ({peer.session}) failed"), \
                         MooncakeBatch.FAILED
                     break
-                t0 = time.monotonic()
                 with self._cond:
                     self._stats["chunks"] += 1
                 if eng.get_batch_transfer_status([bid]) != 0:
