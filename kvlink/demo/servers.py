@@ -77,7 +77,7 @@ class VLLMServer(Proc):
             e["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
         super().__init__(name, args, log_dir / f"{name}.log", e)
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:
         wait_http(self.url + "/health", timeout, self)
 
     def metrics(self, prefixes: tuple[str, ...] = ("kvlink_", "nixl", "vllm:nixl")) -> dict[str, float]:

@@ -74,7 +74,7 @@ _PUBLISHED = {f.name: f.type for f in msgspec.structs.fields(PublishBody)}
 MAX_ERROR_LEN = 4096
 
 
-def _as_groups(value: Any) -> Any:
+def as_groups(value: Any) -> Any:
     # vLLM's block ids come flat (one KV cache group) or as one list per group; a flat list is one group.
     if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
         return value
@@ -112,7 +112,7 @@ RULES: dict[str, Rule] = {
     "remote_engine_id": _typed(_PUBLISHED["engine_id"], "a non-empty string"),
     "remote_request_id": _typed(_PUBLISHED["request_id"], "a non-empty string"),
     "remote_block_ids": _typed(_PUBLISHED["block_ids"], "a list of block ids (non-negative integers), flat or "
-                               "one list per KV cache group", before=_as_groups, after=_groups),
+                               "one list per KV cache group", before=as_groups, after=_groups),
     "remote_num_tokens": _typed(_PUBLISHED["num_tokens"], "a non-negative integer"),
     "remote_lease_s": _typed(_PUBLISHED["lease_s"], "a positive number of seconds"),
     "remote_bootstrap_addr": _bootstrap_url,
@@ -206,7 +206,9 @@ class RemoteSource:
             raise BadParams("remote_bootstrap_addr",
                             "kv_transfer_params['remote_bootstrap_addr'] is required with do_remote_prefill")
         missing = [name for attr, name in _SOURCE_FIELDS if name in _SEQUENTIAL and getattr(self, attr) is None]
-        if self.transfer_id is None and missing:
+        if missing and (self.transfer_id is None or self.block_ids is not None):
+            # (block ids name blocks of one prefill request: without its engine and id nobody can renew, check
+            # or release them, and a renewal naming none fails for every pull renewed with it)
             raise BadParams(missing[0], f"kv_transfer_params need either transfer_id (concurrent pairing) or "
                                         f"{', '.join(_SEQUENTIAL)} (sequential); missing {', '.join(missing)}")
 

@@ -234,7 +234,9 @@ class Puller:
         try:
             cli = self._clients_for(src.bootstrap_url)
             engine_id, remote_rid, blocks = src.engine_id, src.request_id, src.block_ids
-            lease_s = src.lease_s or self.cfg.lease_s
+            # (the params' lease is the client's word: at most this engine's own, so one request cannot make
+            # the renewal every pull from that prefill shares ask more than a bootstrap server grants)
+            lease_s = min(src.lease_s or self.cfg.lease_s, self.cfg.lease_s)
             now = time.monotonic()
             held_until, renew_at = 0.0, now  # sequential params say nothing of the lease left: renew now
             epoch, check = 0, None  # the params' word is checked against the record (lease.RecordCheck)

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Block ids of another group count than this engine's are refused unparsed past this many (see _fits_groups)
+MAX_PARSED_IDS = 1 << 16
+
 
 class KVLinkScheduler(Producer):
     def __init__(self, cfg: ConnectorConfig, engine_id: str, role: str, block_size: int,
@@ -61,6 +64,7 @@ class KVLinkScheduler(Producer):
         # Per KV cache group: (sliding window, extra retained tokens) of a SlidingWindowSpec group, else None.
         self.windows = windows if windows is not None else ((window, window_extra) if window else None,)
         self.is_producer = role in ("kv_producer", "kv_both")
+        self.is_consumer = role in ("kv_consumer", "kv_both")
         # Decode: a worker's pull that ends cuts a step's pull_step_wait_ms short (nudge.py)
         self._nudges = (NudgeListener(engine_id) if role in ("kv_consumer", "kv_both") and cfg.pull_step_wait_ms
                         else None)
@@ -149,9 +153,13 @@ class KVLinkScheduler(Producer):
             if kvparams.flag(params, "do_remote_decode"):
                 raise BadParams("do_remote_decode", "kv_transfer_params ask for both do_remote_prefill and "
                                 "do_remote_decode: a request is pulled or published, not both")
+            if not self.is_consumer:
+                raise BadParams("do_remote_prefill", "kv_transfer_params ask for do_remote_prefill, but this engine "
+                                "is not a kv_consumer (it has nowhere to pull KV into)")
             cached = self._parsed.get(rid)
             if cached is not None and cached[0] is params:  # vLLM asks every step while a request waits
                 return cached[1]
+            self._fits_groups(params.get("remote_block_ids"))  # (before converting lists it cannot use)
             src = self._allowed(RemoteSource.from_params(params))
             try:
                 self._fits(src)
@@ -167,6 +175,18 @@ class KVLinkScheduler(Producer):
             self._count("bad_params")
             logger.warning("kvlink: request %s: %s; computing it locally", rid, e)
             return None
+
+    def _fits_groups(self, raw: Any) -> None:
+        """BadParams when raw ``remote_block_ids`` hold another number of KV cache groups than this engine's and
+        more ids than any prompt here: refused before they are converted (up to 64 groups of 2^20 ids took
+        seconds of vLLM's scheduler thread). A smaller list goes on to ``_fits``, whose refusal also gives
+        the prefill request back."""
+        groups = kvparams.as_groups(raw)
+        if not (isinstance(groups, list) and groups and len(groups) != len(self.windows)):
+            return
+        if sum(len(g) for g in groups if isinstance(g, list)) > MAX_PARSED_IDS:
+            raise BadParams("remote_block_ids", f"kv_transfer_params['remote_block_ids'] hold {len(groups)} KV cache "
+                            f"group(s); this engine has {len(self.windows)}")
 
     def _fits(self, src: RemoteSource) -> RemoteSource:
         """``src`` if its block ids can be this engine's (one list per KV cache group, at least as many

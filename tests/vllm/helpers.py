@@ -148,7 +148,7 @@ class Server:
         self.proc = subprocess.Popen(args, stdout=self._logf, stderr=subprocess.STDOUT, env=e,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:

@@ -199,7 +199,12 @@ def test_sequential_params_missing_a_field_name_it(missing):
     with pytest.raises(BadParams, match=f"missing {missing}") as e:
         RemoteSource.from_params(params)
     assert e.value.field == missing
-    RemoteSource.from_params(params | {"transfer_id": "t"})  # concurrent pairing needs none of them
+    if missing == "remote_block_ids":
+        RemoteSource.from_params(params | {"transfer_id": "t"})  # concurrent pairing needs none of them
+    else:  # block ids name one prefill request's blocks: never without its engine and id (nothing renews them,
+        # and a renewal naming no request fails for every pull renewed with it)
+        with pytest.raises(BadParams, match=f"missing {missing}"):
+            RemoteSource.from_params(params | {"transfer_id": "t"})
 
 
 def test_bootstrap_addr_is_required():

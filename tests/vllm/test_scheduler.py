@@ -1249,3 +1249,43 @@ def test_a_sequential_pull_without_digests_is_checked_for_its_token_count_at_the
         w.shutdown()
     rec = SimpleNamespace(block_ids=[[11, 12, 13]], num_tokens=40, prompt_sha=None, launch=None)
     assert check.wrong(rec, "pre/p1") is not None, "a 40-token record backs a 48-token load"
+
+
+def test_a_prefill_only_engine_refuses_do_remote_prefill_instead_of_pulling():
+    """A kv_producer has nowhere to pull into: decode-style params sent to it are refused at admission (the
+    request is computed there), not handed to a worker with no destination (it failed the request)."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(bootstrap_url="http://127.0.0.1:9"), "pre", "kv_producer", 32)
+    try:
+        req = _decode_request("x1", 32, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:9",
+                                         "remote_engine_id": "pre", "remote_request_id": "p1",
+                                         "remote_block_ids": [1], "remote_num_tokens": 32})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert "not a kv_consumer" in sched._bad["x1"]
+    finally:
+        sched.shutdown()
+
+
+def test_block_ids_of_another_group_count_are_refused_before_they_are_converted():
+    """Params may carry 64 groups of 2^20 block ids; converting them all took seconds of vLLM's scheduler
+    thread before the group count was refused. Past MAX_PARSED_IDS they are refused unparsed."""
+    from kvlink.vllm.config import ConnectorConfig
+    from kvlink.vllm.params import RemoteSource
+    from kvlink.vllm.scheduler import KVLinkScheduler
+
+    sched = KVLinkScheduler(ConnectorConfig(), "dec", "kv_consumer", 16)
+    converted = []
+    real = RemoteSource.from_params
+    try:
+        RemoteSource.from_params = classmethod(lambda cls, p: converted.append(1) or real(p))
+        ids = list(range(1 << 20))
+        req = _decode_request("d1", 64, {"do_remote_prefill": True, "remote_bootstrap_addr": "http://127.0.0.1:9",
+                                         "remote_engine_id": "pre", "remote_request_id": "p1",
+                                         "remote_block_ids": [ids] * 64, "remote_num_tokens": 64})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert converted == [] and "64 KV cache group(s)" in sched._bad["d1"]
+    finally:
+        RemoteSource.from_params = real
+        sched.shutdown()

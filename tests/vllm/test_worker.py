@@ -293,6 +293,36 @@ def test_a_kept_peer_of_another_launch_is_looked_up_on_a_resolver_not_on_vllms_t
     assert took < 0.9, f"_submit held vLLM's thread {took:.2f} s on a bootstrap call"
 
 
+def test_a_client_chosen_lease_never_sets_what_the_shared_renewal_asks(pair, monkeypatch):
+    """Sequential params carry prefill's lease as the client wrote it; decode renews every pull from one prefill
+    engine in one call asking the largest lease among them. A lease beyond what a bootstrap server grants
+    (600 s by default; params allow a day) made that call fail for every pull in it, so honest pulls never
+    got their lease proof: the params' lease counts up to this engine's own."""
+    from kvlink.vllm.metadata import PullSpec
+    from kvlink.vllm.params import RemoteSource
+
+    pre, dec, url = pair
+    asked, real = [], dec._clients_for
+
+    class Recording:
+        def __init__(self, cli):
+            self._cli = cli
+
+        def __getattr__(self, name):
+            return getattr(self._cli, name)
+
+        def renew(self, engine_id, request_ids, lease_s, reader=None):
+            asked.append(lease_s)
+            return self._cli.renew(engine_id, request_ids, lease_s, reader)
+
+    monkeypatch.setattr(dec._leases, "_clients", lambda u: Recording(real(u)))
+    _publish(url, "r1", [(1, 1)], 30.0)
+    src = RemoteSource(bootstrap_url=url, engine_id="pre", request_id="p-r1", block_ids=(1,), lease_s=86400.0)
+    dec._submit(PullSpec(request_id="r1", local_block_ids=(1,), first_block=0, source=src))
+    assert pull_outcome(dec, "r1") == "ok"
+    assert asked and max(asked) <= dec.cfg.lease_s  # (it asked 86400 s: refused by the server, 400)
+
+
 def test_params_naming_other_blocks_than_prefill_published_are_never_trusted(pair):
     """Real worker, transport and bootstrap server: a client's sequential params name a live prefill request
     and other blocks of that engine (another request's KV). The READ may go through, but the first lease
