@@ -109,11 +109,14 @@ class Engine:
         # stops the engine while that memory is still alive.
         if getattr(self, "_h", None) is None:
             return
-        try:
-            warnings.warn(f"kvlink engine {getattr(self.config, 'name', '?')!r} was not closed", ResourceWarning,
-                          stacklevel=1)
+        try:  # closed first: a warning filter that raises (-W error) must not keep the engine serving
             self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone already
+            pass
+        try:
+            warnings.warn(f"kvlink engine {getattr(getattr(self, 'config', None), 'name', '?')!r} was not closed",
+                          ResourceWarning, stacklevel=1)
+        except Exception:  # noqa: BLE001 - (ResourceWarning raised as an error: nothing to do with it here)
             pass
 
     def __enter__(self) -> Engine:

@@ -163,14 +163,16 @@ def _rotary(key: str) -> bool:
 
 
 def overrides_desc(hf_overrides: Any) -> str:
-    """``--hf-overrides`` beyond the rotary entries (compared by ``rope_desc`` from the config they make), as
+    """``--hf-overrides`` beyond the rotary entries and the context limit (compared by ``rope_desc`` from the
+    config they make, where they move the KV), as
     a digest of their sorted JSON; a function (Python API) by its qualified name, as vLLM cannot say what it
     changes. "" for none."""
     if callable(hf_overrides):
         return f"fn:{getattr(hf_overrides, '__module__', '')}.{getattr(hf_overrides, '__qualname__', '')}"[:120]
     if not isinstance(hf_overrides, dict):
         return ""
-    rest = {k: v for k, v in hf_overrides.items() if not _rotary(str(k))}
+    # (max_position*: the context limit, which moves no KV unless the rope is scaled, and rope_desc adds it then)
+    rest = {k: v for k, v in hf_overrides.items() if not _rotary(str(k)) and "max_position" not in str(k)}
     if not rest:
         return ""
     s = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)

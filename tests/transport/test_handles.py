@@ -102,3 +102,18 @@ def test_a_read_only_numpy_array_can_be_registered_for_peers_to_read():
         ro = np.frombuffer(b"x" * 4096, dtype=np.uint8)
         r = t.register(ro, Access.READ)
         assert r.length == 4096 and not r.writable
+
+
+def test_the_finalizer_closes_even_where_warnings_are_errors(monkeypatch):
+    """Under ``-W error`` the ResourceWarning raises: the engine is closed before it is warned about."""
+    import warnings
+
+    closed, real = [], Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(1), real(self)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e = Engine(EngineConfig(name="t"))
+        e.register(bytearray(4096), Access.READ)
+        del e
+        gc.collect()
+    assert closed

@@ -351,6 +351,7 @@ def test_the_weights_beyond_the_model_path_join_the_compat_check():
     assert len({compat_hash(f) for f in (plain, eps, topk)}) == 3
     assert compat_diff(eps, fields(NS(hf_overrides={"rms_norm_eps": 0.3}))) == {}  # as the other side's, in any order
     assert fields(NS(hf_overrides={"rope_theta": 5.0, "rope_parameters": {}})) == plain  # rope_desc's business
+    assert fields(NS(hf_overrides={"max_position_embeddings": 65536})) == plain  # the context limit: likewise
     with_rev = fields(NS(revision="a1", quantization=None, hf_overrides={"rms_norm_eps": 0.3}))
     assert with_rev["weights"].startswith("revision=a1,quantization=,overrides=")
 
