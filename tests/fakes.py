@@ -1,6 +1,7 @@
 """Fakes shared by the test suites, each here once: a clock, a bootstrap client and a pull table with
 scripted answers, a staging pool and a piece sender that record what they are asked, an HTTP server and
-a raw HTTP client, peers that hang or trickle, a call that fails once. The other fakes live
+a raw HTTP client, peers that hang or trickle, a call that fails once, a client with one call overridden
+(Delegating). The other fakes live
 beside this module:
 the in-process transport in fakes_transport.py, fake vLLM HTTP servers (the proxy's backends) in
 fakes_vllm_server.py, connectors recording their stats or corrupting what they pulled in fakes_connector.py;
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tests import wire
 
@@ -413,3 +415,13 @@ def failing_once(real, error: Exception):
 if __name__ == "__main__":  # python -m tests.fakes TOKEN, from the repository root
     serve_slow_forever(sys.argv[1].encode())
 
+
+class Delegating:
+    """A client (or any object) whose attributes are ``inner``'s except those a subclass defines: a test
+    overrides one call (to slow it, record it) and leaves the rest real."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -16,7 +16,7 @@ import pytest
 
 from kvlink.errors import PeerClosed
 from tests import fakes_transport
-from tests.fakes import FakeBootstrapClient
+from tests.fakes import Delegating, FakeBootstrapClient
 from kvlink.vllm.pulls import State
 from tests.vllm.helpers import pull_outcome, register_two_layers, submit_pull
 
@@ -269,17 +269,11 @@ def test_a_kept_peer_of_another_launch_is_looked_up_on_a_resolver_not_on_vllms_t
     assert pull_outcome(dec, "r1") == "ok"  # the remote is kept now (launch None: unfenced)
     asked_on, real = [], dec._clients_for
 
-    class Slow:
-        def __init__(self, cli):
-            self._cli = cli
-
-        def __getattr__(self, name):
-            return getattr(self._cli, name)
-
+    class Slow(Delegating):
         def engine_ranks(self, engine_id):
             asked_on.append(threading.current_thread() is threading.main_thread())
             time.sleep(1.0)  # a slow bootstrap server
-            return self._cli.engine_ranks(engine_id)
+            return self._inner.engine_ranks(engine_id)
 
     monkeypatch.setattr(dec, "_clients_for", lambda u: Slow(real(u)))
     _publish(url, "r2", [(2, 2)], 30.0)
@@ -304,16 +298,10 @@ def test_a_client_chosen_lease_never_sets_what_the_shared_renewal_asks(pair, mon
     pre, dec, url = pair
     asked, real = [], dec._clients_for
 
-    class Recording:
-        def __init__(self, cli):
-            self._cli = cli
-
-        def __getattr__(self, name):
-            return getattr(self._cli, name)
-
+    class Recording(Delegating):
         def renew(self, engine_id, request_ids, lease_s, reader=None):
             asked.append(lease_s)
-            return self._cli.renew(engine_id, request_ids, lease_s, reader)
+            return self._inner.renew(engine_id, request_ids, lease_s, reader)
 
     monkeypatch.setattr(dec._leases, "_clients", lambda u: Recording(real(u)))
     _publish(url, "r1", [(1, 1)], 30.0)
